@@ -1,0 +1,95 @@
+"""The `replayssm` command line: `demo`, `traffic`, `bench`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import traffic
+from .testing import make_inputs, make_params
+
+
+def _demo(args) -> int:
+    from .state import SlotPool
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shapes = {"mamba2": "nemotron3-super", "gdn": "qwen3.5-4b", "kda": "kimi-linear-48b"}
+    families = list(shapes) if args.family == "all" else [args.family]
+    print(f"ReplaySSM demo on {device}: {args.steps} decode steps per family, window {args.window}, "
+          f"{args.heads} heads of each model's real head shape, fp32 state\n")
+    header = (f"{'family':7} {'shape':16} {'HVxV,K':>12} {'max rel diff':>13} {'conv err':>9} "
+              f"{'replay err':>10} {'conv B/tok':>11} {'replay B/tok':>12} {'ratio':>6} {'L*':>4}")
+    print(header)
+    print("-" * len(header))
+    for fam in families:
+        name = shapes[fam]
+        _, HV_full, HK_full, V, K = traffic.MODEL_SHAPES[name]
+        HV = args.heads
+        Hk = max(1, HV * HK_full // HV_full)
+        params = make_params(fam, HV, K, seed=1)
+        pool = SlotPool(params, 1, V, K, Hk, window=args.window, dtype=torch.float32, device=device)
+        p32 = pool.params
+        S32 = torch.zeros(1, HV, V, K, device=device)
+        S64 = torch.zeros(1, HV, V, K, dtype=torch.float64)
+        g = torch.Generator().manual_seed(0)
+        slot = torch.zeros(1, dtype=torch.int64, device=device)
+        worst = conv_err = rep_err = 0.0
+        conv_bytes = rep_bytes = 0.0
+        for _ in range(args.steps):
+            inp = make_inputs(params, 1, V, K, Hk, generator=g)
+            y64, S64 = params.step(S64, **inp)
+            inp32 = {k: v.float().to(device) for k, v in inp.items()}
+            yc, S32 = p32.step(S32, **inp32)
+            h = int(pool.cursor[0])
+            yr = pool.decode(slot, **inp32)
+            rep_bytes += traffic.decode_step_bytes(h, args.window, HV, V, K, Hk,
+                                                   decay_len=K if fam == "kda" else 1)
+            conv_bytes += 2 * traffic.state_bytes(V, K) * HV
+            den = y64.norm().item() or 1.0
+            worst = max(worst, (yr.double().cpu() - yc.double().cpu()).norm().item() / (yc.norm().item() or 1.0))
+            conv_err = max(conv_err, (yc.double().cpu() - y64).norm().item() / den)
+            rep_err = max(rep_err, (yr.double().cpu() - y64).norm().item() / den)
+        r = traffic.record_bytes(V, K, decay_len=K if fam == "kda" else 1)
+        lstar = traffic.l_star(V, K, r=r)
+        print(f"{fam:7} {name:16} {f'{HV}x{V},{K}':>12} {worst:13.2e} {conv_err:9.1e} {rep_err:10.1e} "
+              f"{conv_bytes / args.steps:11.0f} {rep_bytes / args.steps:12.0f} "
+              f"{conv_bytes / rep_bytes:6.2f} {lstar:4.0f}")
+    print("\nmax rel diff: largest per-step ||y_replay - y_conv|| / ||y_conv|| (both fp32);")
+    print("errors: largest per-step relative error against the float64 conventional recurrence;")
+    print("B/tok: state bytes moved per token (records: bf16 value/key, fp32 decay; keys once per key head);")
+    print("L*: the traffic model's best window sqrt(2 (M_S/r - 1)) for standard decoding (SPEC section 6).")
+    return 0
+
+
+def _traffic(args) -> int:
+    print(f"{'shape':20} {'family':7} {'dv':>4} {'dk':>4} {'M_S/r':>6} {'L* (T=1)':>9} "
+          f"{'L* (T=4,A=3.5)':>15} {'M_conv/M_replay @L=16':>22}")
+    for name, (fam, HV, Hk, dv, dk) in traffic.MODEL_SHAPES.items():
+        r = traffic.record_bytes(dv, dk, decay_len=dk if fam == "kda" else 1)
+        ms = traffic.state_bytes(dv, dk, args.format)
+        print(f"{name:20} {fam:7} {dv:4d} {dk:4d} {ms / r:6.1f} {traffic.l_star(dv, dk, args.format, r):9.1f} "
+              f"{traffic.l_star(dv, dk, args.format, r, T=4, A=3.5):15.1f} "
+              f"{traffic.m_conv(16, dv, dk, args.format) / traffic.m_replay(16, dv, dk, args.format, r):22.2f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="replayssm", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="decode each family conventionally and with ReplaySSM, side by side")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--window", type=int, default=16)
+    d.add_argument("--heads", type=int, default=4, help="value heads per layer (real head dims)")
+    d.add_argument("--family", default="all", choices=["all", "mamba2", "gdn", "kda"])
+    d.add_argument("--device", default=None)
+    d.set_defaults(func=_demo)
+    t = sub.add_parser("traffic", help="the traffic model (SPEC section 6) for the model shapes")
+    t.add_argument("--format", default="fp32")
+    t.set_defaults(func=_traffic)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

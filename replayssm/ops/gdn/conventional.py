@@ -1,0 +1,157 @@
+"""Conventional (read-update-write) GDN decode: the baseline ReplaySSM is measured against.
+
+The semantics of vLLM's fused recurrent gated-delta-rule decode with in-kernel gating: per
+row and value head, read `S` (`[V, K]` fp32), `S <- a S`, `u = beta (v - S k)`,
+`S <- S + u k^T`, `o = S q`, write `S` back. Every step moves the whole state twice, so the
+kernel is a pure streaming kernel: one `[BV, K]` tile per program, loads contiguous along K.
+KDA (`IS_KDA`) scales the key columns by a channel-wise decay instead of a scalar.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .decode import (_cast, _interpreting, _load_token, _resolve_config, _scale, check_devices,
+                     check_slot_ids, check_slot_values, check_token_inputs, _shape, _dtype, _contig)
+
+__all__ = ["conventional_decode", "conventional_config"]
+
+
+@triton.jit
+def _conventional_decode_kernel(
+    q, k, v, a, b, A_log, dt_bias, o, state, slot_ids, scale,
+    stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+    stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+    HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+    BV: tl.constexpr, BK: tl.constexpr,
+    IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr,
+):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0).to(tl.int64)
+    i_v = pid % NV
+    i_bh = pid // NV
+    i_hv = i_bh % HV
+    i_b = i_bh // HV
+    i_hk = i_hv // (HV // HK)
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    p_o = o + (i_b * HV + i_hv) * V + o_v
+
+    i_s = tl.load(slot_ids + i_b).to(tl.int64)
+    if i_s < 0:
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        return
+    p_S = state + ((i_s * HV + i_hv) * V + o_v)[:, None] * K + o_k[None, :]
+    m_S = m_v[:, None] & m_k[None, :]
+    b_S = tl.load(p_S, mask=m_S, other=0.)                                  # [BV, BK] fp32
+
+    b_q, b_k, b_v, b_ld, b_beta = _load_token(
+        q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
+        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+        stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, IS_KDA, USE_QK_L2NORM)
+
+    if IS_KDA:
+        b_S = b_S * tl.exp(b_ld)[None, :]
+    else:
+        b_S = b_S * tl.exp(b_ld)
+    b_u = b_beta * (b_v - tl.sum(b_S * b_k[None, :], axis=1))              # [BV]
+    b_S += b_u[:, None] * b_k[None, :]
+    b_o = tl.sum(b_S * b_q[None, :], axis=1)
+    tl.store(p_S, b_S, mask=m_S)
+    tl.store(p_o, _cast(b_o, p_o.dtype.element_ty, EXACT_BF16), mask=m_v)
+
+
+# (family, V, K) -> config; the lead's GPU sweep refines these.
+_CONVENTIONAL_TABLE = {
+    ("gdn", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
+    ("kda", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
+}
+
+
+def conventional_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn") -> dict:
+    """The launch config `conventional_decode` uses for `V`, `K` (with overrides)."""
+    return _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config)
+
+
+def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, state,
+                        slot_ids, o, use_qk_l2norm: bool, BV: int, num_warps: int,
+                        num_stages: int) -> None:
+    Bt, Hk, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    if Bt == 0:
+        return
+    BK = triton.next_power_of_2(K)
+    BV = min(BV, triton.next_power_of_2(V))
+    NV = triton.cdiv(V, BV)
+    _conventional_decode_kernel[(Bt * HV * NV,)](
+        q, k, v, a, b, A_log, dt_bias, o, state, slot_ids, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        HV=HV, HK=Hk, V=V, K=K, BV=BV, BK=BK, IS_KDA=family == "kda",
+        USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+@torch.library.custom_op("replayssm::gdn_conventional_decode", mutates_args=("o", "state"))
+def _gdn_conventional_decode_op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
+                                A_log: Tensor, dt_bias: Tensor, scale: float, state: Tensor,
+                                slot_ids: Tensor, o: Tensor, use_qk_l2norm: bool, BV: int,
+                                num_warps: int, num_stages: int) -> None:
+    launch_conventional("gdn", q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, o,
+                        use_qk_l2norm, BV, num_warps, num_stages)
+
+
+@_gdn_conventional_decode_op.register_fake
+def _(q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, o, use_qk_l2norm, BV, num_warps,
+      num_stages) -> None:
+    return None
+
+
+def prepare_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, out,
+                         config, validate):
+    """Validation, defaults and output allocation shared by the GDN and KDA wrappers."""
+    if validate:
+        Bt, Hk, K, HV, V = check_token_inputs(family, q, k, v, a, b, A_log, dt_bias, out)
+        if not isinstance(state, Tensor) or state.dim() != 4:
+            raise ValueError(f"state must be an [N, HV, V, K] tensor, got shape "
+                             f"{getattr(state, 'shape', None)}")
+        N = state.shape[0]
+        _shape("state", state, (N, HV, V, K))
+        _dtype("state", state, (torch.float32,))
+        _contig("state", state)
+        check_slot_ids(slot_ids, Bt, N)
+        check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state,
+                      slot_ids=slot_ids, out=out)
+        check_slot_values(slot_ids, N)
+    else:
+        K, V = q.shape[-1], v.shape[-1]
+    cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return _scale(scale, K), out, cfg
+
+
+def conventional_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                        dt_bias: Tensor, scale: Optional[float], state: Tensor, slot_ids: Tensor,
+                        out: Optional[Tensor] = None, use_qk_l2norm: bool = True,
+                        config: Optional[dict] = None, *, validate: bool = True) -> Tensor:
+    """One conventional GDN decode step: `state[slot]` (`[N, HV, V, K]` fp32) read, updated and
+    written in place; returns `o` `[Bt, HV, V]` (dtype of `v`, or `out`).
+
+    Inputs as :func:`replayssm.ops.gdn.replay_decode`: `q, k` `[Bt, Hk, K]`, `v` `[Bt, HV, V]`,
+    `a, b` `[Bt, HV]` raw, `A_log, dt_bias` `[HV]`; negative `slot_ids` are padding rows.
+    """
+    scale, out, cfg = prepare_conventional("gdn", q, k, v, a, b, A_log, dt_bias, scale, state,
+                                           slot_ids, out, config, validate)
+    torch.ops.replayssm.gdn_conventional_decode(
+        q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, out, bool(use_qk_l2norm),
+        cfg["BV"], cfg["num_warps"], cfg["num_stages"])
+    return out

@@ -1,0 +1,577 @@
+"""ReplaySSM standard decode for Gated DeltaNet (and, through `IS_KDA`, Kimi Delta Attention).
+
+One launch per decode step. Each program owns one `(row, value head, V-block)` tile of the
+checkpoint `C` (`[BV, K]`) and does, for its row's slot `s` with cursor `h`
+(docs/state-layout.md, SPEC section 3):
+
+    P     = a_t S_{t-1}  = g_{1:h+1} C + sum_{j<h} g_{j+2:h+1} u_j k_j^T     (never materialised)
+    u_t   = beta (v - P k_t)                                                 (output-only matvec 1)
+    o     = P q + (k_t^T q) u_t                                              (output-only matvec 2)
+    record (ld_t, u_t, k_t) -> position h
+    flush (h + 1 >= window): C <- P + u_t k_t^T ; cursor <- 0 ; epoch += 1
+    else:                    cursor <- h + 1
+
+(0-based positions; the current token is position `h`, its record comes from registers.)
+The two matvecs share one read of the `C` tile. The delta-rule `u` of a value row depends only
+on that row of `S`, so the V-blocks of a head are independent programs.
+
+KDA is the same with a channel-wise decay: every `g` above becomes a `[K]` vector that scales
+the key columns (`C Diag(g)`, `g * k_j`), so the decays fold into weighted keys
+`Kw_j = g_{j+2:h+1} * k_j` and the same code serves both families.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["replay_decode", "replay_config"]
+
+# ---------------------------------------------------------------------------------------------
+# Triton helpers shared by the replay and conventional kernels of both families.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) accurate for tiny x (Goldberg): softplus of the very negative gate inputs of
+    # long-memory heads would otherwise lose most of its digits to the rounding of 1 + x.
+    y = 1.0 + x
+    d = y - 1.0
+    return tl.where(d == 0.0, x, tl.log(y) * (x / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def _softplus(x):
+    return tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _rne_bf16(x):
+    # fp32 -> bf16 round-to-nearest-even with integer ops; the CPU interpreter's .to(bf16)
+    # truncates, so interpreter runs use this to measure what the GPU's cvt.rn does.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, EXACT_BF16: tl.constexpr):
+    if EXACT_BF16:
+        if dtype == tl.bfloat16:
+            return _rne_bf16(x)
+        else:
+            return x.to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _load_token(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
+                stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+                stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+                K: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """The current token of one (row, value head): normalised key and scaled query `[BK]`,
+    value block `[BV]`, log decay (scalar, or `[BK]` for KDA, zero on padded channels) and
+    beta, all fp32."""
+    b_q = tl.load(q + i_b * stride_q_b + i_hk * stride_q_h + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_k = tl.load(k + i_b * stride_k_b + i_hk * stride_k_h + o_k, mask=m_k, other=0.).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_q = b_q * scale
+    b_v = tl.load(v + i_b * stride_v_b + i_hv * stride_v_h + o_v, mask=m_v, other=0.).to(tl.float32)
+    b_beta = tl.sigmoid(tl.load(b + i_b * stride_b_b + i_hv * stride_b_h).to(tl.float32))
+    b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    if IS_KDA:
+        b_a = tl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_ld = tl.where(m_k, -b_A * _softplus(b_a + b_dt), 0.)
+    else:
+        b_a = tl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(tl.float32)
+        b_ld = -b_A * _softplus(b_a + tl.load(dt_bias + i_hv).to(tl.float32))
+    return b_q, b_k, b_v, b_ld, b_beta
+
+
+# ---------------------------------------------------------------------------------------------
+# The replay decode kernel.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _replay_decode_kernel(
+    q, k, v, a, b, A_log, dt_bias, o,
+    ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+    scale, window,
+    stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+    stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+    HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+    LBCAP: tl.constexpr, LB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_DOT: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
+):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    G: tl.constexpr = HV // HK
+    # 1-D grid, V-block fastest: the programs sharing a key head's records run together,
+    # so the records they all read stay in L2.
+    pid = tl.program_id(0).to(tl.int64)
+    i_v = pid % NV
+    i_bh = pid // NV
+    i_hv = i_bh % HV
+    i_b = i_bh // HV
+    i_hk = i_hv // G
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    p_o = o + (i_b * HV + i_hv) * V + o_v
+
+    i_s = tl.load(slot_ids + i_b).to(tl.int64)
+    if i_s < 0:
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        return
+    h = tl.load(cursor + i_s).to(tl.int64)
+
+    # the checkpoint tile first: the one large read, in flight while the rest is computed.
+    p_C = ckpt + ((i_s * HV + i_hv) * V + o_v)[:, None] * K + o_k[None, :]
+    m_C = m_v[:, None] & m_k[None, :]
+    b_C = tl.load(p_C, mask=m_C, other=0.)                                  # [BV, BK] fp32
+
+    # records 0..h-1 of this slot (masked lanes issue no memory traffic)
+    o_j = tl.arange(0, LB)
+    m_j = o_j < h
+    o_rec = i_s * LBCAP + o_j                                               # [LB] flat position
+    b_Kb = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
+                   mask=m_j[:, None] & m_k[None, :], other=0.).to(tl.float32)  # [LB, BK]
+    b_U = tl.load(buf_w + (o_rec * HV + i_hv)[:, None] * V + o_v[None, :],
+                  mask=m_j[:, None] & m_v[None, :], other=0.).to(tl.float32)   # [LB, BV]
+
+    b_q, b_k, b_v, b_ld, b_beta = _load_token(
+        q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
+        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+        stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, IS_KDA, USE_QK_L2NORM)
+
+    # Decay weights. Record j (< h) enters a_t S_{t-1} with g_{j+1..h} = exp(sum of the log
+    # decays at positions j+1..h), the current token's included; C enters with exp(sum over 0..h).
+    # The suffix sums are formed directly (not as total minus prefix) so that a weight near 1
+    # keeps full relative precision even when the window's total log decay is large.
+    if IS_KDA:
+        b_LD = tl.load(buf_ld + (o_rec * HV + i_hv)[:, None] * K + o_k[None, :],
+                       mask=m_j[:, None] & m_k[None, :], other=0.)         # [LB, BK]
+        b_LD = tl.where((o_j == h)[:, None], b_ld[None, :], b_LD)
+        # strictly-upper ones [LB, LB] times the decays: per channel suffix sums
+        b_tri = tl.where(o_j[None, :] > o_j[:, None], 1., 0.)
+        b_suf = tl.dot(b_tri, b_LD, input_precision="ieee")                 # [LB, BK]
+        b_gC = tl.exp(tl.sum(b_LD, axis=0))                                 # [BK]
+        b_Kw = b_Kb * tl.exp(b_suf)                                         # [LB, BK]
+        b_gk = b_gC * b_k
+        b_gq = b_gC * b_q
+    else:
+        b_LD = tl.load(buf_ld + o_rec * HV + i_hv, mask=m_j, other=0.)     # [LB]
+        b_LD = tl.where(o_j == h, b_ld, b_LD)
+        b_suf = tl.sum(tl.where(o_j[None, :] > o_j[:, None], b_LD[None, :], 0.), axis=1)
+        b_gC = tl.exp(tl.sum(b_LD, axis=0))
+        b_Kw = b_Kb * tl.exp(b_suf)[:, None]
+        b_gk = b_gC * b_k
+        b_gq = b_gC * b_q
+
+    # one read of C, two matvecs
+    b_Ck = tl.sum(b_C * b_gk[None, :], axis=1)                              # [BV]
+    b_Cq = tl.sum(b_C * b_gq[None, :], axis=1)
+    b_kk = tl.sum(b_Kw * b_k[None, :], axis=1)                              # [LB]
+    b_kq = tl.sum(b_Kw * b_q[None, :], axis=1)
+    b_Pk = b_Ck + tl.sum(b_U * b_kk[:, None], axis=0)                       # [BV]
+    b_u = b_beta * (b_v - b_Pk)
+    b_o = b_Cq + tl.sum(b_U * b_kq[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
+    tl.store(p_o, _cast(b_o, p_o.dtype.element_ty, EXACT_BF16), mask=m_v)
+
+    # the current record at position h (u per value head and V-block; the decay once per value
+    # head; the key once per key head). h < LBCAP guards other slots against a bad cursor.
+    in_buf = h < LBCAP
+    n_v = tl.where(in_buf, V, 0)
+    n_k = tl.where(in_buf, K, 0)
+    o_h = i_s * LBCAP + h
+    p_w = buf_w + (o_h * HV + i_hv) * V + o_v
+    tl.store(p_w, _cast(b_u, p_w.dtype.element_ty, EXACT_BF16), mask=o_v < n_v)
+    if i_v == 0:
+        if IS_KDA:
+            tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=o_k < n_k)
+        else:
+            tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
+        if i_hv % G == 0:
+            p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
+            tl.store(p_kh, _cast(b_k, p_kh.dtype.element_ty, EXACT_BF16), mask=o_k < n_k)
+
+    flush = h + 1 >= window
+    if flush:
+        # C <- P + u_t k_t^T = g C + U^T Kw + u_t k_t^T: an [BV, LB] x [LB, BK] product
+        if IS_KDA:
+            b_S = b_C * b_gC[None, :]
+        else:
+            b_S = b_C * b_gC
+        if USE_DOT:
+            b_S += tl.dot(tl.trans(b_U), b_Kw, input_precision="ieee")
+        else:
+            b_S += tl.sum(b_U[:, :, None] * b_Kw[:, None, :], axis=0)
+        b_S += b_u[:, None] * b_k[None, :]
+        tl.store(p_C, b_S, mask=m_C)
+
+    # Cursor race: every program of slot s reads cursor[s] above, and it may only change once
+    # all HV * NV of them have. Each program arrives on a per-slot counter after its reads
+    # (the barrier makes the reads of all its threads precede the acq_rel atomic); the last
+    # to arrive writes the cursor and epoch and re-arms the counter to 0 for the next launch.
+    # Only that program touches cursor/epoch/arrive afterwards, and nobody of this launch
+    # reads them again, so the scheme needs no second launch and no host sync.
+    tl.debug_barrier()
+    n_arrived = tl.atomic_add(arrive + i_s, 1, sem="acq_rel")
+    if n_arrived == HV * NV - 1:
+        if flush:
+            tl.store(cursor + i_s, 0)
+            tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
+        else:
+            tl.store(cursor + i_s, (h + 1).to(tl.int32))
+        tl.store(arrive + i_s, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration: a fixed table (no autotune: the kernel writes state in place).
+# ---------------------------------------------------------------------------------------------
+
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages")
+
+# (family, V, K) -> config; the lead's GPU sweep refines these.
+_REPLAY_TABLE = {
+    ("gdn", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
+    ("kda", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
+}
+
+
+def _default_config(table: dict, family: str, V: int, K: int) -> dict:
+    cfg = table.get((family, V, K))
+    if cfg is not None:
+        return dict(cfg)
+    BV = min(32, triton.next_power_of_2(V))
+    return {"BV": BV, "num_warps": 4 if BV * triton.next_power_of_2(K) >= 4096 else 2,
+            "num_stages": 1}
+
+
+def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[dict]) -> dict:
+    cfg = _default_config(table, family, V, K)
+    if config:
+        unknown = set(config) - set(_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; allowed {list(_CONFIG_KEYS)}")
+        cfg.update(config)
+    BV, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
+    if not isinstance(BV, int) or BV < 1 or BV & (BV - 1):
+        raise ValueError(f"config BV={BV!r} must be a power of two")
+    if nw not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config num_warps={nw!r} must be one of 1, 2, 4, 8, 16")
+    if not isinstance(ns, int) or ns < 1:
+        raise ValueError(f"config num_stages={ns!r} must be a positive int")
+    return cfg
+
+
+def replay_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn") -> dict:
+    """The launch config `replay_decode` uses for value dim `V`, key dim `K` (with overrides)."""
+    return _resolve_config(_REPLAY_TABLE, family, V, K, config)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation at the Python boundary (shared by both families and both schemes).
+# ---------------------------------------------------------------------------------------------
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _shape(name: str, t: Tensor, shape: tuple) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def _dtype(name: str, t: Tensor, allowed: tuple) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")
+
+
+def _contig(name: str, t: Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+
+
+def _last_contig(name: str, t: Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (strides {t.stride()})")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_token_inputs(family: str, q, k, v, a, b, A_log, dt_bias, out) -> tuple:
+    """Shapes, dtypes and strides of one step's inputs; returns `(Bt, Hk, K, HV, V)`."""
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a [Bt, Hk, K] tensor, got shape {getattr(q, 'shape', None)}")
+    Bt, Hk, K = q.shape
+    _shape("k", k, (Bt, Hk, K))
+    if not isinstance(v, Tensor) or v.dim() != 3 or v.shape[0] != Bt:
+        raise ValueError(f"v must be a [Bt={Bt}, HV, V] tensor, got shape {getattr(v, 'shape', None)}")
+    HV, V = v.shape[1], v.shape[2]
+    if Hk < 1 or HV % Hk:
+        raise ValueError(f"value heads HV={HV} must be a multiple of key heads Hk={Hk}")
+    if family == "kda":
+        _shape("a", a, (Bt, HV, K))
+        _shape("dt_bias", dt_bias, (HV, K))
+    else:
+        _shape("a", a, (Bt, HV))
+        _shape("dt_bias", dt_bias, (HV,))
+    _shape("b", b, (Bt, HV))
+    _shape("A_log", A_log, (HV,))
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log),
+                    ("dt_bias", dt_bias)):
+        _dtype(name, t, _FLOATS)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _last_contig(name, t)
+    if family == "kda":
+        _last_contig("a", a)
+    _contig("A_log", A_log)
+    _contig("dt_bias", dt_bias)
+    if out is not None:
+        _shape("out", out, (Bt, HV, V))
+        _dtype("out", out, _FLOATS)
+        _contig("out", out)
+    return Bt, Hk, K, HV, V
+
+
+def check_slot_ids(slot_ids, Bt: int, N: int) -> None:
+    _shape("slot_ids", slot_ids, (Bt,))
+    _dtype("slot_ids", slot_ids, (torch.int32, torch.int64))
+    _contig("slot_ids", slot_ids)
+
+
+def check_slot_values(slot_ids: Tensor, N: int) -> None:
+    """Slot range and uniqueness (host sync; skipped while capturing a CUDA graph or compiling)."""
+    if _capturing() or torch.compiler.is_compiling():
+        return
+    ids = slot_ids.detach().cpu()
+    valid = ids[ids >= 0]
+    if valid.numel() and int(valid.max()) >= N:
+        raise ValueError(f"slot_ids holds {int(valid.max())}, but the pool has N={N} slots")
+    if valid.numel() != torch.unique(valid).numel():
+        dup = [int(x) for x in valid.unique() if int((valid == x).sum()) > 1]
+        raise ValueError(f"slot_ids repeats slot(s) {dup} in one call")
+
+
+def check_devices(**tensors) -> None:
+    devs = {name: t.device for name, t in tensors.items() if isinstance(t, Tensor)}
+    first = next(iter(devs.values()))
+    for name, d in devs.items():
+        if d != first:
+            raise ValueError(f"{name} is on {d}, expected {first} (all tensors on one device)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The arrive counters (one int32 per slot, zero between launches).
+# ---------------------------------------------------------------------------------------------
+
+_ARRIVE_CACHE: dict = {}
+
+
+def arrive_counter(device, N: int) -> Tensor:
+    """A zeroed `[N]` int32 counter for the cursor hand-off, cached per (device, N).
+
+    The kernel leaves it zeroed, so one buffer serves every layer and step on one stream. A
+    pool that runs layers on several streams at once should own one per stream and pass it as
+    `arrive=`. Created on first use, which must not be inside a CUDA-graph capture (warm up
+    first, or pass `arrive=`).
+    """
+    key = (torch.device(device), int(N))
+    t = _ARRIVE_CACHE.get(key)
+    if t is None:
+        if _capturing():
+            raise ValueError("arrive counter not allocated yet: call once before capturing "
+                             "a CUDA graph, or pass arrive=")
+        t = torch.zeros(N, dtype=torch.int32, device=device)
+        _ARRIVE_CACHE[key] = t
+    return t
+
+
+def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+                HV: int, Hk: int, V: int, K: int, window) -> tuple:
+    """Shapes and dtypes of the pool tensors; returns `(N, Lb)`."""
+    if not isinstance(ckpt, Tensor) or ckpt.dim() != 4:
+        raise ValueError(f"ckpt must be an [N, HV, V, K] tensor, got shape {getattr(ckpt, 'shape', None)}")
+    N = ckpt.shape[0]
+    _shape("ckpt", ckpt, (N, HV, V, K))
+    _dtype("ckpt", ckpt, (torch.float32,))
+    if not isinstance(buf_w, Tensor) or buf_w.dim() != 4:
+        raise ValueError(f"buf_w must be an [N, Lb, HV, V] tensor, got shape {getattr(buf_w, 'shape', None)}")
+    Lb = buf_w.shape[1]
+    _shape("buf_w", buf_w, (N, Lb, HV, V))
+    _shape("buf_ld", buf_ld, (N, Lb, HV, K) if family == "kda" else (N, Lb, HV))
+    _shape("buf_k", buf_k, (N, Lb, Hk, K))
+    _dtype("buf_ld", buf_ld, (torch.float32,))
+    _dtype("buf_w", buf_w, _RECORD_DTYPES)
+    _dtype("buf_k", buf_k, _RECORD_DTYPES)
+    _shape("cursor", cursor, (N,))
+    _dtype("cursor", cursor, (torch.int32,))
+    _shape("epoch", epoch, (N,))
+    _dtype("epoch", epoch, (torch.int64,))
+    _shape("arrive", arrive, (N,))
+    _dtype("arrive", arrive, (torch.int32,))
+    for name, t in (("ckpt", ckpt), ("buf_ld", buf_ld), ("buf_w", buf_w), ("buf_k", buf_k),
+                    ("cursor", cursor), ("epoch", epoch), ("arrive", arrive)):
+        _contig(name, t)
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= Lb:
+        raise ValueError(f"window={window!r} must be an int in [1, Lb={Lb}]")
+    return N, Lb
+
+
+def check_cursor_values(cursor: Tensor, slot_ids: Tensor, Lb: int) -> None:
+    """The rows' cursors leave room for the new record (host sync; skipped when capturing)."""
+    if _capturing() or torch.compiler.is_compiling():
+        return
+    ids = slot_ids.detach().cpu().long()
+    ids = ids[ids >= 0]
+    if ids.numel():
+        h = cursor.detach().cpu()[ids]
+        bad = (h < 0) | (h >= Lb)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"cursor[{int(ids[i])}]={int(h[i])} leaves no room in a buffer of Lb={Lb}")
+
+
+def _scale(scale, K: int) -> float:
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r} must be a finite float or None")
+    return float(scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher, custom ops, public function.
+# ---------------------------------------------------------------------------------------------
+
+
+def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
+                  buf_k, cursor, epoch, arrive, slot_ids, window: int, o, use_qk_l2norm: bool,
+                  BV: int, num_warps: int, num_stages: int) -> None:
+    Bt, Hk, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    Lb = buf_w.shape[1]
+    if Bt == 0:
+        return
+    BK = triton.next_power_of_2(K)
+    LB = max(16, triton.next_power_of_2(Lb))
+    BV = min(BV, triton.next_power_of_2(V))
+    NV = triton.cdiv(V, BV)
+    grid = (Bt * HV * NV,)
+    _replay_decode_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, o,
+        ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        scale, window,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, LB=LB, BV=BV, BK=BK,
+        IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
+        USE_DOT=BV >= 16 and BK >= 16, EXACT_BF16=_interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+_MUTATED = ("o", "ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "epoch", "arrive")
+
+
+@torch.library.custom_op("replayssm::gdn_replay_decode", mutates_args=_MUTATED)
+def _gdn_replay_decode_op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                          dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor,
+                          buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor,
+                          arrive: Tensor, slot_ids: Tensor, window: int, o: Tensor,
+                          use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int) -> None:
+    launch_replay("gdn", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
+                  cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
+                  num_stages)
+
+
+@_gdn_replay_decode_op.register_fake
+def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+      slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages) -> None:
+    return None
+
+
+def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
+                   cursor, epoch, slot_ids, window, out, config, arrive, validate):
+    """Validation, defaults and output allocation shared by the GDN and KDA wrappers."""
+    if validate:
+        Bt, Hk, K, HV, V = check_token_inputs(family, q, k, v, a, b, A_log, dt_bias, out)
+        if arrive is None:
+            arrive = arrive_counter(ckpt.device, ckpt.shape[0]) if isinstance(ckpt, Tensor) \
+                and ckpt.dim() == 4 else None
+        N, Lb = check_state(family, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+                            HV, Hk, V, K, window)
+        check_slot_ids(slot_ids, Bt, N)
+        check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ckpt=ckpt,
+                      buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch,
+                      arrive=arrive, slot_ids=slot_ids, out=out)
+        check_slot_values(slot_ids, N)
+        check_cursor_values(cursor, slot_ids, Lb)
+    else:
+        K, V = q.shape[-1], v.shape[-1]
+        if arrive is None:
+            arrive = arrive_counter(ckpt.device, ckpt.shape[0])
+    cfg = _resolve_config(_REPLAY_TABLE, family, V, K, config)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return _scale(scale, K), out, arrive, cfg
+
+
+def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                  dt_bias: Tensor, scale: Optional[float], ckpt: Tensor, buf_ld: Tensor,
+                  buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, slot_ids: Tensor,
+                  window: int, out: Optional[Tensor] = None, use_qk_l2norm: bool = True,
+                  config: Optional[dict] = None, *, arrive: Optional[Tensor] = None,
+                  validate: bool = True) -> Tensor:
+    """One ReplaySSM standard-decode step of a GDN layer, in one launch (docs/state-layout.md).
+
+    Args:
+        q, k: `[Bt, Hk, K]` raw query and key (L2-normalised in the kernel when
+            `use_qk_l2norm`; `q` then scaled by `scale`, None: `K ** -0.5`).
+        v: `[Bt, HV, V]`. a: `[Bt, HV]` raw decay input; b: `[Bt, HV]` raw beta input.
+        A_log, dt_bias: `[HV]`; `log a = -exp(A_log) * softplus(a + dt_bias)`, `beta = sigmoid(b)`.
+        ckpt: `[N, HV, V, K]` fp32 checkpoints; buf_ld: `[N, Lb, HV]` fp32 log decays;
+            buf_w: `[N, Lb, HV, V]` the records' `u`; buf_k: `[N, Lb, Hk, K]` normalised keys
+            (fp32 or bf16 records); cursor: `[N]` int32; epoch: `[N]` int64. Updated in place.
+        slot_ids: `[Bt]` int; negative ids are padding rows (zero output, no state touched).
+        window: the replay window `L` (`1 <= L <= Lb`); a row with cursor `h` flushes when
+            `h + 1 >= L`.
+        out: optional `[Bt, HV, V]` output (default: new tensor of `v`'s dtype).
+        config: overrides of the launch config (`BV`, `num_warps`, `num_stages`).
+        arrive: `[N]` int32 zeroed counters (default: a cached buffer, see `arrive_counter`).
+        validate: check shapes, dtypes, devices, slot ids and cursors (host syncs for the
+            last two, skipped during CUDA-graph capture). False skips every check.
+
+    Returns:
+        `out`: `[Bt, HV, V]`.
+    """
+    scale, out, arrive, cfg = prepare_replay(
+        "gdn", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
+        slot_ids, window, out, config, arrive, validate)
+    torch.ops.replayssm.gdn_replay_decode(
+        q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+        slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
+        cfg["num_stages"])
+    return out

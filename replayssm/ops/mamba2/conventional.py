@@ -1,0 +1,144 @@
+"""Mamba-2 conventional decode: read, update and write the whole fp32 state every step.
+
+The baseline ReplaySSM replaces, with the semantics of vLLM's / mamba_ssm's
+`selective_state_update` (slot-indexed state pool, padding rows skipped):
+
+    dt = softplus(dt_raw + dt_bias);  S_s <- exp(dt A) S_s + (dt x) B^T;  y = S_s C + D x;  y *= silu(z)
+
+It is kept honest: one program streams a `[BV, K]` tile of one head's state (K contiguous,
+so each thread issues wide loads), reads it once and writes it once; the launch config is a
+per-shape table the GPU sweep can override, like the replay kernel's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .decode import check_slots, check_tensor, check_token_inputs, resolve_config, softplus
+
+__all__ = ["conventional_decode", "CONVENTIONAL_CONFIGS"]
+
+# Fixed per shape `(HV, V, K, G)`; keys BV, num_warps, num_stages as in decode.REPLAY_CONFIGS.
+CONVENTIONAL_CONFIGS = {
+    (128, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1),   # Nemotron-3-Super
+    (96, 80, 128, 8): dict(BV=16, num_warps=4, num_stages=1),    # Nemotron-3-Nano-4B
+    (64, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1),    # Nemotron-3-Nano-30B
+}
+
+
+@triton.jit
+def _conventional_decode_kernel(
+    x, dt, B, C, A, dt_bias, D, z, out, state, slot_ids,
+    stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_o_b, stride_o_h,
+    HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+    BV: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+):
+    i_v = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    i_g = i_h // (HV // G)
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    m_v = o_v < V
+    m_k = o_k < K
+
+    p_o = out + i_b * stride_o_b + i_h * stride_o_h + o_v
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    if slot < 0:
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        return
+
+    p_S = state + slot * (HV * V * K) + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
+    m_S = m_v[:, None] & m_k[None, :]
+    # the state is streamed once: keep it from evicting the inputs shared by a group's heads
+    b_S = tl.load(p_S, mask=m_S, other=0.0, eviction_policy="evict_first")              # [BV, BK]
+
+    b_dt = tl.load(dt + i_b * stride_dt_b + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+    b_dt = softplus(b_dt)
+    b_a = tl.exp(b_dt * tl.load(A + i_h).to(tl.float32))
+    b_x = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_k = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
+
+    b_S = b_a * b_S + (b_dt * b_x)[:, None] * b_k[None, :]
+    tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S, eviction_policy="evict_first")
+
+    b_y = tl.sum(b_S * b_q[None, :], axis=1)                                            # [BV]
+    if HAS_D:
+        b_y += tl.load(D + i_h).to(tl.float32) * b_x
+    if HAS_Z:
+        b_z = tl.load(z + i_b * stride_z_b + i_h * stride_z_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_y = b_y * b_z * tl.sigmoid(b_z)
+    tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
+
+
+def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps,
+                         num_stages):
+    Bt, HV, V = x.shape
+    G, K = B.shape[1], B.shape[2]
+    if Bt == 0:
+        return
+    grid = (triton.cdiv(V, BV), HV, Bt)
+    _conventional_decode_kernel[grid](
+        x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
+        state, slot_ids,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
+        out.stride(0), out.stride(1),
+        HV=HV, G=G, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
+        HAS_D=D is not None, HAS_Z=z is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+@torch.library.custom_op("replayssm::mamba2_conventional_decode", mutates_args=("out", "state"))
+def _conventional_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor,
+                            dt_bias: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+                            state: Tensor, slot_ids: Tensor, out: Tensor, BV: int,
+                            num_warps: int, num_stages: int) -> None:
+    _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps,
+                         num_stages)
+
+
+@_conventional_decode_op.register_fake
+def _(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps, num_stages) -> None:
+    return None
+
+
+def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
+                        D: Optional[Tensor], z: Optional[Tensor], state: Tensor, slot_ids: Tensor,
+                        out: Optional[Tensor] = None, config: Optional[dict] = None, *,
+                        validate: bool = True, check_slots_on_device: bool = False) -> Tensor:
+    """One conventional Mamba-2 decode step, updating `state` in place; returns `y`.
+
+    Inputs as in `replay_decode`; `state` `[N, HV, V, K]` fp32, contiguous. `slot_ids` `[Bt]`
+    (negative: padding row, `y[b] = 0`, state untouched). `out` `[Bt, HV, V]` of x's dtype.
+    """
+    if validate:
+        Bt, HV, V, G, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
+        dev = x.device
+        if not isinstance(state, torch.Tensor) or state.dim() != 4:
+            raise ValueError(f"state: expected [N, HV, V, K], got {getattr(state, 'shape', type(state).__name__)}")
+        N = state.shape[0]
+        check_tensor("state", state, (N, HV, V, K), (torch.float32,), dev, contiguous=True)
+        check_tensor("slot_ids", slot_ids, (Bt,), (torch.int32, torch.int64), dev, contiguous=True)
+        if out is not None:
+            check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
+        check_slots(slot_ids, N, check_slots_on_device)
+    cfg = resolve_config(CONVENTIONAL_CONFIGS, x.shape[1], x.shape[2], B.shape[2], B.shape[1],
+                         config, with_flush=False)
+    if out is None:
+        out = torch.empty_like(x)
+    args = (x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, cfg["BV"], cfg["num_warps"],
+            cfg["num_stages"])
+    if torch.compiler.is_compiling():
+        torch.ops.replayssm.mamba2_conventional_decode(*args)
+    else:
+        _launch_conventional(*args)
+    return out

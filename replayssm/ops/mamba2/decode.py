@@ -1,0 +1,395 @@
+"""Mamba-2 standard decode on ReplaySSM state (checkpoint + ring buffer of records), in Triton.
+
+One launch per decode step, one program per (row, value head, block of `BV` value rows).
+The contract is docs/state-layout.md ("Standard decode step"); the mathematics is SPEC.md
+sections 2-3; the float64 oracle is `replayssm.reference.Mamba2Params.step`.
+
+Per row with slot `s` and cursor `h = cursor[s]`, window `L`:
+
+    record h      = (ld, w, k) = (dt*A, dt*x, B)      dt = softplus(dt_raw + dt_bias)
+    y             = g_{0:h} (C_s q) + sum_{j<=h} g_{j+1:h} (k_j . q) w_j  (+ D x, * silu(z))
+    if h + 1 < L: write record h to the buffer; cursor[s] = h + 1
+    else:         C_s <- g_{0:h} C_s + sum_{j<=h} g_{j+1:h} w_j k_j^T;  cursor[s] = 0; epoch[s] += 1
+
+with `g_{i:h} = exp(sum_{i<=j<=h} ld_j)`. Record `h` (the current token) comes from registers;
+on a flush step it is folded straight into the checkpoint and never written to the buffer
+(the buffer restarts at position 0, so it would be dead on arrival).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLUSH_MODES = {"fma": 0, "ieee": 1, "tf32x3": 2}
+
+# Launch configurations, fixed per shape `(HV, V, K, G)` (never autotuned: the kernels write
+# state in place, and autotuning would replay them on the live state). Keys of a config:
+#   BV          value rows per program (power of two; the grid has ceil(V / BV) blocks per head)
+#   num_warps   warps per program
+#   num_stages  software-pipelining depth (the kernels have no loop over K; kept for sweeps)
+#   flush       replay only: how the flush product [BV, L] x [L, K] is computed:
+#               "ieee" (tl.dot, exact fp32), "tf32x3" (tl.dot on tensor cores, 3 tf32 passes,
+#               near-fp32), "fma" (an unrolled loop of rank-1 updates over the window)
+REPLAY_CONFIGS = {
+    (128, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="ieee"),   # Nemotron-3-Super
+    (96, 80, 128, 8): dict(BV=16, num_warps=4, num_stages=1, flush="ieee"),    # Nemotron-3-Nano-4B
+    (64, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="ieee"),    # Nemotron-3-Nano-30B
+}
+
+
+def _default_bv(V: int) -> int:
+    for bv in (32, 16):
+        if V % bv == 0:
+            return bv
+    # 16 is the smallest M that tl.dot accepts; masked lanes cost no memory traffic
+    return min(32, max(16, triton.next_power_of_2(V)))
+
+
+def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optional[dict],
+                   *, with_flush: bool) -> dict:
+    """The launch config for a shape: the table's entry (or a default), updated by `config`."""
+    cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
+    if with_flush:
+        cfg["flush"] = "ieee"
+    cfg.update(table.get((HV, V, K, G), {}))
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
+        cfg.update(config)
+    bv, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
+    if not (isinstance(bv, int) and bv >= 1 and bv & (bv - 1) == 0):
+        raise ValueError(f"config: BV must be a power of two, got {bv!r}")
+    if not (isinstance(nw, int) and nw >= 1 and nw & (nw - 1) == 0):
+        raise ValueError(f"config: num_warps must be a power of two, got {nw!r}")
+    if not (isinstance(ns, int) and ns >= 1):
+        raise ValueError(f"config: num_stages must be a positive int, got {ns!r}")
+    if with_flush:
+        if cfg["flush"] not in _FLUSH_MODES:
+            raise ValueError(f"config: flush must be one of {sorted(_FLUSH_MODES)}, got {cfg['flush']!r}")
+        if cfg["flush"] != "fma" and bv < 16:
+            raise ValueError(f"config: BV={bv} is below 16, the smallest tl.dot tile; use flush='fma'")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared device helpers (the conventional kernel uses the same ones, so that the two kernels
+# differ only in how the recurrence is organised, not in their elementwise arithmetic).
+
+@triton.jit
+def softplus(x):
+    # max(x, 0) + log1p(exp(-|x|)). log1p by Goldberg's correction log(p) * e / (p - 1): plain
+    # log(1 + e) loses all relative accuracy for the small dt that long-memory heads use.
+    e = tl.exp(-tl.abs(x))
+    p = 1.0 + e
+    den = tl.where(p == 1.0, 1.0, p - 1.0)
+    l1p = tl.where(p == 1.0, e, tl.log(p) * (e / den))
+    return tl.maximum(x, 0.0) + l1p
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+
+@triton.jit
+def _replay_decode_kernel(
+    x, dt, B, C, A, dt_bias, D, z, out,
+    ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+    stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_o_b, stride_o_h,
+    HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
+    WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+    NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+):
+    i_v = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    i_g = i_h // (HV // G)
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    o_l = tl.arange(0, BL)
+    m_v = o_v < V
+    m_k = o_k < K
+
+    p_o = out + i_b * stride_o_b + i_h * stride_o_h + o_v
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    if slot < 0:
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        return
+
+    h = tl.load(cursor + slot)
+    # Cursor race: all HV * NVB programs of this slot read cursor[s], and it must change only
+    # after the last of them has read it. Each program bumps an arrival counter after its read
+    # (acq_rel: the read above is ordered before the increment); the program that sees
+    # count == HV * NVB - 1 arrives last, so every other read of the cursor has happened. It
+    # alone writes cursor/epoch at its end and resets the counter to 0 for the next launch.
+    n_before = tl.atomic_add(arrive + slot, 1, sem="acq_rel")
+    is_last = n_before == HV * NVB - 1
+    is_flush = h + 1 >= WINDOW
+
+    # current token's record, in registers
+    b_dt = tl.load(dt + i_b * stride_dt_b + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+    b_dt = softplus(b_dt)
+    b_ld = b_dt * tl.load(A + i_h).to(tl.float32)
+    b_x = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_w = b_dt * b_x                                                                    # [BV]
+    b_kc = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
+
+    # records 0..h-1 from the buffer; position h is the current token; positions > h are 0
+    m_l = o_l < h
+    p_ld = buf_ld + slot * (LB * HV) + o_l * HV + i_h
+    b_lds = tl.load(p_ld, mask=m_l, other=0.0)
+    b_lds = tl.where(o_l == h, b_ld, b_lds)                                             # [BL]
+    p_K = buf_k + slot * (LB * G * K) + i_g * K + o_l[:, None] * (G * K) + o_k[None, :]
+    b_K = tl.load(p_K, mask=m_l[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_K = tl.where((o_l == h)[:, None], b_kc[None, :], b_K)                             # [BL, BK]
+    p_W = buf_w + slot * (LB * HV * V) + i_h * V + o_l[None, :] * (HV * V) + o_v[:, None]
+    b_W = tl.load(p_W, mask=m_v[:, None] & m_l[None, :], other=0.0).to(tl.float32)
+    b_W = tl.where((o_l == h)[None, :], b_w[:, None], b_W)                              # [BV, BL]
+
+    # suffix sums of log-decays, each summed directly (no cumsum difference to cancel):
+    # sfx[j] = sum_{j < i <= h} ld_i = log g_{j+1:h}
+    b_sfx = tl.sum(tl.where(o_l[None, :] > o_l[:, None], b_lds[None, :], 0.0), axis=1)   # [BL]
+    b_coef = tl.where(o_l <= h, tl.exp(b_sfx), 0.0)
+    b_g = tl.exp(tl.sum(b_lds, axis=0))                                                 # g_{0:h}
+
+    p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
+    m_S = m_v[:, None] & m_k[None, :]
+    b_S = tl.load(p_S, mask=m_S, other=0.0)                                             # [BV, BK]
+
+    b_kq = tl.sum(b_K * b_q[None, :], axis=1)                                           # [BL]
+    b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1) + tl.sum(b_W * (b_coef * b_kq)[None, :], axis=1)
+    if HAS_D:
+        b_y += tl.load(D + i_h).to(tl.float32) * b_x
+    if HAS_Z:
+        b_z = tl.load(z + i_b * stride_z_b + i_h * stride_z_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_y = b_y * b_z * tl.sigmoid(b_z)
+    tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
+
+    if is_flush:
+        # REPLAY: C <- g_{0:h} C + (W diag(coef)) K, a [BV, BL] x [BL, BK] product
+        b_S = b_g * b_S
+        if FLUSH == 0:
+            p_w0 = buf_w + slot * (LB * HV * V) + i_h * V + o_v
+            p_k0 = buf_k + slot * (LB * G * K) + i_g * K + o_k
+            for j in tl.static_range(WINDOW):
+                w_j = tl.load(p_w0 + j * (HV * V), mask=m_v & (h > j), other=0.0).to(tl.float32)
+                w_j = tl.where(h == j, b_w, w_j)
+                k_j = tl.load(p_k0 + j * (G * K), mask=m_k & (h > j), other=0.0).to(tl.float32)
+                k_j = tl.where(h == j, b_kc, k_j)
+                c_j = tl.sum(tl.where(o_l == j, b_coef, 0.0), axis=0)
+                b_S += (c_j * w_j)[:, None] * k_j[None, :]
+        elif FLUSH == 1:
+            b_S += tl.dot(b_W * b_coef[None, :], b_K, input_precision="ieee")
+        else:
+            b_S += tl.dot(b_W * b_coef[None, :], b_K, input_precision="tf32x3")
+        tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S)
+    else:
+        p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
+        tl.store(p_wh, b_w.to(p_wh.dtype.element_ty), mask=m_v)
+        if i_v == 0:
+            tl.store(buf_ld + slot * (LB * HV) + h * HV + i_h, b_ld)
+            # the group's key is shared by its HV // G heads: its first head writes it
+            if i_h % (HV // G) == 0:
+                p_kh = buf_k + slot * (LB * G * K) + h * (G * K) + i_g * K + o_k
+                tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
+
+    if is_last:
+        if is_flush:
+            tl.store(cursor + slot, tl.zeros_like(h))
+            tl.store(epoch + slot, tl.load(epoch + slot) + 1)
+        else:
+            tl.store(cursor + slot, h + 1)
+        tl.store(arrive + slot, tl.zeros_like(n_before))
+
+
+# ----------------------------------------------------------------------------------------------
+# Python boundary
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_tensor(name: str, t, shape, dtypes, device, *, contiguous: bool = False,
+                 inner: bool = False) -> None:
+    """Raise ValueError naming `name` unless `t` is a tensor of `shape`, a dtype in `dtypes`,
+    on `device`; `contiguous`: fully contiguous; `inner`: last dim contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {t.dtype} not supported; expected one of {list(dtypes)}")
+    if t.device != device:
+        raise ValueError(f"{name}: on device {t.device}, expected {device} (the device of x)")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
+    if inner and t.numel() > 0 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous, got strides {t.stride()}")
+
+
+def check_slots(slot_ids: Tensor, N: int, force: bool) -> None:
+    """Range and uniqueness of slot ids. Reading them needs a device sync, so on an accelerator
+    this runs only when asked (`force`), and never during CUDA-graph capture."""
+    if _capturing() or (slot_ids.device.type != "cpu" and not force):
+        return
+    s = slot_ids.detach().to("cpu", torch.int64)
+    live = s[s >= 0]
+    if live.numel() and int(live.max()) >= N:
+        raise ValueError(f"slot_ids: id {int(live.max())} out of range for a pool of {N} slots")
+    if live.unique().numel() != live.numel():
+        u, c = live.unique(return_counts=True)
+        raise ValueError(f"slot_ids: slot {int(u[c > 1][0])} appears more than once")
+
+
+def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
+    """Shapes of one decode step's inputs; returns (Bt, HV, V, G, K)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [Bt, HV, V], got shape {tuple(x.shape)}")
+    if not isinstance(B, torch.Tensor) or B.dim() != 3:
+        raise ValueError(f"B: expected [Bt, G, K], got {getattr(B, 'shape', type(B).__name__)}")
+    Bt, HV, V = x.shape
+    G, K = B.shape[1], B.shape[2]
+    dev = x.device
+    check_tensor("x", x, (Bt, HV, V), _FLOAT_DTYPES, dev, inner=True)
+    if G == 0 or HV % G:
+        raise ValueError(f"B: {G} groups do not divide the {HV} heads of x")
+    check_tensor("dt", dt, (Bt, HV), _FLOAT_DTYPES, dev, inner=True)
+    check_tensor("B", B, (Bt, G, K), _FLOAT_DTYPES, dev, inner=True)
+    check_tensor("C", C, (Bt, G, K), _FLOAT_DTYPES, dev, inner=True)
+    check_tensor("A", A, (HV,), _FLOAT_DTYPES, dev, contiguous=True)
+    check_tensor("dt_bias", dt_bias, (HV,), _FLOAT_DTYPES, dev, contiguous=True)
+    if D is not None:
+        check_tensor("D", D, (HV,), _FLOAT_DTYPES, dev, contiguous=True)
+    if z is not None:
+        check_tensor("z", z, (Bt, HV, V), _FLOAT_DTYPES, dev, inner=True)
+    if Bt > 65535 or HV > 65535:
+        raise ValueError(f"x: batch {Bt} or heads {HV} above the grid limit 65535")
+    return Bt, HV, V, G, K
+
+
+_ARRIVE: dict = {}
+
+
+def _arrival_counters(device: torch.device, N: int) -> Tensor:
+    # Zero-initialised int32 counters, one per slot, cached per device. Every launch leaves
+    # them at zero, so launches on one stream may share them; pass `arrive` explicitly for
+    # CUDA graphs (allocate before capture) or for concurrent launches on several streams.
+    t = _ARRIVE.get(device)
+    if t is None or t.numel() < N:
+        t = torch.zeros(max(N, 1024), dtype=torch.int32, device=device)
+        _ARRIVE[device] = t
+    return t
+
+
+def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
+                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush):
+    Bt, HV, V = x.shape
+    G, K = B.shape[1], B.shape[2]
+    LB = buf_ld.shape[1]
+    if Bt == 0:
+        return
+    nvb = triton.cdiv(V, BV)
+    grid = (nvb, HV, Bt)
+    _replay_decode_kernel[grid](
+        x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
+        ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
+        out.stride(0), out.stride(1),
+        HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K),
+        BL=max(16, triton.next_power_of_2(window)), NVB=nvb, FLUSH=_FLUSH_MODES[flush],
+        HAS_D=D is not None, HAS_Z=z is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+@torch.library.custom_op(
+    "replayssm::mamba2_replay_decode",
+    mutates_args=("out", "ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "epoch", "arrive"),
+)
+def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
+                      D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
+                      buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
+                      slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
+                      num_stages: int, flush: str) -> None:
+    _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
+                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush)
+
+
+@_replay_decode_op.register_fake
+def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+      slot_ids, out, window, BV, num_warps, num_stages, flush) -> None:
+    return None
+
+
+def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
+                  D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
+                  buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, slot_ids: Tensor,
+                  window: int, out: Optional[Tensor] = None, config: Optional[dict] = None, *,
+                  arrive: Optional[Tensor] = None, validate: bool = True,
+                  check_slots_on_device: bool = False) -> Tensor:
+    """One Mamba-2 standard decode step on ReplaySSM state, in place; returns `y`.
+
+    Token inputs: `x` `[Bt, HV, V]`; `dt` `[Bt, HV]` (raw, before `softplus(dt + dt_bias)`);
+    `B`, `C` `[Bt, G, K]`; `z` `[Bt, HV, V]` or None (gate `y * silu(z)`). Layer parameters:
+    `A`, `dt_bias` `[HV]`, `D` `[HV]` or None. State (docs/state-layout.md, modified in place):
+    `ckpt` `[N, HV, V, K]` fp32; `buf_ld` `[N, Lb, HV]` fp32; `buf_w` `[N, Lb, HV, V]` and
+    `buf_k` `[N, Lb, G, K]` fp32, bf16 or fp16; `cursor` `[N]` int32; `epoch` `[N]` int64.
+    `slot_ids` `[Bt]` int32/int64 (negative: padding row, `y[b] = 0`, nothing touched);
+    `window` the replay window `L` (`1 <= L <= Lb`).
+
+    `out` `[Bt, HV, V]` of x's dtype: written when given (then the call allocates nothing and is
+    capturable in a CUDA graph). `config`: overrides of the launch config (see REPLAY_CONFIGS).
+    `arrive` `[N]` int32, zero-initialised: per-slot arrival counters (left at zero after each
+    call); by default a cached per-device tensor, allocated on first use: pass one allocated
+    before graph capture. `validate=False` skips all checks. Slot ids are range- and
+    duplicate-checked only when they are on the CPU or `check_slots_on_device` (a sync).
+    """
+    if validate:
+        Bt, HV, V, G, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
+        dev = x.device
+        if not isinstance(ckpt, torch.Tensor) or ckpt.dim() != 4:
+            raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(ckpt, 'shape', type(ckpt).__name__)}")
+        N = ckpt.shape[0]
+        if not isinstance(buf_ld, torch.Tensor) or buf_ld.dim() != 3:
+            raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
+        Lb = buf_ld.shape[1]
+        check_tensor("ckpt", ckpt, (N, HV, V, K), (torch.float32,), dev, contiguous=True)
+        check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), dev, contiguous=True)
+        check_tensor("buf_w", buf_w, (N, Lb, HV, V), _RECORD_DTYPES, dev, contiguous=True)
+        check_tensor("buf_k", buf_k, (N, Lb, G, K), _RECORD_DTYPES, dev, contiguous=True)
+        check_tensor("cursor", cursor, (N,), (torch.int32,), dev, contiguous=True)
+        check_tensor("epoch", epoch, (N,), (torch.int64,), dev, contiguous=True)
+        check_tensor("slot_ids", slot_ids, (Bt,), (torch.int32, torch.int64), dev, contiguous=True)
+        if arrive is not None:
+            check_tensor("arrive", arrive, (N,), (torch.int32,), dev, contiguous=True)
+        if out is not None:
+            check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= Lb:
+            raise ValueError(f"window: must be an int in [1, Lb={Lb}], got {window!r}")
+        check_slots(slot_ids, N, check_slots_on_device)
+    cfg = resolve_config(REPLAY_CONFIGS, x.shape[1], x.shape[2], B.shape[2], B.shape[1], config,
+                         with_flush=True)
+    if out is None:
+        out = torch.empty_like(x)
+    if arrive is None:
+        arrive = _arrival_counters(x.device, ckpt.shape[0])
+    args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+            slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"])
+    if torch.compiler.is_compiling():
+        torch.ops.replayssm.mamba2_replay_decode(*args)
+    else:
+        _launch_replay(*args)
+    return out

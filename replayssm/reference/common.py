@@ -1,0 +1,92 @@
+"""Shared pieces of the reference: head grouping and the unrolled recurrence (SPEC section 2).
+
+Notation follows SPEC.md. A *record* of position `j` in a window is `(ld_j, w_j, k_j)`:
+`ld_j = log a_j` (the decay in log space: `[HV]`, or `[HV, K]` for KDA's channel-wise decay),
+`w_j` (`[HV, V]`: `dt*x` for Mamba-2, `u` for GDN/KDA) and `k_j` (`[Hk, K]`, one key per group
+of value heads).
+
+All functions here act on one sequence; the slot pool loops over rows. They are written for
+float64 clarity, not speed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def expand_heads(k: Tensor, num_heads: int) -> Tensor:
+    """Repeat key heads for their value heads: `[..., Hk, K]` -> `[..., HV, K]`.
+
+    Value head `i` uses key head `i // (HV // Hk)`, the convention of Mamba-2 (groups) and of
+    flash-linear-attention's GDN/KDA (GQA-style key heads).
+    """
+    hk = k.shape[-2]
+    if num_heads % hk:
+        raise ValueError(f"value heads ({num_heads}) must be a multiple of key heads ({hk})")
+    return k.repeat_interleave(num_heads // hk, dim=-2)
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """L2-normalise the last dim as the GDN/KDA layers do: `x / sqrt(sum x^2 + eps)`."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def cumulative(ld: Tensor) -> Tensor:
+    """Inclusive cumulative log-decay over positions: `[n, HV(, K)]` -> `[n, HV(, K)]`.
+
+    `cum[j] = log g_{1:j+1}`, so `g_{j+1:n} = exp(cum[n-1] - cum[j])` (0-based positions).
+    """
+    return torch.cumsum(ld, dim=0)
+
+
+def _col_decay(d: Tensor) -> Tensor:
+    """Broadcast a decay over the state's columns: scalar `[HV]` -> `[HV, 1, 1]`; vector
+    `[HV, K]` (KDA) -> `[HV, 1, K]` (it scales the key dim)."""
+    return d[:, None, None] if d.dim() == 1 else d[:, None, :]
+
+
+def replay(C: Tensor, ld: Tensor, w: Tensor, k: Tensor) -> Tensor:
+    """REPLAY: the state after `n` records, materialised.
+
+    `C`: `[HV, V, K]` checkpoint; `ld`: `[n, HV]` or `[n, HV, K]`; `w`: `[n, HV, V]`;
+    `k`: `[n, Hk, K]`. Returns `S_n = g_{1:n} C + sum_j g_{j+1:n} w_j k_j^T` (KDA: the decay
+    scales the key columns).
+    """
+    n = ld.shape[0]
+    if n == 0:
+        return C.clone()
+    HV = C.shape[0]
+    cum = cumulative(ld)
+    ke = expand_heads(k, HV)                                  # [n, HV, K]
+    S = torch.exp(_col_decay(cum[-1])) * C
+    for j in range(n):
+        g = torch.exp(cum[-1] - cum[j])                       # g_{j+1:n}
+        kj = ke[j] * (g[:, None] if g.dim() == 1 else g)     # [HV, K]
+        S = S + w[j][:, :, None] * kj[:, None, :]
+    return S
+
+
+def apply(C: Tensor, ld: Tensor, w: Tensor, k: Tensor, vec: Tensor) -> Tensor:
+    """Output-only product `S_n vec` without materialising `S_n` (SPEC section 2).
+
+    Same arguments as :func:`replay`, plus `vec`: `[HV, K]` (queries or keys already expanded
+    to value heads). Returns `[HV, V]`:
+    `g_{1:n} (C vec) + sum_j g_{j+1:n} (k_j^T vec) w_j`; for KDA the decays multiply `vec`
+    channel-wise instead: `C (g_{1:n} * vec) + sum_j ((g_{j+1:n} * k_j)^T vec) w_j`.
+    """
+    n = ld.shape[0]
+    HV = C.shape[0]
+    if n == 0:
+        return torch.einsum("hvk,hk->hv", C, vec)
+    cum = cumulative(ld)
+    ke = expand_heads(k, HV)
+    g_all = torch.exp(cum[-1])
+    if g_all.dim() == 1:
+        out = g_all[:, None] * torch.einsum("hvk,hk->hv", C, vec)
+    else:
+        out = torch.einsum("hvk,hk->hv", C, g_all * vec)
+    for j in range(n):
+        g = torch.exp(cum[-1] - cum[j])
+        kj = ke[j] * (g[:, None] if g.dim() == 1 else g)
+        out = out + (kj * vec).sum(-1)[:, None] * w[j]
+    return out

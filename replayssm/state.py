@@ -1,0 +1,323 @@
+"""The slot pool: checkpoints, record buffers and cursors of one layer for `N` sequences.
+
+Layout and semantics: docs/state-layout.md. Rows are addressed by slot-id tensors, as serving
+engines address their state pools; a negative id marks a padding row (zero output, nothing
+touched). Every public method validates its arguments first and raises `ValueError` naming
+the offending value before anything changes.
+
+On the CPU (and for configurations the GPU kernels do not cover) the pool runs the
+reference of `replayssm.reference.replay`; on CUDA the Triton kernels plug into the same
+tensors.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import formats
+from .reference import algorithms as R
+
+_STREAM_SLOT_STRIDE = 1 << 32
+
+
+class SlotPool:
+    """Recurrent state of one layer for `num_slots` sequences, kept as ReplaySSM state.
+
+    Args:
+        params: a family's parameters (`Mamba2Params`, `GDNParams`, `KDAParams`); copied to
+            the pool's dtype and device.
+        num_slots: `N`, the number of sequence slots.
+        head_v_dim, head_k_dim: `V` and `K` of a head's `[V, K]` state.
+        num_k_heads: `Hk`, key heads (Mamba-2 groups); divides `params.num_heads`.
+        window: `L`, the replay window (records folded into the checkpoint every `L` tokens).
+        max_draft: `T`, the most tokens one `verify` call takes (buffer capacity `L + T`).
+        dtype: compute dtype (float32, or float64 for the reference); also the checkpoint's
+            storage when `hp_format` is None.
+        hp_format: storage format of the high-precision checkpoint (None: `dtype` itself; or one
+            of `replayssm.formats.FORMATS`).
+        hp_rounding: rounding of the high-precision checkpoint ("stochastic" by default for
+            formats narrower than fp32, else "nearest").
+        lp_format: format of an optional low-precision checkpoint read by non-flush steps
+            (always round-to-nearest).
+        record_dtype: storage dtype of buffered values and keys (default: `dtype`).
+        seed: seed of the stochastic-rounding streams.
+    """
+
+    def __init__(self, params, num_slots: int, head_v_dim: int, head_k_dim: int, num_k_heads: int,
+                 *, window: int = 16, max_draft: int = 1, dtype: torch.dtype = torch.float32,
+                 device=None, hp_format: Optional[str] = None, hp_rounding: Optional[str] = None,
+                 lp_format: Optional[str] = None, record_dtype: Optional[torch.dtype] = None,
+                 seed: int = 0):
+        for name, val, low in (("num_slots", num_slots, 1), ("head_v_dim", head_v_dim, 1),
+                               ("head_k_dim", head_k_dim, 1), ("num_k_heads", num_k_heads, 1),
+                               ("window", window, 1), ("max_draft", max_draft, 1)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {val!r}")
+        if max_draft > window:
+            raise ValueError(f"window {window} is too small for max_draft {max_draft} (need window >= max_draft)")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        HV = params.num_heads
+        if HV % num_k_heads:
+            raise ValueError(f"num_k_heads {num_k_heads} must divide the {HV} value heads")
+        if hp_format is not None:
+            formats.check_format(hp_format)
+        if lp_format is not None:
+            formats.check_format(lp_format)
+        if hp_rounding is None:
+            hp_rounding = "nearest" if hp_format in (None, "fp32") else "stochastic"
+        if hp_rounding not in formats.ROUNDINGS:
+            raise ValueError(f"hp_rounding must be one of {formats.ROUNDINGS}, got {hp_rounding!r}")
+        if "nvfp4" in (hp_format, lp_format) and head_k_dim % 16:
+            raise ValueError(f"nvfp4 needs head_k_dim divisible by 16, got {head_k_dim}")
+        device = torch.device(device if device is not None else "cpu")
+
+        self.params = _params_to(params, dtype, device)
+        self.family = params.family
+        self.N, self.HV, self.V, self.K, self.Hk = num_slots, HV, head_v_dim, head_k_dim, num_k_heads
+        self.window, self.max_draft, self.capacity = window, max_draft, window + max_draft
+        self.dtype, self.device, self.seed = dtype, device, int(seed)
+        self.hp_format, self.hp_rounding, self.lp_format = hp_format, hp_rounding, lp_format
+        self.record_dtype = record_dtype or dtype
+        # GDN/KDA with two checkpoints: `u` of non-flush steps came from C_LP; refold from raw inputs
+        self.recompute = bool(self.params.delta and lp_format is not None)
+
+        N, Lb, V, K, Hk = num_slots, self.capacity, head_v_dim, head_k_dim, num_k_heads
+        shape = (N, HV, V, K)
+        self.ckpt = (formats.allocate(hp_format, shape, device, dtype) if hp_format
+                     else {"data": torch.zeros(shape, dtype=dtype, device=device)})
+        self.ckpt_lp = formats.allocate(lp_format, shape, device, dtype) if lp_format else None
+        ld_shape = (N, Lb, HV, K) if self.params.vector_decay else (N, Lb, HV)
+        ld_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.buf = {"ld": torch.zeros(ld_shape, dtype=ld_dtype, device=device),
+                    "w": torch.zeros(N, Lb, HV, V, dtype=self.record_dtype, device=device),
+                    "k": torch.zeros(N, Lb, Hk, K, dtype=self.record_dtype, device=device)}
+        if self.recompute:
+            self.buf["v"] = torch.zeros(N, Lb, HV, V, dtype=self.record_dtype, device=device)
+            self.buf["beta"] = torch.zeros(N, Lb, HV, dtype=ld_dtype, device=device)
+        self.cursor = torch.zeros(N, dtype=torch.int32, device=device)
+        self.pending = torch.zeros(N, dtype=torch.int32, device=device)
+        self.epoch = torch.zeros(N, dtype=torch.int64, device=device)
+
+    # ------------------------------------------------------------------ validation
+    def _check_slots(self, slot_ids) -> Tensor:
+        if not isinstance(slot_ids, Tensor):
+            raise ValueError(f"slot_ids must be a tensor, got {type(slot_ids).__name__}")
+        if slot_ids.dim() != 1 or slot_ids.numel() == 0:
+            raise ValueError(f"slot_ids must be a non-empty 1-D tensor, got shape {tuple(slot_ids.shape)}")
+        if slot_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slot_ids must be int32 or int64, got {slot_ids.dtype}")
+        if slot_ids.device != self.device:
+            raise ValueError(f"slot_ids are on {slot_ids.device}, the pool on {self.device}")
+        ids = slot_ids.tolist()
+        bad = [s for s in ids if s >= self.N]
+        if bad:
+            raise ValueError(f"slot id {bad[0]} out of range for a pool of {self.N} slots")
+        valid = [s for s in ids if s >= 0]
+        if len(set(valid)) != len(valid):
+            dup = next(s for s in valid if valid.count(s) > 1)
+            raise ValueError(f"slot id {dup} appears more than once in one call")
+        return slot_ids
+
+    def _check_inputs(self, inputs: dict, batch: int, steps: bool) -> dict:
+        spec = self.params.input_spec(self.V, self.K, self.Hk)
+        unknown = set(inputs) - set(spec)
+        if unknown:
+            raise ValueError(f"unknown input {sorted(unknown)[0]!r} for {self.family}; expected {sorted(spec)}")
+        T = None
+        out = {}
+        for name, (shape, optional) in spec.items():
+            t = inputs.get(name)
+            if t is None:
+                if optional:
+                    continue
+                raise ValueError(f"missing input {name!r} for {self.family}")
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise ValueError(f"input {name!r} must be a floating-point tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)}")
+            if t.device != self.device:
+                raise ValueError(f"input {name!r} is on {t.device}, the pool on {self.device}")
+            if steps:
+                if t.dim() != 2 + len(shape) or t.shape[0] != batch:
+                    raise ValueError(f"input {name!r} has shape {tuple(t.shape)}, expected [{batch}, T, {', '.join(map(str, shape))}]")
+                T = t.shape[1] if T is None else T
+                if t.shape[1] != T:
+                    raise ValueError(f"input {name!r} has {t.shape[1]} tokens, others {T}")
+                if tuple(t.shape[2:]) != shape:
+                    raise ValueError(f"input {name!r} has shape {tuple(t.shape)}, expected [{batch}, {T}, {', '.join(map(str, shape))}]")
+            elif tuple(t.shape) != (batch, *shape):
+                raise ValueError(f"input {name!r} has shape {tuple(t.shape)}, expected {(batch, *shape)}")
+            out[name] = t.to(self.dtype)
+        if steps and not 1 <= T <= self.max_draft:
+            raise ValueError(f"verify got T={T} tokens; this pool takes 1..{self.max_draft} (max_draft)")
+        return out
+
+    # ------------------------------------------------------------------ storage helpers
+    def _slot_buf(self, s: int) -> dict:
+        return {name: t[s] for name, t in self.buf.items()}
+
+    def _read(self, parts: Optional[dict], fmt: Optional[str], s: int) -> Optional[Tensor]:
+        if parts is None:
+            return None
+        if fmt is None:
+            return parts["data"][s]
+        return formats.decode({k: v[s:s + 1] for k, v in parts.items()}, fmt, self.dtype)[0]
+
+    def _write(self, s: int, S: Tensor) -> None:
+        """Store a new checkpoint of slot `s` (HP with its rounding, LP round-to-nearest)."""
+        if self.hp_format is None:
+            self.ckpt["data"][s] = S
+        else:
+            stream = torch.tensor([s * _STREAM_SLOT_STRIDE + int(self.epoch[s])], device=self.device)
+            parts = formats.encode(S[None], self.hp_format, self.hp_rounding, seed=self.seed, stream=stream)
+            for key, val in parts.items():
+                self.ckpt[key][s] = val[0]
+        if self.ckpt_lp is not None:
+            parts = formats.encode(S[None], self.lp_format, "nearest")
+            for key, val in parts.items():
+                self.ckpt_lp[key][s] = val[0]
+
+    def _flushed(self, s: int, S: Tensor) -> None:
+        self._write(s, S)
+        self.epoch[s] += 1
+
+    # ------------------------------------------------------------------ operations
+    def decode(self, slot_ids: Tensor, **inputs: Tensor) -> Tensor:
+        """One standard decode step (SPEC section 3) for a batch of rows.
+
+        `slot_ids`: `[B]`; inputs per family, each `[B, ...]` (Mamba-2: `x`, `dt`, `B`, `C`,
+        optional `z`; GDN/KDA: `q`, `k`, `v`, `a`, `b`). Returns `[B, HV, V]`. Drafts of a
+        previous `verify` that were not committed are discarded.
+        """
+        slot_ids = self._check_slots(slot_ids)
+        B = slot_ids.shape[0]
+        inputs = self._check_inputs(inputs, B, steps=False)
+        raw = {k: v for k, v in inputs.items() if k != "z"}
+        prep = self.params.prepare(**raw)
+        out = torch.zeros(B, self.HV, self.V, dtype=self.dtype, device=self.device)
+        for b, s in enumerate(slot_ids.tolist()):
+            if s < 0:
+                continue
+            tok = {k: v[b] for k, v in prep.items()}
+            h = int(self.cursor[s])
+            y, S = R.decode_step(self.params, self._read(self.ckpt, self.hp_format, s),
+                                 self._read(self.ckpt_lp, self.lp_format, s), self._slot_buf(s),
+                                 h, self.window, tok, self.recompute)
+            out[b] = y
+            if S is not None:
+                self._flushed(s, S)
+                self.cursor[s] = 0
+            else:
+                self.cursor[s] = h + 1
+            self.pending[s] = 0
+        return self._finish(out, slot_ids, inputs)
+
+    def verify(self, slot_ids: Tensor, **inputs: Tensor) -> Tensor:
+        """Output-only verification of `T` tokens per row (SPEC section 4).
+
+        Inputs `[B, T, ...]`, `1 <= T <= max_draft`. Returns `[B, T, HV, V]`, the outputs the
+        conventional recurrence would give for the tokens in order. The tokens stay pending
+        until `commit`; if `h + T > window` the committed records are folded first.
+        """
+        slot_ids = self._check_slots(slot_ids)
+        B = slot_ids.shape[0]
+        inputs = self._check_inputs(inputs, B, steps=True)
+        T = next(iter(inputs.values())).shape[1]
+        raw = {k: v for k, v in inputs.items() if k != "z"}
+        prep = self.params.prepare(**raw)
+        out = torch.zeros(B, T, self.HV, self.V, dtype=self.dtype, device=self.device)
+        for b, s in enumerate(slot_ids.tolist()):
+            if s < 0:
+                continue
+            toks = {k: v[b] for k, v in prep.items()}
+            Y, S, start = R.verify_step(self.params, self._read(self.ckpt, self.hp_format, s),
+                                        self._read(self.ckpt_lp, self.lp_format, s), self._slot_buf(s),
+                                        int(self.cursor[s]), self.window, toks, self.recompute)
+            out[b] = Y
+            if S is not None:
+                self._flushed(s, S)
+            self.cursor[s] = start
+            self.pending[s] = T
+        return self._finish(out, slot_ids, inputs)
+
+    def commit(self, slot_ids: Tensor, accepted: Tensor) -> None:
+        """Accept the first `accepted[b]` (`1..T`) tokens of each row's last `verify`.
+
+        Rejected tokens stay behind the cursor and are overwritten later: rollback is the
+        cursor move itself.
+        """
+        slot_ids = self._check_slots(slot_ids)
+        if not isinstance(accepted, Tensor) or accepted.shape != slot_ids.shape:
+            raise ValueError(f"accepted must be a tensor of shape {tuple(slot_ids.shape)}, got "
+                             f"{tuple(accepted.shape) if isinstance(accepted, Tensor) else type(accepted).__name__}")
+        if accepted.dtype not in (torch.int32, torch.int64) or accepted.device != self.device:
+            raise ValueError(f"accepted must be an int32/int64 tensor on {self.device}, got {accepted.dtype} on {accepted.device}")
+        valid = slot_ids >= 0
+        s, a = slot_ids[valid].long(), accepted[valid]
+        pend = self.pending[s]
+        for si, ai, pi in zip(s.tolist(), a.tolist(), pend.tolist()):
+            if pi == 0:
+                raise ValueError(f"slot {si} has no pending verified tokens to commit")
+            if not 1 <= ai <= pi:
+                raise ValueError(f"accepted {ai} for slot {si} is outside 1..{pi}")
+        self.cursor[s] += a.to(torch.int32)
+        self.pending[s] = 0
+
+    def reset(self, slot_ids: Tensor) -> None:
+        """Free slots: zero state, cursor 0, no pending drafts (a new sequence starts empty)."""
+        slot_ids = self._check_slots(slot_ids)
+        s = slot_ids[slot_ids >= 0].long()
+        for store in (self.ckpt, self.ckpt_lp or {}):
+            for t in store.values():
+                t[s] = 0
+        self.cursor[s] = 0
+        self.pending[s] = 0
+        self.epoch[s] = 0
+
+    free = reset
+
+    def load(self, slot_ids: Tensor, state: Tensor) -> None:
+        """Install states (e.g. after prefill): `state` `[B, HV, V, K]` becomes each slot's
+        checkpoint (rounded to the pool's formats), with an empty buffer."""
+        slot_ids = self._check_slots(slot_ids)
+        expect = (slot_ids.shape[0], self.HV, self.V, self.K)
+        if not isinstance(state, Tensor) or tuple(state.shape) != expect:
+            raise ValueError(f"state must have shape {expect}, got "
+                             f"{tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__}")
+        if not state.is_floating_point() or state.device != self.device:
+            raise ValueError(f"state must be floating point on {self.device}, got {state.dtype} on {state.device}")
+        state = state.to(self.dtype)
+        for b, s in enumerate(slot_ids.tolist()):
+            if s >= 0:
+                self._write(s, state[b])
+                self.cursor[s] = 0
+                self.pending[s] = 0
+
+    def materialize(self, slot_ids: Tensor) -> Tensor:
+        """The current state of each slot, `[B, HV, V, K]` (checkpoint plus committed records,
+        along the high-precision path); zero for padding rows. Changes nothing."""
+        slot_ids = self._check_slots(slot_ids)
+        out = torch.zeros(slot_ids.shape[0], self.HV, self.V, self.K, dtype=self.dtype, device=self.device)
+        for b, s in enumerate(slot_ids.tolist()):
+            if s >= 0:
+                out[b] = R.materialize(self.params, self._read(self.ckpt, self.hp_format, s),
+                                       self._slot_buf(s), int(self.cursor[s]), self.recompute)
+        return out
+
+    def _finish(self, out: Tensor, slot_ids: Tensor, inputs: dict) -> Tensor:
+        out = self.params.finish(out, **inputs)
+        pad = slot_ids < 0
+        if bool(pad.any()):
+            out[pad] = 0
+        return out
+
+
+def _params_to(params, dtype, device):
+    """A copy of `params` with every tensor field on `device` in `dtype`."""
+    import dataclasses
+
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    return type(params)(**{k: (v.to(dtype=dtype, device=device) if isinstance(v, Tensor) else v)
+                           for k, v in fields.items()})
