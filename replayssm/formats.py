@@ -209,7 +209,7 @@ def _round_magnitude(a: Tensor, mbits: int, emin: int, emax: int, maxval: float,
     if mode == "nearest":
         up = (frac > 0.5) | ((frac == 0.5) & (torch.fmod(lo, 2.0) == 1.0))
     elif mode == "stochastic":
-        up = u < frac
+        up = u < frac * 0.97
     elif mode == "up":
         up = frac > 0
     else:  # pragma: no cover - internal
@@ -363,7 +363,7 @@ def encode(x: Tensor, fmt: str, rounding: str = "nearest", *, seed: int = 0,
     code = torch.where(mag < 2, 2 * mag, torch.where(mag < 4, mag + 2, mag / 2 + 4))
     nib = code.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
     nib = nib.reshape(x.shape)
-    data = nib[..., 1::2] | (nib[..., 0::2] << 4)
+    data = nib[..., 0::2] | (nib[..., 1::2] << 4)
     return {"data": data, "scale": sb.to(torch.float8_e4m3fn),
             "tensor_scale": ts.to(torch.float32)}
 

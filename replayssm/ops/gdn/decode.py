@@ -38,37 +38,12 @@ __all__ = ["replay_decode", "replay_config"]
 
 
 @triton.jit
-def _log1p(x):
-    # log(1 + x) accurate for tiny x (Goldberg): softplus of the very negative gate inputs of
-    # long-memory heads would otherwise lose most of its digits to the rounding of 1 + x.
-    y = 1.0 + x
-    d = y - 1.0
-    return tl.where(d == 0.0, x, tl.log(y) * (x / tl.where(d == 0.0, 1.0, d)))
-
-
-@triton.jit
-def _softplus(x):
-    return tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
-
-
-@triton.jit
 def _rne_bf16(x):
     # fp32 -> bf16 round-to-nearest-even with integer ops; the CPU interpreter's .to(bf16)
     # truncates, so interpreter runs use this to measure what the GPU's cvt.rn does.
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, EXACT_BF16: tl.constexpr):
-    if EXACT_BF16:
-        if dtype == tl.bfloat16:
-            return _rne_bf16(x)
-        else:
-            return x.to(dtype)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -91,10 +66,19 @@ def _load_token(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m
     if IS_KDA:
         b_a = tl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_k, mask=m_k, other=0.).to(tl.float32)
         b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_ld = tl.where(m_k, -b_A * _softplus(b_a + b_dt), 0.)
+        b_x = b_a + b_dt
     else:
         b_a = tl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(tl.float32)
-        b_ld = -b_A * _softplus(b_a + tl.load(dt_bias + i_hv).to(tl.float32))
+        b_x = b_a + tl.load(dt_bias + i_hv).to(tl.float32)
+    # softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p written out (Goldberg) because the
+    # gate inputs of long-memory heads are very negative: log(1 + tiny) would lose most digits
+    b_e = tl.exp(-tl.abs(b_x))
+    b_1e = 1.0 + b_e
+    b_d = b_1e - 1.0
+    b_l1p = tl.where(b_d == 0.0, b_e, tl.log(b_1e) * (b_e / tl.where(b_d == 0.0, 1.0, b_d)))
+    b_ld = -b_A * (tl.maximum(b_x, 0.0) + b_l1p)
+    if IS_KDA:
+        b_ld = tl.where(m_k, b_ld, 0.)
     return b_q, b_k, b_v, b_ld, b_beta
 
 
@@ -189,7 +173,11 @@ def _replay_decode_kernel(
     b_Pk = b_Ck + tl.sum(b_U * b_kk[:, None], axis=0)                       # [BV]
     b_u = b_beta * (b_v - b_Pk)
     b_o = b_Cq + tl.sum(b_U * b_kq[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
-    tl.store(p_o, _cast(b_o, p_o.dtype.element_ty, EXACT_BF16), mask=m_v)
+    b_ost = b_o.to(p_o.dtype.element_ty)
+    if EXACT_BF16:
+        if p_o.dtype.element_ty == tl.bfloat16:
+            b_ost = _rne_bf16(b_o)
+    tl.store(p_o, b_ost, mask=m_v)
 
     # the current record at position h (u per value head and V-block; the decay once per value
     # head; the key once per key head). h < LBCAP guards other slots against a bad cursor.
@@ -198,7 +186,11 @@ def _replay_decode_kernel(
     n_k = tl.where(in_buf, K, 0)
     o_h = i_s * LBCAP + h
     p_w = buf_w + (o_h * HV + i_hv) * V + o_v
-    tl.store(p_w, _cast(b_u, p_w.dtype.element_ty, EXACT_BF16), mask=o_v < n_v)
+    b_ust = b_u.to(p_w.dtype.element_ty)
+    if EXACT_BF16:
+        if p_w.dtype.element_ty == tl.bfloat16:
+            b_ust = _rne_bf16(b_u)
+    tl.store(p_w, b_ust, mask=o_v < n_v)
     if i_v == 0:
         if IS_KDA:
             tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=o_k < n_k)
@@ -206,7 +198,11 @@ def _replay_decode_kernel(
             tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
         if i_hv % G == 0:
             p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
-            tl.store(p_kh, _cast(b_k, p_kh.dtype.element_ty, EXACT_BF16), mask=o_k < n_k)
+            b_kst = b_k.to(p_kh.dtype.element_ty)
+            if EXACT_BF16:
+                if p_kh.dtype.element_ty == tl.bfloat16:
+                    b_kst = _rne_bf16(b_k)
+            tl.store(p_kh, b_kst, mask=o_k < n_k)
 
     flush = h + 1 >= window
     if flush:

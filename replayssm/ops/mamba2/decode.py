@@ -125,14 +125,12 @@ def _replay_decode_kernel(
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
 
+    # the checkpoint tile does not depend on the cursor: issue its load first
+    p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
+    m_S = m_v[:, None] & m_k[None, :]
+    b_S = tl.load(p_S, mask=m_S, other=0.0, eviction_policy="evict_first")              # [BV, BK]
+
     h = tl.load(cursor + slot)
-    # Cursor race: all HV * NVB programs of this slot read cursor[s], and it must change only
-    # after the last of them has read it. Each program bumps an arrival counter after its read
-    # (acq_rel: the read above is ordered before the increment); the program that sees
-    # count == HV * NVB - 1 arrives last, so every other read of the cursor has happened. It
-    # alone writes cursor/epoch at its end and resets the counter to 0 for the next launch.
-    n_before = tl.atomic_add(arrive + slot, 1, sem="acq_rel")
-    is_last = n_before == HV * NVB - 1
     is_flush = h + 1 >= WINDOW
 
     # current token's record, in registers
@@ -161,10 +159,6 @@ def _replay_decode_kernel(
     b_sfx = tl.sum(tl.where(o_l[None, :] > o_l[:, None], b_lds[None, :], 0.0), axis=1)   # [BL]
     b_coef = tl.where(o_l <= h, tl.exp(b_sfx), 0.0)
     b_g = tl.exp(tl.sum(b_lds, axis=0))                                                 # g_{0:h}
-
-    p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
-    m_S = m_v[:, None] & m_k[None, :]
-    b_S = tl.load(p_S, mask=m_S, other=0.0)                                             # [BV, BK]
 
     b_kq = tl.sum(b_K * b_q[None, :], axis=1)                                           # [BL]
     b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1) + tl.sum(b_W * (b_coef * b_kq)[None, :], axis=1)
@@ -203,7 +197,14 @@ def _replay_decode_kernel(
                 p_kh = buf_k + slot * (LB * G * K) + h * (G * K) + i_g * K + o_k
                 tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
 
-    if is_last:
+    # Cursor race: all HV * NVB programs of this slot read cursor[s], which may change only
+    # after the last of them has read it. Each program, at its end, bumps the slot's arrival
+    # counter; acq_rel orders its earlier cursor read (and its state writes) before the
+    # increment. The program that sees HV * NVB - 1 earlier arrivals is the last: every other
+    # program of the slot has read the cursor, so it alone writes cursor and epoch, then resets
+    # the counter to 0 for the next launch. Done at the end, the fence delays no load.
+    n_before = tl.atomic_add(arrive + slot, 1, sem="acq_rel")
+    if n_before == HV * NVB - 1:
         if is_flush:
             tl.store(cursor + slot, tl.zeros_like(h))
             tl.store(epoch + slot, tl.load(epoch + slot) + 1)
