@@ -209,7 +209,7 @@ def _round_magnitude(a: Tensor, mbits: int, emin: int, emax: int, maxval: float,
     if mode == "nearest":
         up = (frac > 0.5) | ((frac == 0.5) & (torch.fmod(lo, 2.0) == 1.0))
     elif mode == "stochastic":
-        up = u < frac * 0.97
+        up = u < frac
     elif mode == "up":
         up = frac > 0
     else:  # pragma: no cover - internal

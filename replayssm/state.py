@@ -11,6 +11,7 @@ tensors.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -43,13 +44,16 @@ class SlotPool:
             (always round-to-nearest).
         record_dtype: storage dtype of buffered values and keys (default: `dtype`).
         seed: seed of the stochastic-rounding streams.
+        backend: "reference" (plain PyTorch, any device), "triton" (the GPU kernels: CUDA, fp32
+            state, one checkpoint) or "auto" (triton where it applies). Operations the
+            kernels do not cover yet run on the reference, on the same tensors.
     """
 
     def __init__(self, params, num_slots: int, head_v_dim: int, head_k_dim: int, num_k_heads: int,
                  *, window: int = 16, max_draft: int = 1, dtype: torch.dtype = torch.float32,
                  device=None, hp_format: Optional[str] = None, hp_rounding: Optional[str] = None,
                  lp_format: Optional[str] = None, record_dtype: Optional[torch.dtype] = None,
-                 seed: int = 0):
+                 seed: int = 0, backend: str = "auto"):
         for name, val, low in (("num_slots", num_slots, 1), ("head_v_dim", head_v_dim, 1),
                                ("head_k_dim", head_k_dim, 1), ("num_k_heads", num_k_heads, 1),
                                ("window", window, 1), ("max_draft", max_draft, 1)):
@@ -98,8 +102,28 @@ class SlotPool:
             self.buf["v"] = torch.zeros(N, Lb, HV, V, dtype=self.record_dtype, device=device)
             self.buf["beta"] = torch.zeros(N, Lb, HV, dtype=ld_dtype, device=device)
         self.cursor = torch.zeros(N, dtype=torch.int32, device=device)
-        self.pending = torch.zeros(N, dtype=torch.int32, device=device)
+        # one extra entry absorbs the writes of padding rows without a host-side mask
+        self._pending = torch.zeros(N + 1, dtype=torch.int32, device=device)
+        self.pending = self._pending[:N]
+        self.arrive = torch.zeros(N, dtype=torch.int32, device=device)   # kernels' arrival counters
         self.epoch = torch.zeros(N, dtype=torch.int64, device=device)
+        self.backend = self._pick_backend(backend)
+
+    def _pick_backend(self, backend: str) -> str:
+        if backend not in ("auto", "reference", "triton"):
+            raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+        why = None
+        if self.device.type != "cuda":
+            why = f"device {self.device} is not CUDA"
+        elif self.dtype != torch.float32 or self.hp_format not in (None, "fp32") or self.lp_format is not None:
+            why = "the kernels cover fp32 state with one checkpoint"
+        elif self.record_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why = f"record dtype {self.record_dtype} is not fp32/bf16/fp16"
+        if backend == "triton" and why:
+            raise ValueError(f"backend 'triton' unavailable: {why}")
+        if backend == "reference" or why:
+            return "reference"
+        return "triton"
 
     # ------------------------------------------------------------------ validation
     def _check_slots(self, slot_ids) -> Tensor:
@@ -184,16 +208,24 @@ class SlotPool:
         self.epoch[s] += 1
 
     # ------------------------------------------------------------------ operations
-    def decode(self, slot_ids: Tensor, **inputs: Tensor) -> Tensor:
+    def decode(self, slot_ids: Tensor, *, out: Optional[Tensor] = None, validate: bool = True,
+               **inputs: Tensor) -> Tensor:
         """One standard decode step (SPEC section 3) for a batch of rows.
 
         `slot_ids`: `[B]`; inputs per family, each `[B, ...]` (Mamba-2: `x`, `dt`, `B`, `C`,
         optional `z`; GDN/KDA: `q`, `k`, `v`, `a`, `b`). Returns `[B, HV, V]`. Drafts of a
         previous `verify` that were not committed are discarded.
+
+        On the triton backend, `out` (`[B, HV, V]` fp32) and `validate=False` make the call
+        free of host synchronisation and allocation, so it can be captured in a CUDA graph
+        (validate once, outside the graph).
         """
-        slot_ids = self._check_slots(slot_ids)
+        if validate:
+            slot_ids = self._check_slots(slot_ids)
+            inputs = self._check_inputs(inputs, slot_ids.shape[0], steps=False)
+        if self.backend == "triton":
+            return self._decode_kernel(slot_ids, inputs, out)
         B = slot_ids.shape[0]
-        inputs = self._check_inputs(inputs, B, steps=False)
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)
         out = torch.zeros(B, self.HV, self.V, dtype=self.dtype, device=self.device)
@@ -213,6 +245,21 @@ class SlotPool:
                 self.cursor[s] = h + 1
             self.pending[s] = 0
         return self._finish(out, slot_ids, inputs)
+
+    def _decode_kernel(self, slot_ids: Tensor, inputs: dict, out: Optional[Tensor]) -> Tensor:
+        ops = importlib.import_module(f"replayssm.ops.{self.family}")
+        p = self.params
+        inputs = {k: v.contiguous() for k, v in inputs.items()}
+        state = dict(ckpt=self.ckpt["data"], buf_ld=self.buf["ld"], buf_w=self.buf["w"], buf_k=self.buf["k"],
+                     cursor=self.cursor, epoch=self.epoch, arrive=self.arrive, slot_ids=slot_ids,
+                     window=self.window, out=out, validate=False)
+        if self.family == "mamba2":
+            y = ops.replay_decode(A=p.A, dt_bias=p.dt_bias, D=p.D, z=inputs.pop("z", None), **inputs, **state)
+        else:
+            y = ops.replay_decode(A_log=p.A_log, dt_bias=p.dt_bias, scale=p.scale,
+                                  use_qk_l2norm=p.use_qk_l2norm, **inputs, **state)
+        self._pending[torch.where(slot_ids < 0, self.N, slot_ids.long())] = 0
+        return y
 
     def verify(self, slot_ids: Tensor, **inputs: Tensor) -> Tensor:
         """Output-only verification of `T` tokens per row (SPEC section 4).

@@ -1,0 +1,1 @@
+"""Benchmark drivers (GPU): decode kernel sweeps. Scripts, not tests: CI never times."""

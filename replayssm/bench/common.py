@@ -1,0 +1,75 @@
+"""Shared pieces of the benchmark drivers: CUDA-graph timing and the results file."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def graph_time_us(fn, reps: int = 20, warmup: int = 2) -> float:
+    """Capture `fn()` (any number of launches) in a CUDA graph and return the median replay
+    time in microseconds, timed with CUDA events around each replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    del g
+    return times[len(times) // 2]
+
+
+def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written per second, TB/s)."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = graph_time_us(lambda: b.copy_(a), reps=10)
+    return 2 * nbytes / (t * 1e-6) / 1e12
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("REPLAYSSM_COMMIT", "unknown")
+
+
+def header(benchmark: str) -> dict:
+    import triton
+
+    return {"benchmark": benchmark,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+            "command": " ".join(["python -m replayssm.cli" if sys.argv[0].endswith("cli.py") else sys.argv[0]] + sys.argv[1:]),
+            "git_commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "triton": triton.__version__}
+
+
+def write_results(path: str | os.PathLike, doc: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    return path

@@ -1,0 +1,221 @@
+"""Standard-decode benchmark: ReplaySSM kernels against the conventional kernels, same run.
+
+Whole windows (`L` steps, the flush included) are captured in one CUDA graph and replayed;
+the time per step is the median replay over `L`. Rows are either staggered (slot `s` starts
+at cursor `s mod L`: every step some rows flush) or in lock-step (all flush together).
+Bytes are the state and record traffic each scheme must move (SPEC section 6, keys once per
+key head); TB/s = those bytes over the measured time.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import math
+
+import torch
+
+from .. import traffic
+from ..testing import make_inputs, make_params
+from .common import copy_bandwidth_tbs, graph_time_us, header, write_results
+
+SHAPES = ["nemotron3-super", "nemotron3-nano-4b", "qwen3.5-4b", "qwen3.5-122b", "kimi-linear-48b"]
+
+
+def _ops(family):
+    if family == "mamba2":
+        from ..ops import mamba2 as m
+    elif family == "gdn":
+        from ..ops import gdn as m
+    else:
+        from ..ops import kda as m
+    return m
+
+
+def _call(fn, kwargs):
+    """Call `fn` with the keyword arguments its signature accepts (families differ slightly)."""
+    names = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in names})
+
+
+class Case:
+    """Inputs for `window` steps and the state of both schemes for one benchmark point."""
+
+    def __init__(self, shape, batch, window, cursors="staggered", record_dtype=torch.bfloat16, seed=0):
+        fam, HV, Hk, V, K = traffic.MODEL_SHAPES[shape]
+        self.shape, self.family, self.batch, self.window = shape, fam, batch, window
+        self.HV, self.Hk, self.V, self.K = HV, Hk, V, K
+        self.record_dtype = record_dtype
+        dev = "cuda"
+        self.params = make_params(fam, HV, K, dtype=torch.float32, device=dev, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        N, Lb = batch, window + 1
+        self.slot_ids = torch.randperm(N, generator=g).to(dev)
+        self.steps = [make_inputs(self.params, batch, V, K, Hk, dtype=torch.float32, device=dev, generator=g)
+                      for _ in range(window)]
+        # keep raw gates moderate so that replaying the same window many times stays finite
+        init = 0.1 * torch.randn(N, HV, V, K, device=dev)
+        self.state = init.clone()
+        self.ckpt = init.clone()
+        ld_shape = (N, Lb, HV, K) if fam == "kda" else (N, Lb, HV)
+        self.buf_ld = -0.05 * torch.rand(ld_shape, device=dev)
+        self.buf_w = (0.1 * torch.randn(N, Lb, HV, V, device=dev)).to(record_dtype)
+        k = torch.randn(N, Lb, Hk, K, device=dev)
+        self.buf_k = (k / k.norm(dim=-1, keepdim=True)).to(record_dtype)
+        if cursors == "staggered":
+            self.cursor = (torch.arange(N, device=dev) % window).to(torch.int32)
+        else:
+            self.cursor = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.epoch = torch.zeros(N, dtype=torch.int64, device=dev)
+        self.arrive = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.out = torch.empty(window, batch, HV, V, device=dev)
+        self.ops = _ops(fam)
+
+    def _common(self, i):
+        p = self.params
+        if self.family == "mamba2":
+            return dict(self.steps[i], A=p.A, dt_bias=p.dt_bias, D=p.D, z=self.steps[i].get("z"))
+        return dict(self.steps[i], A_log=p.A_log, dt_bias=p.dt_bias, scale=None, use_qk_l2norm=True)
+
+    def replay_window(self, config=None):
+        for i in range(self.window):
+            _call(self.ops.replay_decode, dict(self._common(i), ckpt=self.ckpt, buf_ld=self.buf_ld,
+                                               buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
+                                               epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids,
+                                               window=self.window, out=self.out[i], config=config,
+                                               validate=False))
+
+    def conventional_window(self, config=None):
+        for i in range(self.window):
+            _call(self.ops.conventional_decode, dict(self._common(i), state=self.state, slot_ids=self.slot_ids,
+                                                     out=self.out[i], config=config, validate=False))
+
+    def bytes_per_step(self):
+        """(conventional, replay) bytes per step for the whole batch."""
+        conv = 2 * traffic.state_bytes(self.V, self.K) * self.HV * self.batch
+        rb = torch.finfo(self.record_dtype).bits // 8
+        per_window = sum(traffic.decode_step_bytes(h, self.window, self.HV, self.V, self.K, self.Hk,
+                                                   value_bytes=rb, key_bytes=rb,
+                                                   decay_len=self.K if self.family == "kda" else 1)
+                         for h in range(self.window))
+        return conv, per_window / self.window * self.batch
+
+
+def measure(shape, batch, window, cursors, record_dtype, reps, replay_cfg=None, conv_cfg=None):
+    case = Case(shape, batch, window, cursors, record_dtype)
+    t_conv = graph_time_us(lambda: case.conventional_window(conv_cfg), reps=reps) / window
+    t_rep = graph_time_us(lambda: case.replay_window(replay_cfg), reps=reps) / window
+    b_conv, b_rep = case.bytes_per_step()
+    finite = bool(torch.isfinite(case.ckpt).all() and torch.isfinite(case.state).all())
+    base = dict(shape=shape, family=case.family, batch=batch, window=window, cursors=cursors,
+                record_dtype=str(record_dtype).replace("torch.", ""), finite=finite)
+    del case
+    torch.cuda.empty_cache()
+    return [dict(base, scheme="conventional", us_per_step=t_conv, tb_per_s=b_conv / t_conv / 1e6,
+                 bytes_per_step=b_conv, ratio_vs_conventional=1.0),
+            dict(base, scheme="replay", us_per_step=t_rep, tb_per_s=b_rep / t_rep / 1e6,
+                 bytes_per_step=b_rep, ratio_vs_conventional=t_conv / t_rep)]
+
+
+def sweep_configs(shape, candidates_conv, candidates_rep, batch=256, window=16, reps=10):
+    """Time each launch config at one point; returns the best of each kernel and all rows."""
+    rows, best = [], {}
+    for kind, cands in (("conventional", candidates_conv), ("replay", candidates_rep)):
+        for cfg in cands:
+            case = Case(shape, batch, window)
+            fn = case.conventional_window if kind == "conventional" else case.replay_window
+            try:
+                t = graph_time_us(lambda: fn(cfg), reps=reps) / window
+            except Exception as e:  # a config that does not compile or launch is skipped
+                rows.append(dict(shape=shape, scheme=kind, config=cfg, error=repr(e)[:200]))
+                continue
+            b_conv, b_rep = case.bytes_per_step()
+            b = b_conv if kind == "conventional" else b_rep
+            rows.append(dict(shape=shape, scheme=kind, config=cfg, us_per_step=t, tb_per_s=b / t / 1e6))
+            if kind not in best or t < best[kind][1]:
+                best[kind] = (cfg, t)
+            del case
+            torch.cuda.empty_cache()
+    return best, rows
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for shape in sorted({r["shape"] for r in rows}):
+        pts = sorted((r["batch"], r["ratio_vs_conventional"]) for r in rows
+                     if r["shape"] == shape and r["scheme"] == "replay" and r["window"] == 16
+                     and r["cursors"] == "staggered")
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=shape)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("speed-up over conventional kernel")
+    ax.set_title(f"ReplaySSM decode, window 16, staggered rows ({torch.cuda.get_device_name()})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default="1,8,64,256,512")
+    ap.add_argument("--windows", default="8,16,32")
+    ap.add_argument("--cursors", default="staggered,lockstep")
+    ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--sweep", action="store_true", help="first pick launch configs per shape at batch 256")
+    ap.add_argument("--out", default="benchmarks/results/decode_h200.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the decode benchmark needs a CUDA device")
+    rdt = getattr(torch, args.record_dtype)
+    doc = header("decode")
+    doc["copy_tb_per_s"] = copy_bandwidth_tbs()
+    print(f"{doc['device']}: device-to-device copy {doc['copy_tb_per_s']:.2f} TB/s", flush=True)
+    shapes = args.shapes.split(",")
+    chosen = {}
+    if args.sweep:
+        doc["sweep"] = []
+        for shape in shapes:
+            _, _, _, V, _ = traffic.MODEL_SHAPES[shape]
+            bvs = [b for b in (8, 16, 32, 64) if b <= V]
+            cands = [dict(BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product(bvs, (2, 4, 8), (1, 2))]
+            best, rows = sweep_configs(shape, cands, cands)
+            doc["sweep"] += rows
+            chosen[shape] = {k: v[0] for k, v in best.items()}
+            print(f"sweep {shape}: " + ", ".join(f"{k} {v[0]} {v[1]:.1f} us" for k, v in best.items()), flush=True)
+        doc["configs"] = chosen
+    rows = []
+    for shape, window, batch, cur in itertools.product(shapes, map(int, args.windows.split(",")),
+                                                       map(int, args.batches.split(",")), args.cursors.split(",")):
+        cfg = chosen.get(shape, {})
+        r = measure(shape, batch, window, cur, rdt, args.reps, cfg.get("replay"), cfg.get("conventional"))
+        rows += r
+        print(f"{shape:18} L={window:2d} B={batch:3d} {cur:9} conv {r[0]['us_per_step']:8.1f} us "
+              f"{r[0]['tb_per_s']:5.2f} TB/s | replay {r[1]['us_per_step']:8.1f} us {r[1]['tb_per_s']:5.2f} TB/s "
+              f"| {r[1]['ratio_vs_conventional']:.2f}x", flush=True)
+    doc["rows"] = rows
+    path = write_results(args.out, doc)
+    try:
+        _plot(rows, path.with_suffix(".png"))
+    except Exception as e:  # plotting is a convenience; the JSON is the result
+        print("plot failed:", e)
+    print("\nshape               batch  conv us  TB/s  replay us  TB/s  ratio   (window 16, staggered)")
+    for r in rows:
+        if r["window"] == 16 and r["cursors"] == "staggered" and r["scheme"] == "replay":
+            c = next(x for x in rows if x["scheme"] == "conventional" and all(
+                x[k] == r[k] for k in ("shape", "batch", "window", "cursors")))
+            print(f"{r['shape']:18} {r['batch']:5d} {c['us_per_step']:8.1f} {c['tb_per_s']:5.2f} "
+                  f"{r['us_per_step']:9.1f} {r['tb_per_s']:5.2f} {r['ratio_vs_conventional']:6.2f}x")
+    return doc
+
+
+if __name__ == "__main__":
+    main()

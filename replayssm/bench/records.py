@@ -1,0 +1,98 @@
+"""Record precision study: the effect of bf16 records (values/`u` and keys) against fp32
+records over a long decode, measured against the float64 conventional recurrence.
+
+For each family at a real shape, `steps` decode steps of the same random inputs run through
+the conventional fp32 kernel, the ReplaySSM kernel with fp32 records and with bf16 records,
+and the float64 reference (on the GPU). Reported per bin of steps: the mean relative error of
+the outputs, and at the end the relative error of the state.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .. import traffic
+from ..testing import make_inputs, make_params
+from .common import header, write_results
+from .decode import _call, _ops
+
+SHAPES = {"mamba2": "nemotron3-nano-4b", "gdn": "qwen3.5-4b", "kda": "kimi-linear-48b"}
+
+
+def run(family, steps, batch, heads, window, bins, seed=0):
+    shape = SHAPES[family]
+    _, HV_full, Hk_full, V, K = traffic.MODEL_SHAPES[shape]
+    HV = heads or HV_full
+    Hk = max(1, HV * Hk_full // HV_full)
+    dev = "cuda"
+    p64 = make_params(family, HV, K, dtype=torch.float64, device=dev, seed=seed)
+    p32 = make_params(family, HV, K, dtype=torch.float32, device=dev, seed=seed)
+    ops = _ops(family)
+    N, Lb = batch, window + 1
+    slots = torch.arange(N, device=dev)
+    S64 = torch.zeros(N, HV, V, K, dtype=torch.float64, device=dev)
+    conv = torch.zeros(N, HV, V, K, device=dev)
+    schemes = {}
+    for rd in (torch.float32, torch.bfloat16):
+        ld_shape = (N, Lb, HV, K) if family == "kda" else (N, Lb, HV)
+        schemes[str(rd).replace("torch.", "")] = dict(
+            ckpt=torch.zeros(N, HV, V, K, device=dev), buf_ld=torch.zeros(ld_shape, device=dev),
+            buf_w=torch.zeros(N, Lb, HV, V, dtype=rd, device=dev), buf_k=torch.zeros(N, Lb, Hk, K, dtype=rd, device=dev),
+            cursor=torch.zeros(N, dtype=torch.int32, device=dev), epoch=torch.zeros(N, dtype=torch.int64, device=dev),
+            arrive=torch.zeros(N, dtype=torch.int32, device=dev))
+    names = ["conventional_fp32"] + [f"replay_{k}_records" for k in schemes]
+    acc = {n: [0.0] * bins for n in names}
+    per_bin = steps // bins
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for t in range(steps):
+        inp64 = {k: v for k, v in make_inputs(p64, N, V, K, Hk, dtype=torch.float64, device=dev,
+                                              generator=_CpuGen(g)).items()}
+        y64, S64 = p64.step(S64, **inp64)
+        inp = {k: v.float() for k, v in inp64.items()}
+        if family == "mamba2":
+            common = dict(inp, A=p32.A, dt_bias=p32.dt_bias, D=p32.D, z=inp.get("z"))
+        else:
+            common = dict(inp, A_log=p32.A_log, dt_bias=p32.dt_bias, scale=None, use_qk_l2norm=True)
+        outs = {"conventional_fp32": _call(ops.conventional_decode, dict(common, state=conv, slot_ids=slots, validate=False))}
+        for k, st in schemes.items():
+            outs[f"replay_{k}_records"] = _call(ops.replay_decode, dict(common, **st, slot_ids=slots, window=window, validate=False))
+        den = y64.norm().item()
+        for n, y in outs.items():
+            acc[n][min(t // per_bin, bins - 1)] += (y.double() - y64).norm().item() / den / per_bin
+    return {"shape": shape, "family": family, "heads": HV, "batch": batch, "window": window, "steps": steps,
+            "bin_steps": per_bin, "output_rel_err_by_bin": acc,
+            "final_state_rel_err": {"conventional_fp32": ((conv.double() - S64).norm() / S64.norm()).item()}}
+
+
+class _CpuGen:
+    """make_inputs draws on the CPU; a per-step CPU generator seeded from a device one."""
+
+    def __new__(cls, g):
+        return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), device=g.device, generator=g)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--families", default="mamba2,gdn,kda")
+    ap.add_argument("--steps", type=int, default=16384)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=8, help="value heads (real head dims); 0: the model's")
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--bins", type=int, default=8)
+    ap.add_argument("--out", default="benchmarks/results/records_h200.json")
+    args = ap.parse_args(argv)
+    doc = header("records")
+    doc["rows"] = []
+    for fam in args.families.split(","):
+        r = run(fam, args.steps, args.batch, args.heads, args.window, args.bins)
+        doc["rows"].append(r)
+        print(f"{fam}: mean output rel. error per {r['bin_steps']}-step bin")
+        for n, v in r["output_rel_err_by_bin"].items():
+            print(f"  {n:26} " + " ".join(f"{x:.1e}" for x in v), flush=True)
+    write_results(args.out, doc)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
