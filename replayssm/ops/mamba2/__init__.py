@@ -138,7 +138,8 @@ def gpu_check(device="cuda", *, shapes=("nemotron3-super", "nemotron3-nano-4b"),
     For each shape: fp32 records and bf16 records, `windows` windows of `window` steps on
     `n_slots` staggered slots. Returns `{shape: {"fp32": errors, "bf16": errors, "ok": bool}}`
     with the errors of `compare_with_reference`; `ok` requires the replay kernel's output and
-    checkpoint errors (fp32 records) within 1.5x the conventional kernel's (+1e-7 floor), and
+    checkpoint errors (fp32 records) within 1.5x the conventional kernel's (+2e-8, a third of
+    fp32's unit roundoff, as in tests/test_ops_mamba2.py), bf16-record errors below 1e-2, and
     the cursor, epoch and padding bookkeeping exact.
     """
     out = {}
@@ -151,8 +152,9 @@ def gpu_check(device="cuda", *, shapes=("nemotron3-super", "nemotron3-nano-4b"),
                                             seed=seed)
         e = r["fp32"]
         r["ok"] = bool(
-            e["out_replay"] <= 1.5 * e["out_conventional"] + 1e-7
-            and e["ckpt_replay"] <= 1.5 * e["ckpt_conventional"] + 1e-7
+            e["out_replay"] <= 1.5 * e["out_conventional"] + 2e-8
+            and e["ckpt_replay"] <= 1.5 * e["ckpt_conventional"] + 2e-8
+            and r["bf16"]["out_replay"] < 1e-2 and r["bf16"]["ckpt_replay"] < 1e-2
             and all(r[t]["cursor_ok"] and r[t]["padding_zero"] and r[t]["arrive_zero"]
                     for t in ("fp32", "bf16")))
         out[name] = r

@@ -5,9 +5,10 @@ The baseline ReplaySSM replaces, with the semantics of vLLM's / mamba_ssm's
 
     dt = softplus(dt_raw + dt_bias);  S_s <- exp(dt A) S_s + (dt x) B^T;  y = S_s C + D x;  y *= silu(z)
 
-It is kept honest: one program streams a `[BV, K]` tile of one head's state (K contiguous,
-so each thread issues wide loads), reads it once and writes it once; the launch config is a
-per-shape table the GPU sweep can override, like the replay kernel's.
+It is kept honest: one program streams `BV` consecutive rows of a slot's state seen as
+`[HV * V, K]` (K contiguous, so each thread issues wide loads; BV > V covers several heads in
+one program), reads them once and writes them once; the launch config is a per-shape table
+the GPU sweep can override, like the replay kernel's.
 """
 from __future__ import annotations
 
@@ -22,12 +23,22 @@ from .decode import check_slots, check_tensor, check_token_inputs, resolve_confi
 
 __all__ = ["conventional_decode", "CONVENTIONAL_CONFIGS"]
 
-# Fixed per shape `(HV, V, K, G)`; keys BV, num_warps, num_stages as in decode.REPLAY_CONFIGS.
+# Fixed per shape `(HV, V, K, G)`; keys BV, num_warps, num_stages as in decode.REPLAY_CONFIGS,
+# except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
+# in one program) and must divide the `HV // G * V` rows of a group.
 CONVENTIONAL_CONFIGS = {
-    (128, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1),   # Nemotron-3-Super
-    (96, 80, 128, 8): dict(BV=16, num_warps=4, num_stages=1),    # Nemotron-3-Nano-4B
-    (64, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1),    # Nemotron-3-Nano-30B
+    (128, 64, 128, 8): dict(BV=64, num_warps=8, num_stages=1),   # Nemotron-3-Super
+    (96, 80, 128, 8): dict(BV=64, num_warps=8, num_stages=1),    # Nemotron-3-Nano-4B
+    (64, 64, 128, 8): dict(BV=64, num_warps=8, num_stages=1),    # Nemotron-3-Nano-30B
 }
+
+
+def _default_rows(HV: int, V: int, G: int) -> int:
+    rows = HV // G * V
+    bv = 1
+    while bv < 64 and rows % (2 * bv) == 0:
+        bv *= 2
+    return bv
 
 
 @triton.jit
@@ -38,44 +49,52 @@ def _conventional_decode_kernel(
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
 ):
-    i_v = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2).to(tl.int64)
-    i_g = i_h // (HV // G)
+    # A program owns BV consecutive rows of a slot's state seen as [HV * V, K]: it may span
+    # several heads (BV > V) or part of one, but never two groups (BV divides a group's rows),
+    # so that B and C are one vector per program.
+    i_r = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_g = (i_r * BV) // ((HV // G) * V)
 
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_r = i_r * BV + tl.arange(0, BV)
+    o_h = o_r // V
+    o_v = o_r % V
     o_k = tl.arange(0, BK)
-    m_v = o_v < V
     m_k = o_k < K
 
-    p_o = out + i_b * stride_o_b + i_h * stride_o_h + o_v
+    p_o = out + i_b * stride_o_b + o_h * stride_o_h + o_v
     slot = tl.load(slot_ids + i_b).to(tl.int64)
     if slot < 0:
-        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
         return
 
-    p_S = state + slot * (HV * V * K) + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
-    m_S = m_v[:, None] & m_k[None, :]
+    p_S = state + slot * (HV * V * K) + o_r[:, None] * K + o_k[None, :]
     # the state is streamed once: keep it from evicting the inputs shared by a group's heads
-    b_S = tl.load(p_S, mask=m_S, other=0.0, eviction_policy="evict_first")              # [BV, BK]
+    if BK == K:
+        b_S = tl.load(p_S, eviction_policy="evict_first")                              # [BV, BK]
+    else:
+        b_S = tl.load(p_S, mask=m_k[None, :], other=0.0, eviction_policy="evict_first")
 
-    b_dt = tl.load(dt + i_b * stride_dt_b + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    b_dt = softplus(b_dt)
-    b_a = tl.exp(b_dt * tl.load(A + i_h).to(tl.float32))
-    b_x = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_dt = tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32)
+    b_dt = softplus(b_dt)                                                               # [BV]
+    b_a = tl.exp(b_dt * tl.load(A + o_h).to(tl.float32))
+    b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + o_v).to(tl.float32)
     b_k = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
 
-    b_S = b_a * b_S + (b_dt * b_x)[:, None] * b_k[None, :]
-    tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S, eviction_policy="evict_first")
+    b_S = b_a[:, None] * b_S + (b_dt * b_x)[:, None] * b_k[None, :]
+    if BK == K:
+        tl.store(p_S, b_S.to(p_S.dtype.element_ty), eviction_policy="evict_first")
+    else:
+        tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_k[None, :], eviction_policy="evict_first")
 
     b_y = tl.sum(b_S * b_q[None, :], axis=1)                                            # [BV]
     if HAS_D:
-        b_y += tl.load(D + i_h).to(tl.float32) * b_x
+        b_y += tl.load(D + o_h).to(tl.float32) * b_x
     if HAS_Z:
-        b_z = tl.load(z + i_b * stride_z_b + i_h * stride_z_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_y = b_y * b_z * tl.sigmoid(b_z)
-    tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
+        b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
+        b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
+    tl.store(p_o, b_y.to(p_o.dtype.element_ty))
 
 
 def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps,
@@ -84,7 +103,7 @@ def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV
     G, K = B.shape[1], B.shape[2]
     if Bt == 0:
         return
-    grid = (triton.cdiv(V, BV), HV, Bt)
+    grid = (HV * V // BV, Bt)
     _conventional_decode_kernel[grid](
         x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
         state, slot_ids,
@@ -119,6 +138,8 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
 
     Inputs as in `replay_decode`; `state` `[N, HV, V, K]` fp32, contiguous. `slot_ids` `[Bt]`
     (negative: padding row, `y[b] = 0`, state untouched). `out` `[Bt, HV, V]` of x's dtype.
+    `config`: overrides of CONVENTIONAL_CONFIGS (`BV` rows of `[HV * V, K]` per program, a
+    power of two dividing a group's `HV // G * V` rows; `num_warps`; `num_stages`).
     """
     if validate:
         Bt, HV, V, G, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
@@ -131,8 +152,13 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_slots(slot_ids, N, check_slots_on_device)
-    cfg = resolve_config(CONVENTIONAL_CONFIGS, x.shape[1], x.shape[2], B.shape[2], B.shape[1],
-                         config, with_flush=False)
+    HV, V, G = x.shape[1], x.shape[2], B.shape[1]
+    table = CONVENTIONAL_CONFIGS
+    if (HV, V, B.shape[2], G) not in table:
+        table = {(HV, V, B.shape[2], G): dict(BV=_default_rows(HV, V, G))}
+    cfg = resolve_config(table, HV, V, B.shape[2], G, config, with_flush=False)
+    if (HV // G * V) % cfg["BV"]:
+        raise ValueError(f"config: BV={cfg['BV']} must divide the {HV // G * V} state rows of a group")
     if out is None:
         out = torch.empty_like(x)
     args = (x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, cfg["BV"], cfg["num_warps"],

@@ -37,7 +37,8 @@ _FLUSH_MODES = {"fma": 0, "ieee": 1, "tf32x3": 2}
 #   num_stages  software-pipelining depth (the kernels have no loop over K; kept for sweeps)
 #   flush       replay only: how the flush product [BV, L] x [L, K] is computed:
 #               "ieee" (tl.dot, exact fp32), "tf32x3" (tl.dot on tensor cores, 3 tf32 passes,
-#               near-fp32), "fma" (an unrolled loop of rank-1 updates over the window)
+#               near-fp32), "fma" (an unrolled loop of rank-1 updates over the window; chosen
+#               when an override sets BV < 16 without naming flush)
 REPLAY_CONFIGS = {
     (128, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="ieee"),   # Nemotron-3-Super
     (96, 80, 128, 8): dict(BV=16, num_warps=4, num_stages=1, flush="ieee"),    # Nemotron-3-Nano-4B
@@ -68,6 +69,8 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     bv, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
     if not (isinstance(bv, int) and bv >= 1 and bv & (bv - 1) == 0):
         raise ValueError(f"config: BV must be a power of two, got {bv!r}")
+    if with_flush and config and "flush" not in config and bv < 16:
+        cfg["flush"] = "fma"     # tl.dot needs 16 rows: a sweep over small BV gets the FMA flush
     if not (isinstance(nw, int) and nw >= 1 and nw & (nw - 1) == 0):
         raise ValueError(f"config: num_warps must be a power of two, got {nw!r}")
     if not (isinstance(ns, int) and ns >= 1):
@@ -166,7 +169,7 @@ def _replay_decode_kernel(
         b_y += tl.load(D + i_h).to(tl.float32) * b_x
     if HAS_Z:
         b_z = tl.load(z + i_b * stride_z_b + i_h * stride_z_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_y = b_y * b_z * tl.sigmoid(b_z)
+        b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
     tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
 
     if is_flush:
@@ -176,9 +179,12 @@ def _replay_decode_kernel(
             p_w0 = buf_w + slot * (LB * HV * V) + i_h * V + o_v
             p_k0 = buf_k + slot * (LB * G * K) + i_g * K + o_k
             for j in tl.static_range(WINDOW):
-                w_j = tl.load(p_w0 + j * (HV * V), mask=m_v & (h > j), other=0.0).to(tl.float32)
+                # vector compares: the interpreter cannot AND a scalar bool into a mask
+                m_wj = m_v & (tl.full([BV], j, tl.int32) < h)
+                m_kj = m_k & (tl.full([BK], j, tl.int32) < h)
+                w_j = tl.load(p_w0 + j * (HV * V), mask=m_wj, other=0.0).to(tl.float32)
                 w_j = tl.where(h == j, b_w, w_j)
-                k_j = tl.load(p_k0 + j * (G * K), mask=m_k & (h > j), other=0.0).to(tl.float32)
+                k_j = tl.load(p_k0 + j * (G * K), mask=m_kj, other=0.0).to(tl.float32)
                 k_j = tl.where(h == j, b_kc, k_j)
                 c_j = tl.sum(tl.where(o_l == j, b_coef, 0.0), axis=0)
                 b_S += (c_j * w_j)[:, None] * k_j[None, :]
@@ -206,11 +212,11 @@ def _replay_decode_kernel(
     n_before = tl.atomic_add(arrive + slot, 1, sem="acq_rel")
     if n_before == HV * NVB - 1:
         if is_flush:
-            tl.store(cursor + slot, tl.zeros_like(h))
+            tl.store(cursor + slot, h * 0)
             tl.store(epoch + slot, tl.load(epoch + slot) + 1)
         else:
             tl.store(cursor + slot, h + 1)
-        tl.store(arrive + slot, tl.zeros_like(n_before))
+        tl.store(arrive + slot, n_before * 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,8 +246,8 @@ def check_tensor(name: str, t, shape, dtypes, device, *, contiguous: bool = Fals
 
 def check_slots(slot_ids: Tensor, N: int, force: bool) -> None:
     """Range and uniqueness of slot ids. Reading them needs a device sync, so on an accelerator
-    this runs only when asked (`force`), and never during CUDA-graph capture."""
-    if _capturing() or (slot_ids.device.type != "cpu" and not force):
+    this runs only when asked (`force`), and never during CUDA-graph capture or tracing."""
+    if torch.compiler.is_compiling() or _capturing() or (slot_ids.device.type != "cpu" and not force):
         return
     s = slot_ids.detach().to("cpu", torch.int64)
     live = s[s >= 0]
@@ -349,7 +355,8 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     `ckpt` `[N, HV, V, K]` fp32; `buf_ld` `[N, Lb, HV]` fp32; `buf_w` `[N, Lb, HV, V]` and
     `buf_k` `[N, Lb, G, K]` fp32, bf16 or fp16; `cursor` `[N]` int32; `epoch` `[N]` int64.
     `slot_ids` `[Bt]` int32/int64 (negative: padding row, `y[b] = 0`, nothing touched);
-    `window` the replay window `L` (`1 <= L <= Lb`).
+    `window` the replay window `L` (`1 <= L <= Lb`); every live slot must hold `cursor < L`
+    (the pool's invariant in standard decode; not checked, it would need a device sync).
 
     `out` `[Bt, HV, V]` of x's dtype: written when given (then the call allocates nothing and is
     capturable in a CUDA graph). `config`: overrides of the launch config (see REPLAY_CONFIGS).

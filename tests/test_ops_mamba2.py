@@ -1,0 +1,471 @@
+"""Mamba-2 Triton decode kernels (replayssm.ops.mamba2) against the float64 reference.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on the CPU at small shapes; tests marked
+`gpu` repeat them at real model shapes and are skipped without CUDA.
+
+Tolerances. The yardstick of the replay kernel is the conventional fp32 kernel's own error
+on the same inputs, against the same float64 reference: the replay kernel must stay within
+1.5x of it, plus an absolute floor of 2e-8 (a third of fp32's unit roundoff 6e-8): both errors
+sit near 1e-7, a few roundings, and at that level their ratio is noise, not a property of
+the kernels.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from torch._dynamo.backends.registry import lookup_backend  # noqa: E402
+
+from replayssm.ops.mamba2 import SHAPES, compare_with_reference, conventional_decode, replay_decode  # noqa: E402
+from replayssm.reference import Mamba2Params, replay  # noqa: E402
+from replayssm.testing import make_inputs, make_params  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+FLOOR = 2e-8
+SMALL = dict(HV=4, G=2, V=16, K=32)
+
+# (shape, window, live slots, windows): at least 64 windows; rows staggered
+ACCURACY_CASES = [
+    pytest.param(SMALL, 4, 3, 64, id="small-L4"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, 16, 64,
+                 marks=[pytest.mark.gpu, gpu], id="nemotron3-super-L16"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, 16, 64,
+                 marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b-L16"),
+]
+
+
+def _check_bookkeeping(r):
+    assert r["cursor_ok"], "device cursors/epochs diverged from the host model"
+    assert r["padding_zero"], "a padding row's output was not exactly 0"
+    assert r["arrive_zero"], "arrival counters not reset to 0"
+
+
+@pytest.mark.parametrize("shape, window, n_slots, windows", ACCURACY_CASES)
+def test_replay_error_within_conventional(shape, window, n_slots, windows):
+    r = compare_with_reference(shape["HV"], shape["G"], shape["V"], shape["K"], window=window,
+                               n_slots=n_slots, windows=windows, device=DEV)
+    print(r)
+    _check_bookkeeping(r)
+    # every live slot flushes once per window after it joined
+    assert r["flushes"] >= n_slots * windows
+    for what in ("out", "ckpt"):
+        rep, conv = r[f"{what}_replay"], r[f"{what}_conventional"]
+        assert conv < 1e-5, f"conventional {what} error {conv}: the yardstick itself is broken"
+        assert rep <= 1.5 * conv + FLOOR, f"{what}: replay {rep:.3e} vs conventional {conv:.3e}"
+
+
+EDGE_CASES = [
+    # window 1: every step flushes (replay degenerates to read-update-write)
+    pytest.param(SMALL, 1, dict(flush="ieee"), id="L1-ieee"),
+    # V, K not powers of two (masked tiles, two V-blocks per head); rank-1 flush loop
+    pytest.param(dict(HV=4, G=2, V=24, K=20), 5, dict(BV=16, flush="fma"), id="odd-L5-fma"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="fma"),
+                 marks=[pytest.mark.gpu, gpu], id="super-fma"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="tf32x3"),
+                 marks=[pytest.mark.gpu, gpu], id="super-tf32x3"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, dict(BV=32),
+                 marks=[pytest.mark.gpu, gpu], id="nano4b-BV32-masked"),
+]
+
+
+@pytest.mark.parametrize("shape, window, config", EDGE_CASES)
+def test_replay_edge_configs(shape, window, config):
+    r = compare_with_reference(shape["HV"], shape["G"], shape["V"], shape["K"], window=window,
+                               n_slots=3, windows=3, device=DEV, config=config,
+                               conv_config=dict(BV=config.get("BV", 16)))
+    print(r)
+    _check_bookkeeping(r)
+    for what in ("out", "ckpt"):
+        rep, conv = r[f"{what}_replay"], r[f"{what}_conventional"]
+        assert conv < 1e-5
+        assert rep <= 1.5 * conv + FLOOR, f"{what}: replay {rep:.3e} vs conventional {conv:.3e}"
+
+
+BF16_CASES = [
+    pytest.param(SMALL, 4, 3, 8, id="small"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, 16, 16,
+                 marks=[pytest.mark.gpu, gpu], id="nemotron3-super"),
+]
+
+
+@pytest.mark.parametrize("shape, window, n_slots, windows", BF16_CASES)
+def test_bf16_records(shape, window, n_slots, windows):
+    """bf16 `w` and `k` records: their rounding enters the outputs and, at each flush, the
+    checkpoint. Measured (CPU interpreter, which truncates instead of rounding to nearest):
+    output and checkpoint relative errors about 2e-3 and 3e-3, against 1e-7 with fp32 records.
+    Bound: a few bf16 roundings (2^-8 = 3.9e-3 each)."""
+    r = compare_with_reference(shape["HV"], shape["G"], shape["V"], shape["K"], window=window,
+                               n_slots=n_slots, windows=windows, device=DEV,
+                               record_dtype=torch.bfloat16)
+    print(r)
+    _check_bookkeeping(r)
+    assert r["out_replay"] < 1e-2 and r["ckpt_replay"] < 1e-2
+    # the records were really rounded: far above the fp32 error, near bf16 precision
+    assert r["out_replay"] > 1e-4 and r["ckpt_replay"] > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# Poison: every output written, nothing else touched, cursors advance as in the contract
+
+
+def _pool(N, Lb, HV, V, K, G, fill):
+    return dict(
+        ckpt=torch.full((N, HV, V, K), fill, device=DEV),
+        buf_ld=torch.full((N, Lb, HV), fill, device=DEV),
+        buf_w=torch.full((N, Lb, HV, V), fill, device=DEV),
+        buf_k=torch.full((N, Lb, G, K), fill, device=DEV),
+        cursor=torch.full((N,), 12345, dtype=torch.int32, device=DEV),
+        epoch=torch.full((N,), 777, dtype=torch.int64, device=DEV),
+    )
+
+
+POISON_CASES = [
+    pytest.param(SMALL, 4, id="small"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16,
+                 marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b"),
+]
+
+
+@pytest.mark.parametrize("shape, L", POISON_CASES)
+def test_poison_and_cursors(shape, L):
+    HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
+    N, Lb, f64 = 6, L + 2, torch.float64
+    used, start = [0, 1, 2], [0, L - 1, 2]     # slot 0 at cursor 0; slot 1 flushes on its first step
+    g = torch.Generator().manual_seed(3)
+    p = make_params("mamba2", HV, K, seed=3)
+    A, dt_bias, D = (t.float() for t in (p.A, p.dt_bias, p.D))
+    ref = Mamba2Params(A=A.double(), dt_bias=dt_bias.double(), D=D.double())
+    A, dt_bias, D = (t.to(DEV) for t in (A, dt_bias, D))
+
+    pool = _pool(N, Lb, HV, V, K, G, 1e30)
+    S_ref = {}
+    for s, h in zip(used, start):
+        # live state: a checkpoint and h records; positions h.. stay poisoned with NaN, which
+        # any read the kernel should not make would carry into the outputs
+        C0 = 0.1 * torch.randn(HV, V, K, generator=g)
+        inp = make_inputs(p, h, V, K, G, generator=g)
+        pr = p.prepare(inp["x"], inp["dt"], inp["B"], inp["C"])
+        ld, w, k = pr["ld"].float(), pr["w"].float(), pr["k"].float()
+        pool["ckpt"][s] = C0.to(DEV)
+        pool["buf_ld"][s] = float("nan")
+        pool["buf_w"][s] = float("nan")
+        pool["buf_k"][s] = float("nan")
+        pool["buf_ld"][s, :h] = ld.to(DEV)
+        pool["buf_w"][s, :h] = w.to(DEV)
+        pool["buf_k"][s, :h] = k.to(DEV)
+        # beyond the window the buffer is never touched in standard decode: a sentinel
+        pool["buf_ld"][s, L:] = 1e30
+        pool["buf_w"][s, L:] = 1e30
+        pool["buf_k"][s, L:] = 1e30
+        pool["cursor"][s] = h
+        pool["epoch"][s] = 10 * s
+        S_ref[s] = replay(C0.double(), ld.double(), w.double(), k.double())
+    unused = [s for s in range(N) if s not in used]
+    frozen = {name: t[unused].clone() for name, t in pool.items()}
+    tail = {name: pool[name][used, L:].clone() for name in ("buf_ld", "buf_w", "buf_k")}
+
+    h_model = dict(zip(used, start))
+    e_model = {s: 10 * s for s in used}
+    batches = [[1, -1, 0, 2], [2, 0, -1, 1], [-1, 1, 2, 0]]
+    for t in range(2 * L + 1):
+        rows = batches[t % len(batches)]
+        slot_ids = torch.tensor(rows, dtype=torch.int64 if t % 2 else torch.int32, device=DEV)
+        inp = make_inputs(p, len(rows), V, K, G, generator=g, dtype=torch.float32)
+        dinp = {k: v.to(DEV) for k, v in inp.items()}
+        out = torch.full((len(rows), HV, V), float("nan"), device=DEV)
+        y = replay_decode(dinp["x"], dinp["dt"], dinp["B"], dinp["C"], A, dt_bias, D, dinp["z"],
+                          pool["ckpt"], pool["buf_ld"], pool["buf_w"], pool["buf_k"],
+                          pool["cursor"], pool["epoch"], slot_ids, L, out=out)
+        assert y is out
+        y = y.cpu()
+        assert torch.isfinite(y).all(), f"step {t}: output left unwritten or poisoned"
+        for i, s in enumerate(rows):
+            if s < 0:
+                assert (y[i] == 0).all(), f"step {t}: padding row {i} not zero"
+                continue
+            y_ref, S_new = ref.step(S_ref[s][None], *(inp[k][i:i + 1].double()
+                                                      for k in ("x", "dt", "B", "C", "z")))
+            S_ref[s] = S_new[0]
+            err = (y[i].double() - y_ref[0]).norm() / y_ref.norm()
+            assert err < 1e-5, f"step {t}, slot {s} (cursor {h_model[s]}): rel err {err:.2e}"
+            h = h_model[s]
+            if h + 1 >= L:
+                h_model[s], e_model[s] = 0, e_model[s] + 1
+                err = (pool["ckpt"][s].cpu().double() - S_ref[s]).norm() / S_ref[s].norm()
+                assert err < 1e-5, f"step {t}: checkpoint of slot {s} after flush, rel err {err:.2e}"
+            else:
+                h_model[s] = h + 1
+                # the record was appended at position h: ld = dt*A, w = dt*x, and the group's B
+                pr = p.prepare(*(inp[k][i:i + 1].double() for k in ("x", "dt", "B", "C")))
+                torch.testing.assert_close(pool["buf_ld"][s, h].cpu().double(), pr["ld"][0], rtol=1e-5, atol=0)
+                torch.testing.assert_close(pool["buf_w"][s, h].cpu().double(), pr["w"][0], rtol=1e-5, atol=1e-9)
+                assert torch.equal(pool["buf_k"][s, h].cpu(), inp["B"][i])
+        assert pool["cursor"][used].tolist() == [h_model[s] for s in used], f"step {t}"
+        assert pool["epoch"][used].tolist() == [e_model[s] for s in used], f"step {t}"
+    for name, t in pool.items():
+        assert torch.equal(t[unused], frozen[name]), f"{name} of an unused slot changed"
+    for name, t in tail.items():
+        assert torch.equal(pool[name][used, L:], t), f"{name} beyond the window changed"
+
+
+@pytest.mark.parametrize("shape", [pytest.param(SMALL, id="small"), pytest.param(
+    dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), marks=[pytest.mark.gpu, gpu],
+    id="nemotron3-super")])
+def test_conventional_poison(shape):
+    HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
+    p = make_params("mamba2", HV, K, seed=5)
+    A, dt_bias, D = (t.float().to(DEV) for t in (p.A, p.dt_bias, p.D))
+    ref = Mamba2Params(A=p.A.float().double(), dt_bias=p.dt_bias.float().double(), D=p.D.float().double())
+    state = torch.full((5, HV, V, K), 1e30, device=DEV)
+    state[[3, 1]] = 0.1 * torch.randn(2, HV, V, K, device=DEV)
+    S0 = state.clone()
+    inp = make_inputs(p, 3, V, K, G, dtype=torch.float32)
+    dinp = {k: v.to(DEV) for k, v in inp.items()}
+    out = torch.full((3, HV, V), float("nan"), device=DEV)
+    conventional_decode(dinp["x"], dinp["dt"], dinp["B"], dinp["C"], A, dt_bias, D, dinp["z"],
+                        state, torch.tensor([3, -1, 1], device=DEV), out=out)
+    y_ref, S_new = ref.step(S0[[3, 1]].cpu().double(), *(inp[k][[0, 2]].double() for k in ("x", "dt", "B", "C", "z")))
+    assert (out[1] == 0).all()
+    torch.testing.assert_close(out[[0, 2]].cpu().double(), y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state[[3, 1]].cpu().double(), S_new, rtol=1e-5, atol=1e-6)
+    assert torch.equal(state[[0, 2, 4]], S0[[0, 2, 4]])
+
+
+@pytest.mark.parametrize("variant", ["no-D-no-z-strided", "bf16-inputs"])
+def test_optional_inputs_and_dtypes(variant):
+    """D and z absent (HAS_D / HAS_Z off) with token inputs that are strided views, as a fused
+    projection hands them over; and bf16 token inputs (output in x's dtype)."""
+    HV, G, V, K = SMALL["HV"], SMALL["G"], SMALL["V"], SMALL["K"]
+    L, N, Bt = 4, 3, 3
+    bare = variant.startswith("no-D")
+    dtype = torch.float32 if bare else torch.bfloat16
+    p = make_params("mamba2", HV, K, seed=11, with_D=not bare)
+    A, dt_bias = p.A.float().to(DEV), p.dt_bias.float().to(DEV)
+    D = None if bare else p.D.float().to(DEV)
+    ref = Mamba2Params(A=p.A.float().double(), dt_bias=p.dt_bias.float().double(),
+                       D=None if bare else p.D.float().double())
+    g = torch.Generator().manual_seed(11)
+    S0 = 0.1 * torch.randn(N, HV, V, K, generator=g)
+    ckpt, state, S_ref = S0.clone().to(DEV), S0.clone().to(DEV), S0.double()
+    buf = dict(buf_ld=torch.zeros(N, L, HV, device=DEV), buf_w=torch.zeros(N, L, HV, V, device=DEV),
+               buf_k=torch.zeros(N, L, G, K, device=DEV),
+               cursor=torch.zeros(N, dtype=torch.int32, device=DEV),
+               epoch=torch.zeros(N, dtype=torch.int64, device=DEV))
+    slot_ids = torch.tensor([2, 0, 1], device=DEV)
+    for t in range(L + 1):
+        inp = make_inputs(p, Bt, V, K, G, generator=g, gate=not bare, dtype=dtype)
+        dinp = {k: v.to(DEV) for k, v in inp.items()}
+        if bare:
+            # views with a row stride larger than the row: x, B, C inside wider buffers
+            wide = torch.zeros(Bt, HV, 2 * V, device=DEV)
+            wide[..., :V] = dinp["x"]
+            dinp["x"] = wide[..., :V]
+            wide = torch.zeros(Bt, 2 * G, K, device=DEV)
+            wide[:, ::2] = dinp["B"]
+            dinp["B"] = wide[:, ::2]
+            assert not dinp["x"].is_contiguous() and not dinp["B"].is_contiguous()
+        args = (dinp["x"], dinp["dt"], dinp["B"], dinp["C"], A, dt_bias, D, dinp.get("z"))
+        y_rep = replay_decode(*args, ckpt, buf["buf_ld"], buf["buf_w"], buf["buf_k"], buf["cursor"],
+                              buf["epoch"], slot_ids, L)
+        y_conv = conventional_decode(*args, state, slot_ids)
+        assert y_rep.dtype == dtype and y_conv.dtype == dtype
+        sl = slot_ids.tolist()
+        y_ref, S_new = ref.step(S_ref[sl], *(inp[k].double() if k in inp else None
+                                             for k in ("x", "dt", "B", "C", "z")))
+        S_ref[sl] = S_new
+        tol = 1e-5 if dtype == torch.float32 else 1e-2      # bf16 output: 2^-8 rounding
+        for y in (y_rep, y_conv):
+            err = (y.cpu().double() - y_ref).norm() / y_ref.norm()
+            assert err < tol, f"step {t}: rel err {err:.2e}"
+    assert buf["epoch"].tolist() == [1, 1, 1] and buf["cursor"].tolist() == [1, 1, 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom ops under torch.compile
+
+
+def test_custom_ops_compile():
+    HV, G, V, K = SMALL["HV"], SMALL["G"], SMALL["V"], SMALL["K"]
+    L, N = 4, 3
+    p = make_params("mamba2", HV, K, seed=7)
+    A, dt_bias, D = (t.float().to(DEV) for t in (p.A, p.dt_bias, p.D))
+    g = torch.Generator().manual_seed(7)
+    pools = []
+    for _ in range(2):
+        pool = dict(ckpt=torch.zeros(N, HV, V, K), buf_ld=torch.zeros(N, L, HV),
+                    buf_w=torch.zeros(N, L, HV, V), buf_k=torch.zeros(N, L, G, K),
+                    cursor=torch.tensor([0, 3, 1], dtype=torch.int32),
+                    epoch=torch.zeros(N, dtype=torch.int64), arrive=torch.zeros(N, dtype=torch.int32),
+                    state=torch.zeros(N, HV, V, K))
+        pools.append({k: v.to(DEV) for k, v in pool.items()})
+    slot_ids = torch.tensor([2, -1, 0, 1], dtype=torch.int32, device=DEV)
+
+    def step(inp, pool, out_r, out_c):
+        replay_decode(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"],
+                      pool["ckpt"], pool["buf_ld"], pool["buf_w"], pool["buf_k"], pool["cursor"],
+                      pool["epoch"], slot_ids, L, out=out_r, arrive=pool["arrive"])
+        conventional_decode(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"],
+                            pool["state"], slot_ids, out=out_c, validate=False)
+        return out_r * 2, out_c * 2
+
+    seen = set()
+
+    def backend(gm, example_inputs):
+        # the custom ops must appear in the traced graph (not be run eagerly by the tracer);
+        # then aot_eager functionalises them through their fake implementations
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    for t in range(3):
+        inp = {k: v.to(DEV) for k, v in make_inputs(p, 4, V, K, G, generator=g, dtype=torch.float32).items()}
+        outs = [torch.empty(4, HV, V, device=DEV) for _ in range(4)]
+        a = step(inp, pools[0], outs[0], outs[1])
+        b = compiled(inp, pools[1], outs[2], outs[3])
+        for u, v in zip(a + tuple(outs[:2]), b + tuple(outs[2:])):
+            assert torch.equal(u, v)
+        for k in pools[0]:
+            assert torch.equal(pools[0][k], pools[1][k]), k
+    assert {"replayssm.mamba2_replay_decode", "replayssm.mamba2_conventional_decode"} <= seen, seen
+
+
+def test_custom_op_registration():
+    """Schema (declared mutations match the real ones) and fake-tensor implementations."""
+    HV, G, V, K = SMALL["HV"], SMALL["G"], SMALL["V"], SMALL["K"]
+    L, N, Bt = 4, 2, 3
+    p = make_params("mamba2", HV, K, seed=8)
+    A, dt_bias, D = (t.float().to(DEV) for t in (p.A, p.dt_bias, p.D))
+    inp = {k: v.to(DEV) for k, v in make_inputs(p, Bt, V, K, G, dtype=torch.float32).items()}
+    slot_ids = torch.tensor([1, -1, 0], dtype=torch.int32, device=DEV)
+    tok = (inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"])
+    replay_args = tok + (torch.randn(N, HV, V, K, device=DEV), torch.zeros(N, L, HV, device=DEV),
+                         torch.zeros(N, L, HV, V, device=DEV), torch.zeros(N, L, G, K, device=DEV),
+                         torch.tensor([0, 3], dtype=torch.int32, device=DEV),
+                         torch.zeros(N, dtype=torch.int64, device=DEV),
+                         torch.zeros(N, dtype=torch.int32, device=DEV), slot_ids,
+                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "ieee")
+    conv_args = tok + (torch.randn(N, HV, V, K, device=DEV), slot_ids,
+                       torch.empty(Bt, HV, V, device=DEV), 16, 4, 1)
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.replayssm.mamba2_replay_decode.default, replay_args, test_utils=tests)
+    torch.library.opcheck(torch.ops.replayssm.mamba2_conventional_decode.default, conv_args, test_utils=tests)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation at the Python boundary
+
+
+def _valid_call_args():
+    HV, G, V, K = SMALL["HV"], SMALL["G"], SMALL["V"], SMALL["K"]
+    Bt, N, Lb = 3, 4, 6
+    f = dict(device=DEV)
+    return dict(
+        x=torch.zeros(Bt, HV, V, **f), dt=torch.zeros(Bt, HV, **f), B=torch.zeros(Bt, G, K, **f),
+        C=torch.zeros(Bt, G, K, **f), A=-torch.ones(HV, **f), dt_bias=torch.zeros(HV, **f),
+        D=torch.zeros(HV, **f), z=torch.zeros(Bt, HV, V, **f),
+        ckpt=torch.zeros(N, HV, V, K, **f), buf_ld=torch.zeros(N, Lb, HV, **f),
+        buf_w=torch.zeros(N, Lb, HV, V, **f), buf_k=torch.zeros(N, Lb, G, K, **f),
+        cursor=torch.zeros(N, dtype=torch.int32, **f), epoch=torch.zeros(N, dtype=torch.int64, **f),
+        slot_ids=torch.tensor([0, -1, 2], **f), window=4,
+    )
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype, device=DEV)
+
+
+# (argument replaced, new value, what the message must say after naming the argument)
+REPLAY_ERRORS = [
+    ("x", _t(3, 4 * 16), "expected"),
+    ("x", _t(3, 4, 16, dtype=torch.float64), "dtype"),
+    ("x", _t(3, 4, 32)[:, :, ::2], "contiguous"),
+    ("dt", _t(3, 5), "shape"),
+    ("B", _t(3, 3, 32), "groups do not divide"),
+    ("B", _t(3, 2), "expected"),
+    ("C", _t(3, 2, 16), "shape"),
+    ("A", _t(5), "shape"),
+    ("A", torch.zeros(4, device="meta"), "device"),
+    ("dt_bias", _t(4, dtype=torch.int32), "dtype"),
+    ("D", _t(4, 1), "shape"),
+    ("z", _t(2, 4, 16), "shape"),
+    ("ckpt", _t(4, 4, 16, 32, dtype=torch.bfloat16), "dtype"),
+    ("ckpt", _t(4, 4, 32, 16), "shape"),
+    ("ckpt", _t(4, 4, 32, 16).transpose(2, 3), "contiguous"),
+    ("buf_ld", _t(4, 6, 4, dtype=torch.bfloat16), "dtype"),
+    ("buf_ld", _t(4, 6), "expected"),
+    ("buf_w", _t(4, 6, 4, 8), "shape"),
+    ("buf_w", _t(4, 5, 4, 16), "shape"),
+    ("buf_k", _t(4, 6, 4, 32), "shape"),
+    ("buf_k", _t(4, 6, 2, 32, dtype=torch.float64), "dtype"),
+    ("cursor", _t(4, dtype=torch.int64), "dtype"),
+    ("epoch", _t(4, dtype=torch.int32), "dtype"),
+    ("epoch", _t(3, dtype=torch.int64), "shape"),
+    ("slot_ids", _t(3), "dtype"),
+    ("slot_ids", _t(2, dtype=torch.int32), "shape"),
+    ("slot_ids", torch.tensor([0, 4, -1], device=DEV), "out of range"),
+    ("slot_ids", torch.tensor([2, -1, 2], device=DEV), "more than once"),
+    ("window", 0, "int in"),
+    ("window", 7, "int in"),
+    ("window", 4.0, "int in"),
+    ("window", True, "int in"),
+    ("out", _t(3, 4, 16, dtype=torch.bfloat16), "dtype"),
+    ("out", _t(3, 4, 8), "shape"),
+    ("arrive", _t(4, dtype=torch.int64), "dtype"),
+    ("config", dict(BV=12), "BV must be a power of two"),
+    ("config", dict(BV=8, flush="ieee"), "BV=8 is below 16"),
+    ("config", dict(num_warps=3), "num_warps"),
+    ("config", dict(flush="tf32"), "flush"),
+    ("config", dict(block=16), "unknown"),
+]
+
+
+def _pattern(name, text):
+    return rf"^{name}\b.*{text}"
+
+
+@pytest.mark.parametrize("name, value, text", REPLAY_ERRORS,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(REPLAY_ERRORS)])
+def test_replay_validation(name, value, text):
+    args = _valid_call_args()
+    args[name] = value
+    before = args["ckpt"].clone()
+    with pytest.raises(ValueError, match=_pattern(name, text)):
+        replay_decode(**args, check_slots_on_device=True)   # slot checks sync off the CPU
+    assert torch.equal(args["ckpt"], before)
+
+
+def test_replay_valid_args_pass():
+    # the baseline of the cases above is itself valid (and runs)
+    args = _valid_call_args()
+    y = replay_decode(**args)
+    assert (y[1] == 0).all() and args["cursor"].tolist() == [1, 0, 1, 0]
+
+
+CONV_ERRORS = [
+    ("state", _t(4, 4, 16, 32, dtype=torch.float16), "dtype"),
+    ("state", _t(4, 4, 16), "expected"),
+    ("state", _t(4, 2, 16, 32), "shape"),
+    ("slot_ids", torch.tensor([1, 1, -1], device=DEV), "more than once"),
+    ("slot_ids", torch.tensor([0, 9, -1], device=DEV), "out of range"),
+    ("x", _t(3, 4, 16, dtype=torch.int32), "dtype"),
+    ("out", _t(3, 4, 16, dtype=torch.float16), "dtype"),
+    ("config", dict(flush="ieee"), "unknown"),
+    ("config", dict(BV=64), "must divide"),
+]
+
+
+@pytest.mark.parametrize("name, value, text", CONV_ERRORS,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(CONV_ERRORS)])
+def test_conventional_validation(name, value, text):
+    a = _valid_call_args()
+    args = {k: a[k] for k in ("x", "dt", "B", "C", "A", "dt_bias", "D", "z", "slot_ids")}
+    args["state"] = a["ckpt"]
+    args[name] = value
+    with pytest.raises(ValueError, match=_pattern(name, text)):
+        conventional_decode(**args, check_slots_on_device=True)
