@@ -45,7 +45,7 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     """Measured device-to-device copy bandwidth (bytes read + written per second, TB/s)."""
     a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").normal_()
     b = torch.empty_like(a)
-    t = graph_time_us(lambda: b.copy_(a), reps=10)
+    t = graph_time_us(lambda: b.copy_(a), reps=20, warmup=10)
     return 2 * nbytes / (t * 1e-6) / 1e12
 
 

@@ -184,10 +184,11 @@ def main(argv=None):
     if args.sweep:
         doc["sweep"] = []
         for shape in shapes:
-            _, _, _, V, _ = traffic.MODEL_SHAPES[shape]
-            bvs = [b for b in (8, 16, 32, 64) if b <= V]
-            cands = [dict(BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product(bvs, (2, 4, 8), (1, 2))]
-            best, rows = sweep_configs(shape, cands, cands)
+            fam, _, _, V, _ = traffic.MODEL_SHAPES[shape]
+            rep = [dict(BV=bv, num_warps=w) for bv in (16, 32, 64) if bv <= V for w in (2, 4, 8)]
+            conv = [dict(BV=bv, num_warps=w) for bv in ((32, 64, 128, 256) if fam == "mamba2" else (8, 16, 32, 64))
+                    for w in (4, 8)]
+            best, rows = sweep_configs(shape, conv, rep)
             doc["sweep"] += rows
             chosen[shape] = {k: v[0] for k, v in best.items()}
             print(f"sweep {shape}: " + ", ".join(f"{k} {v[0]} {v[1]:.1f} us" for k, v in best.items()), flush=True)

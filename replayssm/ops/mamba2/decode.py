@@ -60,6 +60,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if with_flush:
         cfg["flush"] = "ieee"
+        cfg["BC"] = 16
     cfg.update(table.get((HV, V, K, G), {}))
     if config:
         unknown = set(config) - set(cfg)
@@ -80,6 +81,11 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
             raise ValueError(f"config: flush must be one of {sorted(_FLUSH_MODES)}, got {cfg['flush']!r}")
         if cfg["flush"] != "fma" and bv < 16:
             raise ValueError(f"config: BV={bv} is below 16, the smallest tl.dot tile; use flush='fma'")
+        bc = cfg["BC"]
+        if not (isinstance(bc, int) and bc >= 1 and bc & (bc - 1) == 0):
+            raise ValueError(f"config: BC must be a power of two, got {bc!r}")
+        if cfg["flush"] != "fma" and bc < 16:
+            raise ValueError(f"config: BC={bc} is below 16, the smallest tl.dot tile; use flush='fma'")
     return cfg
 
 
@@ -108,7 +114,7 @@ def _replay_decode_kernel(
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
-    WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+    WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr,
     NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
 ):
     i_v = tl.program_id(0).to(tl.int64)
@@ -119,6 +125,7 @@ def _replay_decode_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_k = tl.arange(0, BK)
     o_l = tl.arange(0, BL)
+    o_c = tl.arange(0, BC)
     m_v = o_v < V
     m_k = o_k < K
 
@@ -128,15 +135,23 @@ def _replay_decode_kernel(
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
 
-    # the checkpoint tile does not depend on the cursor: issue its load first
+    # Everything that does not depend on the cursor is issued first, so that the dependent
+    # loads overlap the checkpoint's: the checkpoint tile (streamed once: evict first), all
+    # log-decays of the slot's buffer and the first chunk of records (shared by the group's
+    # heads: kept in L2). Positions at or past the cursor are masked out after the loads by
+    # selects, so stale or poisoned records never enter the arithmetic.
     p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
     m_S = m_v[:, None] & m_k[None, :]
     b_S = tl.load(p_S, mask=m_S, other=0.0, eviction_policy="evict_first")              # [BV, BK]
-
     h = tl.load(cursor + slot)
-    is_flush = h + 1 >= WINDOW
+    b_ldb = tl.load(buf_ld + slot * (LB * HV) + o_l * HV + i_h, mask=o_l < LB, other=0.0)  # [BL]
+    p_K0 = buf_k + slot * (LB * G * K) + i_g * K + o_c[:, None] * (G * K) + o_k[None, :]
+    b_K0 = tl.load(p_K0, mask=(o_c < LB)[:, None] & m_k[None, :], other=0.0,
+                   eviction_policy="evict_last")                                        # [BC, BK]
+    p_W0 = buf_w + slot * (LB * HV * V) + i_h * V + o_c[None, :] * (HV * V) + o_v[:, None]
+    b_W0 = tl.load(p_W0, mask=m_v[:, None] & (o_c < LB)[None, :], other=0.0)           # [BV, BC]
 
-    # current token's record, in registers
+    # the current token's record, in registers
     b_dt = tl.load(dt + i_b * stride_dt_b + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
     b_dt = softplus(b_dt)
     b_ld = b_dt * tl.load(A + i_h).to(tl.float32)
@@ -145,26 +160,44 @@ def _replay_decode_kernel(
     b_kc = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
 
-    # records 0..h-1 from the buffer; position h is the current token; positions > h are 0
-    m_l = o_l < h
-    p_ld = buf_ld + slot * (LB * HV) + o_l * HV + i_h
-    b_lds = tl.load(p_ld, mask=m_l, other=0.0)
-    b_lds = tl.where(o_l == h, b_ld, b_lds)                                             # [BL]
-    p_K = buf_k + slot * (LB * G * K) + i_g * K + o_l[:, None] * (G * K) + o_k[None, :]
-    b_K = tl.load(p_K, mask=m_l[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_K = tl.where((o_l == h)[:, None], b_kc[None, :], b_K)                             # [BL, BK]
-    p_W = buf_w + slot * (LB * HV * V) + i_h * V + o_l[None, :] * (HV * V) + o_v[:, None]
-    b_W = tl.load(p_W, mask=m_v[:, None] & m_l[None, :], other=0.0).to(tl.float32)
-    b_W = tl.where((o_l == h)[None, :], b_w[:, None], b_W)                              # [BV, BL]
-
-    # suffix sums of log-decays, each summed directly (no cumsum difference to cancel):
-    # sfx[j] = sum_{j < i <= h} ld_i = log g_{j+1:h}
-    b_sfx = tl.sum(tl.where(o_l[None, :] > o_l[:, None], b_lds[None, :], 0.0), axis=1)   # [BL]
-    b_coef = tl.where(o_l <= h, tl.exp(b_sfx), 0.0)
+    is_flush = h + 1 >= WINDOW
+    # log-decays of positions 0..h (h: the current token), 0 beyond
+    b_lds = tl.where(o_l < h, b_ldb, tl.where(o_l == h, b_ld, 0.0))                     # [BL]
     b_g = tl.exp(tl.sum(b_lds, axis=0))                                                 # g_{0:h}
 
-    b_kq = tl.sum(b_K * b_q[None, :], axis=1)                                           # [BL]
-    b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1) + tl.sum(b_W * (b_coef * b_kq)[None, :], axis=1)
+    b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)                                      # [BV]
+    if is_flush:
+        b_S = b_g * b_S
+    # buffered records 0..h-1 in chunks of BC; the first chunk is already loaded
+    for j0 in range(0, h, BC):
+        pos = j0 + o_c
+        m_c = pos < h
+        if j0 == 0:
+            b_K = b_K0
+            b_W = b_W0
+        else:
+            b_K = tl.load(p_K0 + j0 * (G * K), mask=m_c[:, None] & m_k[None, :], other=0.0)
+            b_W = tl.load(p_W0 + j0 * (HV * V), mask=m_v[:, None] & m_c[None, :], other=0.0)
+        b_K = tl.where(m_c[:, None], b_K.to(tl.float32), 0.0)
+        b_W = tl.where(m_c[None, :], b_W.to(tl.float32), 0.0)
+        # coef_j = g_{j+1:h}: each suffix summed directly (no cancelling cumsum difference)
+        b_sfx = tl.sum(tl.where(o_l[None, :] > pos[:, None], b_lds[None, :], 0.0), axis=1)   # [BC]
+        b_coef = tl.where(m_c, tl.exp(b_sfx), 0.0)
+        b_kq = tl.sum(b_K * b_q[None, :], axis=1)                                       # [BC]
+        b_y += tl.sum(b_W * (b_coef * b_kq)[None, :], axis=1)
+        if is_flush:
+            b_Wc = b_W * b_coef[None, :]
+            if FLUSH == 0:
+                for c in tl.static_range(BC):
+                    w_c = tl.sum(tl.where(o_c[None, :] == c, b_Wc, 0.0), axis=1)         # [BV]
+                    k_c = tl.sum(tl.where(o_c[:, None] == c, b_K, 0.0), axis=0)          # [BK]
+                    b_S += w_c[:, None] * k_c[None, :]
+            elif FLUSH == 1:
+                b_S += tl.dot(b_Wc, b_K, input_precision="ieee")
+            else:
+                b_S += tl.dot(b_Wc, b_K, input_precision="tf32x3")
+    # the current token (coefficient 1)
+    b_y += tl.sum(b_kc * b_q, axis=0) * b_w
     if HAS_D:
         b_y += tl.load(D + i_h).to(tl.float32) * b_x
     if HAS_Z:
@@ -173,25 +206,7 @@ def _replay_decode_kernel(
     tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
 
     if is_flush:
-        # REPLAY: C <- g_{0:h} C + (W diag(coef)) K, a [BV, BL] x [BL, BK] product
-        b_S = b_g * b_S
-        if FLUSH == 0:
-            p_w0 = buf_w + slot * (LB * HV * V) + i_h * V + o_v
-            p_k0 = buf_k + slot * (LB * G * K) + i_g * K + o_k
-            for j in tl.static_range(WINDOW):
-                # vector compares: the interpreter cannot AND a scalar bool into a mask
-                m_wj = m_v & (tl.full([BV], j, tl.int32) < h)
-                m_kj = m_k & (tl.full([BK], j, tl.int32) < h)
-                w_j = tl.load(p_w0 + j * (HV * V), mask=m_wj, other=0.0).to(tl.float32)
-                w_j = tl.where(h == j, b_w, w_j)
-                k_j = tl.load(p_k0 + j * (G * K), mask=m_kj, other=0.0).to(tl.float32)
-                k_j = tl.where(h == j, b_kc, k_j)
-                c_j = tl.sum(tl.where(o_l == j, b_coef, 0.0), axis=0)
-                b_S += (c_j * w_j)[:, None] * k_j[None, :]
-        elif FLUSH == 1:
-            b_S += tl.dot(b_W * b_coef[None, :], b_K, input_precision="ieee")
-        else:
-            b_S += tl.dot(b_W * b_coef[None, :], b_K, input_precision="tf32x3")
+        b_S += b_w[:, None] * b_kc[None, :]
         tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S)
     else:
         p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
@@ -301,7 +316,7 @@ def _arrival_counters(device: torch.device, N: int) -> Tensor:
 
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush):
+                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, BC=16):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -316,7 +331,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
         HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K),
-        BL=max(16, triton.next_power_of_2(window)), NVB=nvb, FLUSH=_FLUSH_MODES[flush],
+        BL=max(16, triton.next_power_of_2(LB)), BC=BC, NVB=nvb, FLUSH=_FLUSH_MODES[flush],
         HAS_D=D is not None, HAS_Z=z is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -330,14 +345,14 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
-                      num_stages: int, flush: str) -> None:
+                      num_stages: int, flush: str, BC: int) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush)
+                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, BC)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-      slot_ids, out, window, BV, num_warps, num_stages, flush) -> None:
+      slot_ids, out, window, BV, num_warps, num_stages, flush, BC) -> None:
     return None
 
 
@@ -395,7 +410,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     if arrive is None:
         arrive = _arrival_counters(x.device, ckpt.shape[0])
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-            slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"])
+            slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"], cfg["BC"])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:
