@@ -69,6 +69,9 @@ EDGE_CASES = [
                  marks=[pytest.mark.gpu, gpu], id="super-fma"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="tf32x3"),
                  marks=[pytest.mark.gpu, gpu], id="super-tf32x3"),
+    # window 32: two chunks of 16 records in the output pass and in the dot flush
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 32, dict(flush="ieee"),
+                 marks=[pytest.mark.gpu, gpu], id="super-L32-ieee-chunks"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, dict(BV=32),
                  marks=[pytest.mark.gpu, gpu], id="nano4b-BV32-masked"),
 ]

@@ -171,6 +171,8 @@ def main(argv=None):
     ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--sweep", action="store_true", help="first pick launch configs per shape at batch 256")
+    ap.add_argument("--variants", default=None,
+                    help="JSON list of replay configs to time against one conventional run per point")
     ap.add_argument("--out", default="benchmarks/results/decode_h200.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -193,6 +195,28 @@ def main(argv=None):
             chosen[shape] = {k: v[0] for k, v in best.items()}
             print(f"sweep {shape}: " + ", ".join(f"{k} {v[0]} {v[1]:.1f} us" for k, v in best.items()), flush=True)
         doc["configs"] = chosen
+    if args.variants:
+        import json
+
+        doc["variants"] = []
+        for shape, batch in itertools.product(shapes, map(int, args.batches.split(","))):
+            window = int(args.windows.split(",")[0])
+            case = Case(shape, batch, window)
+            t_conv = graph_time_us(case.conventional_window, reps=args.reps) / window
+            for cfg in json.loads(args.variants):
+                try:
+                    t = graph_time_us(lambda: case.replay_window(cfg), reps=args.reps) / window
+                except Exception as e:
+                    print(f"{shape} B={batch} {cfg}: failed {e!r}"[:300])
+                    continue
+                doc["variants"].append(dict(shape=shape, batch=batch, window=window, config=cfg,
+                                            us_conv=t_conv, us_replay=t, ratio=t_conv / t))
+                print(f"{shape:18} B={batch:3d} conv {t_conv:7.1f} us  replay {t:7.1f} us  {t_conv / t:5.2f}x  {cfg}",
+                      flush=True)
+            del case
+            torch.cuda.empty_cache()
+        write_results(args.out, doc)
+        return doc
     rows = []
     for shape, window, batch, cur in itertools.product(shapes, map(int, args.windows.split(",")),
                                                        map(int, args.batches.split(",")), args.cursors.split(",")):

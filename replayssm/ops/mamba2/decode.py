@@ -34,15 +34,17 @@ _FLUSH_MODES = {"fma": 0, "ieee": 1, "tf32x3": 2}
 # state in place, and autotuning would replay them on the live state). Keys of a config:
 #   BV          value rows per program (power of two; the grid has ceil(V / BV) blocks per head)
 #   num_warps   warps per program
-#   num_stages  software-pipelining depth (the kernels have no loop over K; kept for sweeps)
-#   flush       replay only: how the flush product [BV, L] x [L, K] is computed:
-#               "ieee" (tl.dot, exact fp32), "tf32x3" (tl.dot on tensor cores, 3 tf32 passes,
-#               near-fp32), "fma" (an unrolled loop of rank-1 updates over the window; chosen
-#               when an override sets BV < 16 without naming flush)
+#   num_stages  software-pipelining depth of the record loops
+#   flush       replay only: how the flush's fold [BV, h] x [h, K] is computed, in a pass of
+#               its own after the output: "fma" (default: one rank-1 update per record, two
+#               vectors in registers), "ieee" (tl.dot on chunks of BC records, exact fp32),
+#               "tf32x3" (tl.dot on tensor cores, 3 tf32 passes, near-fp32)
+#   BC          replay only: records per chunk of the output pass (and of the dot flush)
+#   sync, ablate  measurement knobs, see resolve_config
 REPLAY_CONFIGS = {
-    (128, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="ieee"),   # Nemotron-3-Super
-    (96, 80, 128, 8): dict(BV=16, num_warps=4, num_stages=1, flush="ieee"),    # Nemotron-3-Nano-4B
-    (64, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="ieee"),    # Nemotron-3-Nano-30B
+    (128, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="fma"),    # Nemotron-3-Super
+    (96, 80, 128, 8): dict(BV=16, num_warps=4, num_stages=1, flush="fma"),     # Nemotron-3-Nano-4B
+    (64, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="fma"),     # Nemotron-3-Nano-30B
 }
 
 
@@ -59,8 +61,12 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     """The launch config for a shape: the table's entry (or a default), updated by `config`."""
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if with_flush:
-        cfg["flush"] = "ieee"
+        cfg["flush"] = "fma"
         cfg["BC"] = 16
+        # measurement knobs: sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none
+        # (ablation: races on the cursor); ablate 1 skips buffered records (wrong outputs)
+        cfg["sync"] = 1
+        cfg["ablate"] = 0
     cfg.update(table.get((HV, V, K, G), {}))
     if config:
         unknown = set(config) - set(cfg)
@@ -70,8 +76,6 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     bv, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
     if not (isinstance(bv, int) and bv >= 1 and bv & (bv - 1) == 0):
         raise ValueError(f"config: BV must be a power of two, got {bv!r}")
-    if with_flush and config and "flush" not in config and bv < 16:
-        cfg["flush"] = "fma"     # tl.dot needs 16 rows: a sweep over small BV gets the FMA flush
     if not (isinstance(nw, int) and nw >= 1 and nw & (nw - 1) == 0):
         raise ValueError(f"config: num_warps must be a power of two, got {nw!r}")
     if not (isinstance(ns, int) and ns >= 1):
@@ -116,6 +120,7 @@ def _replay_decode_kernel(
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
     WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr,
     NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    SYNC: tl.constexpr, ABLATE: tl.constexpr,
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -166,10 +171,9 @@ def _replay_decode_kernel(
     b_g = tl.exp(tl.sum(b_lds, axis=0))                                                 # g_{0:h}
 
     b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)                                      # [BV]
-    if is_flush:
-        b_S = b_g * b_S
-    # buffered records 0..h-1 in chunks of BC; the first chunk is already loaded
-    for j0 in range(0, h, BC):
+    # buffered records 0..h-1 in chunks of BC (the first chunk is already loaded): output only
+    n_rec = h if ABLATE == 0 else h * 0
+    for j0 in range(0, n_rec, BC):
         pos = j0 + o_c
         m_c = pos < h
         if j0 == 0:
@@ -185,17 +189,6 @@ def _replay_decode_kernel(
         b_coef = tl.where(m_c, tl.exp(b_sfx), 0.0)
         b_kq = tl.sum(b_K * b_q[None, :], axis=1)                                       # [BC]
         b_y += tl.sum(b_W * (b_coef * b_kq)[None, :], axis=1)
-        if is_flush:
-            b_Wc = b_W * b_coef[None, :]
-            if FLUSH == 0:
-                for c in tl.static_range(BC):
-                    w_c = tl.sum(tl.where(o_c[None, :] == c, b_Wc, 0.0), axis=1)         # [BV]
-                    k_c = tl.sum(tl.where(o_c[:, None] == c, b_K, 0.0), axis=0)          # [BK]
-                    b_S += w_c[:, None] * k_c[None, :]
-            elif FLUSH == 1:
-                b_S += tl.dot(b_Wc, b_K, input_precision="ieee")
-            else:
-                b_S += tl.dot(b_Wc, b_K, input_precision="tf32x3")
     # the current token (coefficient 1)
     b_y += tl.sum(b_kc * b_q, axis=0) * b_w
     if HAS_D:
@@ -206,7 +199,33 @@ def _replay_decode_kernel(
     tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
 
     if is_flush:
-        b_S += b_w[:, None] * b_kc[None, :]
+        # REPLAY, in its own pass so that the common (non-flush) path carries none of its
+        # registers: C <- g_{0:h} C + sum_{j<=h} g_{j+1:h} w_j k_j^T. The current token's
+        # record is folded from registers and never written to the buffer.
+        b_S = b_g * b_S + b_w[:, None] * b_kc[None, :]
+        if FLUSH == 0:
+            # rank-1 updates, one buffered record per iteration: two vectors in registers
+            p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_v
+            p_kj = buf_k + slot * (LB * G * K) + i_g * K + o_k
+            for j in range(0, h):
+                c_j = tl.exp(tl.sum(tl.where(o_l > j, b_lds, 0.0), axis=0))            # g_{j+1:h}
+                w_j = tl.load(p_wj + j * (HV * V), mask=m_v, other=0.0).to(tl.float32)
+                k_j = tl.load(p_kj + j * (G * K), mask=m_k, other=0.0).to(tl.float32)
+                b_S += (c_j * w_j)[:, None] * k_j[None, :]
+        else:
+            # [BV, BC] x [BC, BK] products on chunks of records
+            for j0 in range(0, h, BC):
+                pos = j0 + o_c
+                m_c = pos < h
+                b_K = tl.load(p_K0 + j0 * (G * K), mask=m_c[:, None] & m_k[None, :], other=0.0)
+                b_W = tl.load(p_W0 + j0 * (HV * V), mask=m_v[:, None] & m_c[None, :], other=0.0)
+                b_K = tl.where(m_c[:, None], b_K.to(tl.float32), 0.0)
+                b_sfx = tl.sum(tl.where(o_l[None, :] > pos[:, None], b_lds[None, :], 0.0), axis=1)
+                b_Wc = tl.where(m_c[None, :], b_W.to(tl.float32), 0.0) * tl.exp(b_sfx)[None, :]
+                if FLUSH == 1:
+                    b_S += tl.dot(b_Wc, b_K, input_precision="ieee")
+                else:
+                    b_S += tl.dot(b_Wc, b_K, input_precision="tf32x3")
         tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S)
     else:
         p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
@@ -224,7 +243,14 @@ def _replay_decode_kernel(
     # increment. The program that sees HV * NVB - 1 earlier arrivals is the last: every other
     # program of the slot has read the cursor, so it alone writes cursor and epoch, then resets
     # the counter to 0 for the next launch. Done at the end, the fence delays no load.
-    n_before = tl.atomic_add(arrive + slot, 1, sem="acq_rel")
+    if SYNC == 0:
+        n_before = tl.atomic_add(arrive + slot, 1, sem="acq_rel")
+    elif SYNC == 1:
+        # relaxed: the increment's operand depends on the loaded cursor, so it cannot be
+        # performed before this program's cursor read has completed
+        n_before = tl.atomic_add(arrive + slot, (h >= 0).to(tl.int32), sem="relaxed")
+    else:
+        n_before = HV * NVB - 1 + (i_v + i_h) * 0    # ablation only: every program writes
     if n_before == HV * NVB - 1:
         if is_flush:
             tl.store(cursor + slot, h * 0)
@@ -316,7 +342,8 @@ def _arrival_counters(device: torch.device, N: int) -> Tensor:
 
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, BC=16):
+                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, BC=16, sync=1,
+                   ablate=0):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -332,6 +359,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         out.stride(0), out.stride(1),
         HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K),
         BL=max(16, triton.next_power_of_2(LB)), BC=BC, NVB=nvb, FLUSH=_FLUSH_MODES[flush],
+        SYNC=sync, ABLATE=ablate,
         HAS_D=D is not None, HAS_Z=z is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -414,5 +442,5 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:
-        _launch_replay(*args)
+        _launch_replay(*args, sync=cfg["sync"], ablate=cfg["ablate"])
     return out
