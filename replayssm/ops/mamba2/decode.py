@@ -120,7 +120,7 @@ def _replay_decode_kernel(
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
     WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr,
     NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    SYNC: tl.constexpr, ABLATE: tl.constexpr,
+    SYNC: tl.constexpr, ABLATE: tl.constexpr, EVEN: tl.constexpr,
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -147,14 +147,21 @@ def _replay_decode_kernel(
     # selects, so stale or poisoned records never enter the arithmetic.
     p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
     m_S = m_v[:, None] & m_k[None, :]
-    b_S = tl.load(p_S, mask=m_S, other=0.0, eviction_policy="evict_first")              # [BV, BK]
+    # EVEN (BV divides V, BK == K, BC <= LB): unmasked, fully vectorised tile accesses
+    if EVEN:
+        b_S = tl.load(p_S, eviction_policy="evict_first")                               # [BV, BK]
+    else:
+        b_S = tl.load(p_S, mask=m_S, other=0.0, eviction_policy="evict_first")
     h = tl.load(cursor + slot)
     b_ldb = tl.load(buf_ld + slot * (LB * HV) + o_l * HV + i_h, mask=o_l < LB, other=0.0)  # [BL]
     p_K0 = buf_k + slot * (LB * G * K) + i_g * K + o_c[:, None] * (G * K) + o_k[None, :]
-    b_K0 = tl.load(p_K0, mask=(o_c < LB)[:, None] & m_k[None, :], other=0.0,
-                   eviction_policy="evict_last")                                        # [BC, BK]
     p_W0 = buf_w + slot * (LB * HV * V) + i_h * V + o_c[None, :] * (HV * V) + o_v[:, None]
-    b_W0 = tl.load(p_W0, mask=m_v[:, None] & (o_c < LB)[None, :], other=0.0)           # [BV, BC]
+    if EVEN:
+        b_K0 = tl.load(p_K0, eviction_policy="evict_last")                              # [BC, BK]
+        b_W0 = tl.load(p_W0)                                                            # [BV, BC]
+    else:
+        b_K0 = tl.load(p_K0, mask=(o_c < LB)[:, None] & m_k[None, :], other=0.0, eviction_policy="evict_last")
+        b_W0 = tl.load(p_W0, mask=m_v[:, None] & (o_c < LB)[None, :], other=0.0)
 
     # the current token's record, in registers
     b_dt = tl.load(dt + i_b * stride_dt_b + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
@@ -226,7 +233,10 @@ def _replay_decode_kernel(
                     b_S += tl.dot(b_Wc, b_K, input_precision="ieee")
                 else:
                     b_S += tl.dot(b_Wc, b_K, input_precision="tf32x3")
-        tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S)
+        if EVEN:
+            tl.store(p_S, b_S.to(p_S.dtype.element_ty))
+        else:
+            tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S)
     else:
         p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
         tl.store(p_wh, b_w.to(p_wh.dtype.element_ty), mask=m_v)
@@ -360,6 +370,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K),
         BL=max(16, triton.next_power_of_2(LB)), BC=BC, NVB=nvb, FLUSH=_FLUSH_MODES[flush],
         SYNC=sync, ABLATE=ablate,
+        EVEN=(V % BV == 0) and (triton.next_power_of_2(K) == K) and (BC <= LB),
         HAS_D=D is not None, HAS_Z=z is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
