@@ -42,9 +42,11 @@ _FLUSH_MODES = {"fma": 0, "ieee": 1, "tf32x3": 2}
 #   BC          replay only: records per chunk of the output pass (and of the dot flush)
 #   sync, ablate  measurement knobs, see resolve_config
 REPLAY_CONFIGS = {
-    (128, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="fma"),    # Nemotron-3-Super
+    # chosen by `python -m replayssm.bench.decode --variants ...` on an H200 (batch 256, window 16;
+    # benchmarks/results/decode_h200_variants.json)
+    (128, 64, 128, 8): dict(BV=64, num_warps=4, num_stages=1, flush="fma"),    # Nemotron-3-Super
     (96, 80, 128, 8): dict(BV=16, num_warps=4, num_stages=1, flush="fma"),     # Nemotron-3-Nano-4B
-    (64, 64, 128, 8): dict(BV=32, num_warps=4, num_stages=1, flush="fma"),     # Nemotron-3-Nano-30B
+    (64, 64, 128, 8): dict(BV=64, num_warps=4, num_stages=1, flush="fma"),     # Nemotron-3-Nano-30B
 }
 
 
