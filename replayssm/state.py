@@ -12,6 +12,7 @@ tensors.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Optional
 
 import torch
@@ -113,8 +114,9 @@ class SlotPool:
         if backend not in ("auto", "reference", "triton"):
             raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
         why = None
-        if self.device.type != "cuda":
-            why = f"device {self.device} is not CUDA"
+        interpreted = self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        if self.device.type != "cuda" and not (interpreted and backend == "triton"):
+            why = f"device {self.device} is not CUDA (on the CPU: TRITON_INTERPRET=1 and backend='triton')"
         elif self.dtype != torch.float32 or self.hp_format not in (None, "fp32") or self.lp_format is not None:
             why = "the kernels cover fp32 state with one checkpoint"
         elif self.record_dtype not in (torch.float32, torch.bfloat16, torch.float16):
