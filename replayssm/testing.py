@@ -61,7 +61,7 @@ def make_inputs(params, batch: int, head_v_dim: int, head_k_dim: int, num_k_head
     for name, (shape, optional) in params.input_spec(head_v_dim, head_k_dim, num_k_heads).items():
         if optional and not gate:
             continue
-        t = torch.randn(*lead, *shape, generator=g, dtype=torch.float64)
+        t = torch.randn(*lead, *shape, generator=g, dtype=torch.float64, device=g.device)
         if name in ("dt", "a"):
             t = 0.5 * t            # around the bias: softplus keeps most steps small
         out[name] = t.to(dtype=dtype, device=device)

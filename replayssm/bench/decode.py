@@ -48,9 +48,9 @@ class Case:
         self.record_dtype = record_dtype
         dev = "cuda"
         self.params = make_params(fam, HV, K, dtype=torch.float32, device=dev, seed=seed)
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(device=dev).manual_seed(seed)
         N, Lb = batch, window + 1
-        self.slot_ids = torch.randperm(N, generator=g).to(dev)
+        self.slot_ids = torch.randperm(N, generator=g, device=dev)
         self.steps = [make_inputs(self.params, batch, V, K, Hk, dtype=torch.float32, device=dev, generator=g)
                       for _ in range(window)]
         # keep raw gates moderate so that replaying the same window many times stays finite

@@ -1,23 +1,24 @@
 """ReplaySSM standard decode for Gated DeltaNet (and, through `IS_KDA`, Kimi Delta Attention).
 
 One launch per decode step. Each program owns one `(row, value head, V-block)` tile of the
-checkpoint `C` (`[BV, K]`) and does, for its row's slot `s` with cursor `h`
-(docs/state-layout.md, SPEC section 3):
+checkpoint `C` (`[BV, K]`) and does, for its row's slot `s` with cursor `h` (docs/state-layout.md,
+SPEC section 3; 0-based positions, the current token at position `h`, `ld_i` the log decay at
+position `i`, `G(i) = exp(ld_i + ... + ld_h)`):
 
-    P     = a_t S_{t-1}  = g_{1:h+1} C + sum_{j<h} g_{j+2:h+1} u_j k_j^T     (never materialised)
-    u_t   = beta (v - P k_t)                                                 (output-only matvec 1)
-    o     = P q + (k_t^T q) u_t                                              (output-only matvec 2)
+    P   = a_t S_{t-1} = G(0) C + sum_{j<h} G(j+1) u_j k_j^T      (never materialised)
+    u_t = beta (v - P k_t)                                        (output-only matvec 1)
+    o   = P q + (k_t^T q) u_t                                     (output-only matvec 2)
     record (ld_t, u_t, k_t) -> position h
     flush (h + 1 >= window): C <- P + u_t k_t^T ; cursor <- 0 ; epoch += 1
     else:                    cursor <- h + 1
 
-(0-based positions; the current token is position `h`, its record comes from registers.)
-The two matvecs share one read of the `C` tile. The delta-rule `u` of a value row depends only
-on that row of `S`, so the V-blocks of a head are independent programs.
+The two matvecs share one read of the `C` tile; the current token's record comes from registers.
+The delta-rule `u` of a value row depends only on that row of `S`, so the V-blocks of a head are
+independent programs.
 
-KDA is the same with a channel-wise decay: every `g` above becomes a `[K]` vector that scales
-the key columns (`C Diag(g)`, `g * k_j`), so the decays fold into weighted keys
-`Kw_j = g_{j+2:h+1} * k_j` and the same code serves both families.
+KDA is the same with a channel-wise decay: `G(i)` is a `[K]` vector that scales the key columns
+(`C Diag(G(0))`, `G(j+1) * k_j`), so the decays fold into weighted keys and one kernel serves
+both families.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def _replay_decode_kernel(
     stride_a_b, stride_a_h, stride_b_b, stride_b_h,
     HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     LBCAP: tl.constexpr, LB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-    IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_DOT: tl.constexpr,
+    IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     EXACT_BF16: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -141,35 +142,39 @@ def _replay_decode_kernel(
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
         stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, IS_KDA, USE_QK_L2NORM)
 
-    # Decay weights. Record j (< h) enters a_t S_{t-1} with g_{j+1..h} = exp(sum of the log
-    # decays at positions j+1..h), the current token's included; C enters with exp(sum over 0..h).
-    # The suffix sums are formed directly (not as total minus prefix) so that a weight near 1
-    # keeps full relative precision even when the window's total log decay is large.
+    # Decay weights. Record j (< h) enters a_t S_{t-1} with exp(sum of the log decays at
+    # positions j+1..h), the current token's (position h) included; C enters with exp(sum over
+    # 0..h). The suffix sums come from a reverse scan of the decays shifted by one position, not
+    # as total minus prefix, so that a weight near 1 keeps full relative precision even when the
+    # window's total log decay is large.
+    m_j1 = (o_j + 1) < h
     if IS_KDA:
-        b_LD = tl.load(buf_ld + (o_rec * HV + i_hv)[:, None] * K + o_k[None, :],
-                       mask=m_j[:, None] & m_k[None, :], other=0.)         # [LB, BK]
-        b_LD = tl.where((o_j == h)[:, None], b_ld[None, :], b_LD)
-        # strictly-upper ones [LB, LB] times the decays: per channel suffix sums
-        b_tri = tl.where(o_j[None, :] > o_j[:, None], 1., 0.)
-        b_suf = tl.dot(b_tri, b_LD, input_precision="ieee")                 # [LB, BK]
-        b_gC = tl.exp(tl.sum(b_LD, axis=0))                                 # [BK]
+        b_LDs = tl.load(buf_ld + ((o_rec + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
+                        mask=m_j1[:, None] & m_k[None, :], other=0.)      # [LB, BK]: ld_{j+1}
+        b_LDs = tl.where((o_j + 1 == h)[:, None], b_ld[None, :], b_LDs)
+        b_ld0 = tl.load(buf_ld + (i_s * LBCAP * HV + i_hv) * K + o_k,
+                        mask=o_k < tl.where(h > 0, K, 0), other=0.)
+        b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+        b_suf = tl.cumsum(b_LDs, axis=0, reverse=True)                      # [LB, BK]
+        b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))                        # [BK]
         b_Kw = b_Kb * tl.exp(b_suf)                                         # [LB, BK]
-        b_gk = b_gC * b_k
-        b_gq = b_gC * b_q
+        b_kk = tl.sum(b_Kw * b_k[None, :], axis=1)                          # [LB]
+        b_kq = tl.sum(b_Kw * b_q[None, :], axis=1)
     else:
-        b_LD = tl.load(buf_ld + o_rec * HV + i_hv, mask=m_j, other=0.)     # [LB]
-        b_LD = tl.where(o_j == h, b_ld, b_LD)
-        b_suf = tl.sum(tl.where(o_j[None, :] > o_j[:, None], b_LD[None, :], 0.), axis=1)
-        b_gC = tl.exp(tl.sum(b_LD, axis=0))
-        b_Kw = b_Kb * tl.exp(b_suf)[:, None]
-        b_gk = b_gC * b_k
-        b_gq = b_gC * b_q
+        b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_j1, other=0.)   # [LB]
+        b_LDs = tl.where(o_j + 1 == h, b_ld, b_LDs)
+        b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv, mask=h > 0, other=0.)
+        b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+        b_w = tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True))               # [LB]
+        b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))
+        b_kk = tl.sum(b_Kb * b_k[None, :], axis=1) * b_w                   # [LB]
+        b_kq = tl.sum(b_Kb * b_q[None, :], axis=1) * b_w
+    b_gk = b_gC * b_k
+    b_gq = b_gC * b_q
 
     # one read of C, two matvecs
     b_Ck = tl.sum(b_C * b_gk[None, :], axis=1)                              # [BV]
     b_Cq = tl.sum(b_C * b_gq[None, :], axis=1)
-    b_kk = tl.sum(b_Kw * b_k[None, :], axis=1)                              # [LB]
-    b_kq = tl.sum(b_Kw * b_q[None, :], axis=1)
     b_Pk = b_Ck + tl.sum(b_U * b_kk[:, None], axis=0)                       # [BV]
     b_u = b_beta * (b_v - b_Pk)
     b_o = b_Cq + tl.sum(b_U * b_kq[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
@@ -206,16 +211,26 @@ def _replay_decode_kernel(
 
     flush = h + 1 >= window
     if flush:
-        # C <- P + u_t k_t^T = g C + U^T Kw + u_t k_t^T: an [BV, LB] x [LB, BK] product
+        # C <- g C + sum_j w_j u_j k_j^T + u_t k_t^T, as rank-1 updates over the records,
+        # newest first so that the suffix log decay accumulates along the loop. The records are
+        # re-read (L1/L2 hits: this program just loaded them) rather than kept live in
+        # registers from above, and an FMA-path tl.dot on fp32 spills badly.
+        b_S = b_u[:, None] * b_k[None, :]                                   # [BV, BK]
+        b_sr = b_ld
+        for i_r in range(0, h):
+            o_r = i_s * LBCAP + h - 1 - i_r
+            b_kr = tl.load(buf_k + (o_r * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_ur = tl.load(buf_w + (o_r * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+            if IS_KDA:
+                b_S += b_ur[:, None] * (tl.exp(b_sr) * b_kr)[None, :]
+                b_sr += tl.load(buf_ld + (o_r * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+            else:
+                b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
+                b_sr += tl.load(buf_ld + o_r * HV + i_hv)
         if IS_KDA:
-            b_S = b_C * b_gC[None, :]
+            b_S += tl.load(p_C, mask=m_C, other=0.) * tl.exp(b_sr)[None, :]
         else:
-            b_S = b_C * b_gC
-        if USE_DOT:
-            b_S += tl.dot(tl.trans(b_U), b_Kw, input_precision="ieee")
-        else:
-            b_S += tl.sum(b_U[:, :, None] * b_Kw[:, None, :], axis=0)
-        b_S += b_u[:, None] * b_k[None, :]
+            b_S += tl.load(p_C, mask=m_C, other=0.) * tl.exp(b_sr)
         tl.store(p_C, b_S, mask=m_C)
 
     # Cursor race: every program of slot s reads cursor[s] above, and it may only change once
@@ -241,10 +256,12 @@ def _replay_decode_kernel(
 
 _CONFIG_KEYS = ("BV", "num_warps", "num_stages")
 
-# (family, V, K) -> config; the lead's GPU sweep refines these.
+# (family, V, K) -> config. Starting points chosen from register counts of the sm_90 build
+# (GDN 32x4: ~126 registers, no spills; KDA holds more [L, K] tiles, so 8 warps); a GPU sweep
+# over BV in {16, 32, 64, 128} x num_warps in {2, 4, 8} should replace them.
 _REPLAY_TABLE = {
     ("gdn", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
-    ("kda", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
+    ("kda", 128, 128): {"BV": 32, "num_warps": 8, "num_stages": 1},
 }
 
 
@@ -472,7 +489,7 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     if Bt == 0:
         return
     BK = triton.next_power_of_2(K)
-    LB = max(16, triton.next_power_of_2(Lb))
+    LB = max(2, triton.next_power_of_2(Lb))
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
     grid = (Bt * HV * NV,)
@@ -484,7 +501,7 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, LB=LB, BV=BV, BK=BK,
         IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
-        USE_DOT=BV >= 16 and BK >= 16, EXACT_BF16=_interpreting(),
+        EXACT_BF16=_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
 
