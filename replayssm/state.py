@@ -77,7 +77,8 @@ class SlotPool:
             raise ValueError(f"hp_rounding must be one of {formats.ROUNDINGS}, got {hp_rounding!r}")
         if "nvfp4" in (hp_format, lp_format) and head_k_dim % 16:
             raise ValueError(f"nvfp4 needs head_k_dim divisible by 16, got {head_k_dim}")
-        device = torch.device(device if device is not None else "cpu")
+        # canonical form ("cuda" -> "cuda:0"), so that comparisons with tensors' devices hold
+        device = torch.empty(0, device=device if device is not None else "cpu").device
 
         self.params = _params_to(params, dtype, device)
         self.family = params.family

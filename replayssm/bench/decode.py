@@ -223,6 +223,8 @@ def main(argv=None):
         cfg = chosen.get(shape, {})
         r = measure(shape, batch, window, cur, rdt, args.reps, cfg.get("replay"), cfg.get("conventional"))
         rows += r
+        doc["rows"] = rows
+        write_results(args.out, doc)      # after every point: a run cut short keeps what it measured
         print(f"{shape:18} L={window:2d} B={batch:3d} {cur:9} conv {r[0]['us_per_step']:8.1f} us "
               f"{r[0]['tb_per_s']:5.2f} TB/s | replay {r[1]['us_per_step']:8.1f} us {r[1]['tb_per_s']:5.2f} TB/s "
               f"| {r[1]['ratio_vs_conventional']:.2f}x", flush=True)
