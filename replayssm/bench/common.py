@@ -57,12 +57,20 @@ def git_commit() -> str:
         return os.environ.get("REPLAYSSM_COMMIT", "unknown")
 
 
+def _command_name() -> str:
+    """`python -m replayssm.bench.<name>` when run as a module of the package, else argv[0]."""
+    path = Path(sys.argv[0])
+    if path.suffix == ".py" and path.parent.name == "bench" and path.parent.parent.name == "replayssm":
+        return f"python -m replayssm.bench.{path.stem}"
+    return sys.argv[0]
+
+
 def header(benchmark: str) -> dict:
     import triton
 
     return {"benchmark": benchmark,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-            "command": " ".join(["python -m replayssm.cli" if sys.argv[0].endswith("cli.py") else sys.argv[0]] + sys.argv[1:]),
+            "command": " ".join([_command_name()] + sys.argv[1:]),
             "git_commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "triton": triton.__version__}

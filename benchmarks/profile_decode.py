@@ -1,0 +1,19 @@
+"""Run one window of the replay and conventional kernels for a shape, for a profiler (ncu).
+
+    ncu --clock-control none -k regex:decode_kernel --launch-skip 8 --launch-count 2 \
+        python benchmarks/profile_decode.py nemotron3-super 256
+"""
+import sys
+
+import torch
+
+from replayssm.bench.decode import Case
+
+shape = sys.argv[1] if len(sys.argv) > 1 else "nemotron3-super"
+batch = int(sys.argv[2]) if len(sys.argv) > 2 else 256
+case = Case(shape, batch, 16)
+for _ in range(2):
+    case.replay_window()
+    case.conventional_window()
+torch.cuda.synchronize()
+print("ok", shape, batch)
