@@ -254,7 +254,7 @@ def _replay_decode_kernel(
 # Launch configuration: a fixed table (no autotune: the kernel writes state in place).
 # ---------------------------------------------------------------------------------------------
 
-_CONFIG_KEYS = ("BV", "num_warps", "num_stages")
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 
 # (family, V, K) -> config. Starting points chosen from register counts of the sm_90 build
 # (GDN 32x4: ~126 registers, no spills; KDA holds more [L, K] tiles, so 8 warps); a GPU sweep
@@ -269,10 +269,10 @@ _REPLAY_TABLE = {
 def _default_config(table: dict, family: str, V: int, K: int) -> dict:
     cfg = table.get((family, V, K))
     if cfg is not None:
-        return dict(cfg)
+        return dict({"maxnreg": 0}, **cfg)
     BV = min(32, triton.next_power_of_2(V))
     return {"BV": BV, "num_warps": 4 if BV * triton.next_power_of_2(K) >= 4096 else 2,
-            "num_stages": 1}
+            "num_stages": 1, "maxnreg": 0}
 
 
 def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[dict]) -> dict:
@@ -289,6 +289,8 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
         raise ValueError(f"config num_warps={nw!r} must be one of 1, 2, 4, 8, 16")
     if not isinstance(ns, int) or ns < 1:
         raise ValueError(f"config num_stages={ns!r} must be a positive int")
+    if not isinstance(cfg["maxnreg"], int) or cfg["maxnreg"] < 0:
+        raise ValueError(f"config maxnreg={cfg['maxnreg']!r} must be a non-negative int (0: no cap)")
     return cfg
 
 
@@ -483,7 +485,7 @@ def _scale(scale, K: int) -> float:
 
 def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, epoch, arrive, slot_ids, window: int, o, use_qk_l2norm: bool,
-                  BV: int, num_warps: int, num_stages: int) -> None:
+                  BV: int, num_warps: int, num_stages: int, maxnreg: int = 0) -> None:
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     Lb = buf_w.shape[1]
@@ -504,6 +506,8 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
         EXACT_BF16=_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
+        # a register cap raises occupancy (more bytes in flight) at the price of spills
+        **({"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}),
     )
 
 
@@ -515,15 +519,16 @@ def _gdn_replay_decode_op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
                           dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor,
                           buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor,
                           arrive: Tensor, slot_ids: Tensor, window: int, o: Tensor,
-                          use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int) -> None:
+                          use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int,
+                          maxnreg: int) -> None:
     launch_replay("gdn", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                   cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
-                  num_stages)
+                  num_stages, maxnreg)
 
 
 @_gdn_replay_decode_op.register_fake
 def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-      slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages) -> None:
+      slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg) -> None:
     return None
 
 
@@ -587,5 +592,5 @@ def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
     torch.ops.replayssm.gdn_replay_decode(
         q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
-        cfg["num_stages"])
+        cfg["num_stages"], cfg["maxnreg"])
     return out

@@ -23,15 +23,16 @@ def _kda_replay_decode_op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
                           dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor,
                           buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor,
                           arrive: Tensor, slot_ids: Tensor, window: int, o: Tensor,
-                          use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int) -> None:
+                          use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int,
+                          maxnreg: int) -> None:
     launch_replay("kda", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                   cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
-                  num_stages)
+                  num_stages, maxnreg)
 
 
 @_kda_replay_decode_op.register_fake
 def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-      slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages) -> None:
+      slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg) -> None:
     return None
 
 
@@ -56,5 +57,5 @@ def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
     torch.ops.replayssm.kda_replay_decode(
         q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
-        cfg["num_stages"])
+        cfg["num_stages"], cfg["maxnreg"])
     return out

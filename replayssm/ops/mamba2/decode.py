@@ -17,6 +17,7 @@ on a flush step it is folded straight into the checkpoint and never written to t
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -69,6 +70,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
         # (ablation: races on the cursor); ablate 1 skips buffered records (wrong outputs)
         cfg["sync"] = 1
         cfg["ablate"] = 0
+        cfg["maxnreg"] = 0       # register cap (0: none): more programs per SM, maybe spills
     cfg.update(table.get((HV, V, K, G), {}))
     if config:
         unknown = set(config) - set(cfg)
@@ -355,7 +357,7 @@ def _arrival_counters(device: torch.device, N: int) -> Tensor:
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, BC=16, sync=1,
-                   ablate=0):
+                   ablate=0, maxnreg=0):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -375,6 +377,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         EVEN=(V % BV == 0) and (triton.next_power_of_2(K) == K) and (BC <= LB),
         HAS_D=D is not None, HAS_Z=z is not None,
         num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),
     )
 
 
@@ -455,5 +458,5 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:
-        _launch_replay(*args, sync=cfg["sync"], ablate=cfg["ablate"])
+        _launch_replay(*args, sync=cfg["sync"], ablate=cfg["ablate"], maxnreg=cfg["maxnreg"])
     return out
