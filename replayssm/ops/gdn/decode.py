@@ -227,11 +227,16 @@ def _replay_decode_kernel(
             else:
                 b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
                 b_sr += tl.load(buf_ld + o_r * HV + i_hv)
+        # the tile's [BV, BK] addresses are rebuilt from a fresh read of the slot id (the stores
+        # above may alias it, so the compiler cannot reuse the first load's addresses, which
+        # would otherwise stay live in registers across the whole program)
+        i_s2 = tl.load(slot_ids + i_b).to(tl.int64)
+        p_C2 = ckpt + ((i_s2 * HV + i_hv) * V + o_v)[:, None] * K + o_k[None, :]
         if IS_KDA:
-            b_S += tl.load(p_C, mask=m_C, other=0.) * tl.exp(b_sr)[None, :]
+            b_S += tl.load(p_C2, mask=m_C, other=0.) * tl.exp(b_sr)[None, :]
         else:
-            b_S += tl.load(p_C, mask=m_C, other=0.) * tl.exp(b_sr)
-        tl.store(p_C, b_S, mask=m_C)
+            b_S += tl.load(p_C2, mask=m_C, other=0.) * tl.exp(b_sr)
+        tl.store(p_C2, b_S, mask=m_C)
 
     # Cursor race: every program of slot s reads cursor[s] above, and it may only change once
     # all HV * NV of them have. Each program arrives on a per-slot counter after its reads
@@ -492,7 +497,9 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     if Bt == 0:
         return
     BK = triton.next_power_of_2(K)
-    LB = max(2, triton.next_power_of_2(Lb))
+    # records 0..h-1 with h <= window (the pool's cursors never exceed the window): the tiles
+    # are sized by the window, not by the buffer's capacity window + T
+    LB = max(2, triton.next_power_of_2(min(window, Lb)))
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
     grid = (Bt * HV * NV,)

@@ -124,7 +124,7 @@ def _replay_decode_kernel(
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
     WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr,
     NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    SYNC: tl.constexpr, ABLATE: tl.constexpr, EVEN: tl.constexpr,
+    SYNC: tl.constexpr, ABLATE: tl.constexpr, EVEN: tl.constexpr, RC: tl.constexpr,
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -210,21 +210,32 @@ def _replay_decode_kernel(
     tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
 
     if is_flush:
-        # REPLAY, in its own pass so that the common (non-flush) path carries none of its
-        # registers: C <- g_{0:h} C + sum_{j<=h} g_{j+1:h} w_j k_j^T. The current token's
-        # record is folded from registers and never written to the buffer.
-        b_S = b_g * b_S + b_w[:, None] * b_kc[None, :]
+        # REPLAY, in its own pass after the output: C <- g_{0:h} C + sum_{j<=h} g_{j+1:h} w_j k_j^T.
+        # The current token's record is folded directly and never written to the buffer.
         if FLUSH == 0:
-            # rank-1 updates, one buffered record per iteration: two vectors in registers
-            p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_v
+            # Row chunks of RC: the tile is read again (this program read it above: an L2 hit)
+            # instead of being kept live, so that the registers of this rare path, which
+            # every program is allocated, stay those of a [RC, BK] tile. One rank-1 update
+            # per buffered record.
             p_kj = buf_k + slot * (LB * G * K) + i_g * K + o_k
-            for j in range(0, h):
-                c_j = tl.exp(tl.sum(tl.where(o_l > j, b_lds, 0.0), axis=0))            # g_{j+1:h}
-                w_j = tl.load(p_wj + j * (HV * V), mask=m_v, other=0.0).to(tl.float32)
-                k_j = tl.load(p_kj + j * (G * K), mask=m_k, other=0.0).to(tl.float32)
-                b_S += (c_j * w_j)[:, None] * k_j[None, :]
+            for r0 in tl.static_range(0, BV, RC):
+                o_r = i_v * BV + r0 + tl.arange(0, RC)
+                m_r = o_r < V
+                p_Sr = ckpt + slot * (HV * V * K) + i_h * (V * K) + o_r[:, None] * K + o_k[None, :]
+                m_Sr = m_r[:, None] & m_k[None, :]
+                b_Sr = tl.load(p_Sr, mask=m_Sr, other=0.0)                              # [RC, BK]
+                b_xr = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_r, mask=m_r, other=0.0)
+                b_Sr = b_g * b_Sr + (b_dt * b_xr.to(tl.float32))[:, None] * b_kc[None, :]
+                p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_r
+                for j in range(0, h):
+                    c_j = tl.exp(tl.sum(tl.where(o_l > j, b_lds, 0.0), axis=0))        # g_{j+1:h}
+                    w_j = tl.load(p_wj + j * (HV * V), mask=m_r, other=0.0).to(tl.float32)
+                    k_j = tl.load(p_kj + j * (G * K), mask=m_k, other=0.0).to(tl.float32)
+                    b_Sr += (c_j * w_j)[:, None] * k_j[None, :]
+                tl.store(p_Sr, b_Sr.to(p_Sr.dtype.element_ty), mask=m_Sr)
         else:
-            # [BV, BC] x [BC, BK] products on chunks of records
+            # [BV, BC] x [BC, BK] products on chunks of records, on the tile kept in registers
+            b_S = b_g * b_S + b_w[:, None] * b_kc[None, :]
             for j0 in range(0, h, BC):
                 pos = j0 + o_c
                 m_c = pos < h
@@ -237,10 +248,10 @@ def _replay_decode_kernel(
                     b_S += tl.dot(b_Wc, b_K, input_precision="ieee")
                 else:
                     b_S += tl.dot(b_Wc, b_K, input_precision="tf32x3")
-        if EVEN:
-            tl.store(p_S, b_S.to(p_S.dtype.element_ty))
-        else:
-            tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S)
+            if EVEN:
+                tl.store(p_S, b_S.to(p_S.dtype.element_ty))
+            else:
+                tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S)
     else:
         p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
         tl.store(p_wh, b_w.to(p_wh.dtype.element_ty), mask=m_v)
@@ -374,7 +385,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K),
         BL=max(16, triton.next_power_of_2(LB)), BC=BC, NVB=nvb, FLUSH=_FLUSH_MODES[flush],
         SYNC=sync, ABLATE=ablate,
-        EVEN=(V % BV == 0) and (triton.next_power_of_2(K) == K) and (BC <= LB),
+        EVEN=(V % BV == 0) and (triton.next_power_of_2(K) == K) and (BC <= LB), RC=min(16, BV),
         HAS_D=D is not None, HAS_Z=z is not None,
         num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),

@@ -1,0 +1,106 @@
+"""Compile the replay decode kernel for sm_90a on a machine without a GPU and report its
+registers and stack (cuobjdump on the cubin; Triton's 3.9 toolchain, so figures may differ
+a little from triton 3.6's), for register-pressure checks between GPU sessions.
+
+    python benchmarks/regcount.py [mamba2|gdn] [key=value config overrides]
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+
+
+def report(cubin: bytes, name: str) -> str:
+    """Registers and stack from the compiled cubin (cuobjdump's resource usage)."""
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.cubin")
+        open(p, "wb").write(cubin)
+        text = subprocess.run([CUOBJDUMP, "--dump-resource-usage", p], capture_output=True, text=True).stdout
+    if os.environ.get("REGCOUNT_DEBUG"):
+        print(text[-2000:])
+    regs = re.findall(r"REG:(\d+)", text)
+    stack = re.findall(r"STACK:(\d+)", text)
+    return f"{name}: registers {regs[-1] if regs else '?'}, stack {stack[-1] if stack else '?'} bytes"
+
+
+def compile_kernel(fn, signature, constexprs, num_warps):
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return k.asm["cubin"]
+
+
+def mamba2(cfg):
+    from replayssm.ops.mamba2 import decode as m
+
+    HV, G, V, K, L = 128, 8, 64, 128, 16
+    c = dict(BV=64, num_warps=4, BC=16, flush="fma", sync=1, ablate=0)
+    c.update(cfg)
+    fn = m._replay_decode_kernel
+    names = fn.arg_names
+    sig, const = {}, {}
+    ptr = {"x": "*fp32", "dt": "*fp32", "B": "*fp32", "C": "*fp32", "A": "*fp32", "dt_bias": "*fp32",
+           "D": "*fp32", "z": "*fp32", "out": "*fp32", "ckpt": "*fp32", "buf_ld": "*fp32",
+           "buf_w": "*bf16", "buf_k": "*bf16", "cursor": "*i32", "epoch": "*i64", "arrive": "*i32",
+           "slot_ids": "*i64"}
+    LB = L + 1
+    vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
+                BL=max(16, triton.next_power_of_2(LB)), BC=c["BC"], NVB=triton.cdiv(V, c["BV"]),
+                FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
+                ABLATE=c["ablate"], EVEN=(V % c["BV"] == 0) and c["BC"] <= LB, RC=min(16, c["BV"]))
+    for n in names:
+        if n in ptr:
+            sig[n] = ptr[n]
+        elif n in vals:
+            sig[n] = "constexpr"
+            const[(names.index(n),)] = vals[n]
+        else:
+            sig[n] = "i32"
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
+
+
+def gdn(cfg, family="gdn"):
+    from replayssm.ops.gdn import decode as m
+
+    HV, HK, V, K, L = (32, 16, 128, 128, 16) if family == "gdn" else (32, 32, 128, 128, 16)
+    c = dict(BV=32, num_warps=2, window=L)
+    c.update(cfg)
+    fn = m._replay_decode_kernel
+    names = fn.arg_names
+    ptr = {n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")}
+    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+    Lb = c["window"] + 1
+    vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))), BV=c["BV"], BK=K,
+                IS_KDA=family == "kda", USE_QK_L2NORM=True, EXACT_BF16=False)
+    sig, const = {}, {}
+    for n in names:
+        if n in ptr:
+            sig[n] = ptr[n]
+        elif n in vals:
+            sig[n] = "constexpr"
+            const[(names.index(n),)] = vals[n]
+        elif n == "scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} replay {c}")
+
+
+if __name__ == "__main__":
+    fam = sys.argv[1] if len(sys.argv) > 1 else "mamba2"
+    cfg = {}
+    for kv in sys.argv[2:]:
+        k, v = kv.split("=")
+        cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
+    print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda")}[fam](cfg))
