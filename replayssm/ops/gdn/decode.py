@@ -264,9 +264,9 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # (family, V, K) -> config. Starting points chosen from register counts of the sm_90 build
 # (GDN 32x4: ~126 registers, no spills; KDA holds more [L, K] tiles, so 8 warps); a GPU sweep
 # over BV in {16, 32, 64, 128} x num_warps in {2, 4, 8} should replace them.
-# chosen from an H200 sweep at batch 256, window 16 (benchmarks/results/decode_h200_variants*.json)
+# chosen by the H200 sweep at batch 256, window 16 (`--sweep` in benchmarks/results/decode_h200.json)
 _REPLAY_TABLE = {
-    ("gdn", 128, 128): {"BV": 32, "num_warps": 2, "num_stages": 1, "maxnreg": 128},
+    ("gdn", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
     ("kda", 128, 128): {"BV": 64, "num_warps": 4, "num_stages": 1},
 }
 
