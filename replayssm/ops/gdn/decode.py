@@ -461,18 +461,19 @@ def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
     return N, Lb
 
 
-def check_cursor_values(cursor: Tensor, slot_ids: Tensor, Lb: int) -> None:
-    """The rows' cursors leave room for the new record (host sync; skipped when capturing)."""
+def check_cursor_values(cursor: Tensor, slot_ids: Tensor, Lb: int, window: int) -> None:
+    """The rows' cursors leave room for the new record and do not pass the window, which
+    sizes the kernel's record tiles (host sync; skipped when capturing)."""
     if _capturing() or torch.compiler.is_compiling():
         return
     ids = slot_ids.detach().cpu().long()
     ids = ids[ids >= 0]
     if ids.numel():
         h = cursor.detach().cpu()[ids]
-        bad = (h < 0) | (h >= Lb)
+        bad = (h < 0) | (h >= Lb) | (h > window)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"cursor[{int(ids[i])}]={int(h[i])} leaves no room in a buffer of Lb={Lb}")
+            raise ValueError(f"cursor[{int(ids[i])}]={int(h[i])} is outside 0..min(window={window}, Lb-1={Lb - 1})")
 
 
 def _scale(scale, K: int) -> float:
@@ -554,7 +555,7 @@ def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, b
                       buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch,
                       arrive=arrive, slot_ids=slot_ids, out=out)
         check_slot_values(slot_ids, N)
-        check_cursor_values(cursor, slot_ids, Lb)
+        check_cursor_values(cursor, slot_ids, Lb, window)
     else:
         K, V = q.shape[-1], v.shape[-1]
         if arrive is None:

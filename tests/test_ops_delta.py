@@ -1,4 +1,5 @@
-"""KDA decode kernels (replay and conventional, channel-wise decay) against the float64 reference.
+"""GDN and KDA decode kernels (replay and conventional) against the float64 reference; every
+test runs for both families (KDA: channel-wise decay).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 at small shapes; the `gpu` tests repeat
 the checks at real shapes (Qwen3.5-4B / -122B) on a GPU.
@@ -14,15 +15,25 @@ if not torch.cuda.is_available():
 
 import triton.language as tl  # noqa: E402
 
-from replayssm.ops import kda  # noqa: E402
-from replayssm.reference import KDAParams  # noqa: E402
+from replayssm.ops import gdn, kda  # noqa: E402
+from replayssm.reference import GDNParams, KDAParams  # noqa: E402
 from replayssm.testing import make_inputs, make_params  # noqa: E402
 
-FAMILY = "kda"
+FAMILY, OPS, PARAMS = "gdn", gdn, GDNParams     # set per test by the `family` fixture
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True, params=["gdn", "kda"])
+def family(request):
+    """Runs every test of this module once per family: the helpers below read these globals."""
+    global FAMILY, OPS, PARAMS
+    FAMILY = request.param
+    OPS = {"gdn": gdn, "kda": kda}[FAMILY]
+    PARAMS = {"gdn": GDNParams, "kda": KDAParams}[FAMILY]
+    return FAMILY
 
 
 def _speed_up_interpreter():
@@ -79,9 +90,10 @@ FLOOR = 2.0 ** -23
 def test_accuracy_64_windows_fp32_and_bf16_records():
     # 3 slots at cursors 3, 0, 2 (one flushes on its first step), a padding row, an unused slot,
     # rows shuffled every step; 64 windows of 4 steps. Measured on the CPU interpreter (seed 0):
-    # conventional out 2.45e-7 / state 2.28e-7; replay fp32 records out 1.85e-7 / ckpt 1.55e-7;
-    # replay bf16 records out 2.0e-3 / ckpt 2.1e-3 (bf16 rounding of the stored u and k).
-    res = kda.simulate(HV=4, Hk=2, V=16, K=32, window=4, windows=64, live_slots=3, pad_rows=1,
+    # GDN: conventional out 2.07e-7 / state 1.84e-7; replay fp32 records out 1.66e-7 / ckpt
+    # 1.36e-7; bf16 records out 1.8e-3 / ckpt 1.9e-3 (bf16 rounding of the stored u and k).
+    # KDA: conventional 2.45e-7 / 2.28e-7; replay fp32 1.85e-7 / 1.55e-7; bf16 2.0e-3 / 2.1e-3.
+    res = OPS.simulate(HV=4, Hk=2, V=16, K=32, window=4, windows=64, live_slots=3, pad_rows=1,
                        unused_slots=1, start_cursors=(3, 0, 2),
                        record_dtypes=(torch.float32, torch.bfloat16), device=DEV)
     _check_accuracy(res, FLOOR)
@@ -97,7 +109,7 @@ def test_accuracy_64_windows_fp32_and_bf16_records():
 def test_poison_bookkeeping_multi_block_and_spare_capacity():
     # BV=8 splits V=16 into two programs per head (the arrive counter then waits for 8 programs
     # per slot); buffer capacity 6 > window 4; two padding rows, two unused slots
-    res = kda.simulate(HV=4, Hk=2, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=2,
+    res = OPS.simulate(HV=4, Hk=2, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=2,
                        unused_slots=2, extra_capacity=2, start_cursors=(3, 0, 1),
                        config={"BV": 8, "num_warps": 1}, conv_config={"BV": 8}, device=DEV, seed=1)
     _check_accuracy(res, FLOOR)
@@ -105,7 +117,7 @@ def test_poison_bookkeeping_multi_block_and_spare_capacity():
 
 @pytest.mark.interpret
 def test_window_one_flushes_every_step_one_key_head_per_value_head():
-    res = kda.simulate(HV=2, Hk=2, V=16, K=32, window=1, windows=6, live_slots=2, pad_rows=1,
+    res = OPS.simulate(HV=2, Hk=2, V=16, K=32, window=1, windows=6, live_slots=2, pad_rows=1,
                        unused_slots=1, start_cursors=(0, 0), device=DEV, seed=2)
     _check_accuracy(res, FLOOR)
 
@@ -114,7 +126,7 @@ def test_window_one_flushes_every_step_one_key_head_per_value_head():
 def test_head_dim_128_default_config_window_16_with_draft_capacity():
     # the real head size with the default launch config (BV=32: four V-blocks per head) and a
     # buffer of 16 + 2 records (record tiles padded to 32)
-    res = kda.simulate(HV=2, Hk=1, V=128, K=128, window=16, windows=2, live_slots=2, pad_rows=1,
+    res = OPS.simulate(HV=2, Hk=1, V=128, K=128, window=16, windows=2, live_slots=2, pad_rows=1,
                        unused_slots=1, extra_capacity=2, start_cursors=(15, 6), device=DEV, seed=3)
     _check_accuracy(res, FLOOR)
 
@@ -130,7 +142,7 @@ def _setup(Bt=3, N=4, HV=4, Hk=2, V=16, K=32, Lb=4, dtype=torch.float32, seed=0,
     x = {n: t.to(DEV) for n, t in x.items()}
     st = {
         "ckpt": (0.1 * torch.randn(N, HV, V, K, generator=g)).to(DEV),
-        "buf_ld": -0.1 * torch.rand(N, Lb, HV, K, generator=g).to(DEV),
+        "buf_ld": -0.1 * torch.rand(*((N, Lb, HV, K) if FAMILY == "kda" else (N, Lb, HV)), generator=g).to(DEV),
         "buf_w": torch.randn(N, Lb, HV, V, generator=g).to(rec).to(DEV),
         "buf_k": torch.nn.functional.normalize(torch.randn(N, Lb, Hk, K, generator=g), dim=-1)
                  .to(rec).to(DEV),
@@ -141,7 +153,7 @@ def _setup(Bt=3, N=4, HV=4, Hk=2, V=16, K=32, Lb=4, dtype=torch.float32, seed=0,
 
 
 def _call(p, x, st, slot_ids, window=4, **kw):
-    return kda.replay_decode(x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV),
+    return OPS.replay_decode(x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV),
                              p.dt_bias.to(DEV), None, st["ckpt"], st["buf_ld"], st["buf_w"],
                              st["buf_k"], st["cursor"], st["epoch"], slot_ids, window, **kw)
 
@@ -180,10 +192,10 @@ def test_first_step_of_empty_slot_is_one_conventional_step_bf16_io(l2norm):
     S0 = S.cpu().double()
     ids = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
     o = _call(p, x, st, ids, window=1, use_qk_l2norm=l2norm)
-    oc = kda.conventional_decode(x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV),
+    oc = OPS.conventional_decode(x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV),
                                  p.dt_bias.to(DEV), None, S, ids, use_qk_l2norm=l2norm)
     assert o.dtype == torch.bfloat16 and oc.dtype == torch.bfloat16
-    p64 = KDAParams(A_log=p.A_log.double(), dt_bias=p.dt_bias.double(), use_qk_l2norm=l2norm)
+    p64 = PARAMS(A_log=p.A_log.double(), dt_bias=p.dt_bias.double(), use_qk_l2norm=l2norm)
     o_ref, S_ref = p64.step(S0[[1, 0]], **{n: t.cpu().double() for n, t in x.items()})
 
     def rel(a, b):
@@ -219,12 +231,12 @@ def test_custom_ops_schema_and_fake():
     args = (x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV), p.dt_bias.to(DEV), 0.2,
             st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], arrive,
             ids, 4, o, True, 16, 2, 1, 0)
-    torch.library.opcheck(torch.ops.replayssm.kda_replay_decode.default, args,
+    torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_replay_decode").default, args,
                           test_utils=("test_schema", "test_faketensor"))
     S = st["ckpt"].clone()
     args = (x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV), p.dt_bias.to(DEV), 0.2, S,
             ids, o, True, 16, 2, 1)
-    torch.library.opcheck(torch.ops.replayssm.kda_conventional_decode.default, args,
+    torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_conventional_decode").default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -236,7 +248,7 @@ def test_torch_compile_fullgraph_matches_eager():
     A_log, dt_bias = p.A_log.to(DEV), p.dt_bias.to(DEV)
 
     def step(q, k, v, a, b, ckpt, buf_ld, buf_w, buf_k, cursor, epoch):
-        o = kda.replay_decode(q, k, v, a, b, A_log, dt_bias, None, ckpt, buf_ld, buf_w, buf_k,
+        o = OPS.replay_decode(q, k, v, a, b, A_log, dt_bias, None, ckpt, buf_ld, buf_w, buf_k,
                               cursor, epoch, ids, 4, arrive=arrive, validate=False)
         return o * 2.0
 
@@ -263,12 +275,13 @@ def _bad_cases():
         ("k shape", set_("k", lambda t: t[:, :1]), "k has shape"),
         ("v batch", set_("v", lambda t: t[:2]), "v must be"),
         ("heads", set_("v", lambda t: t[:, :3]), "multiple of key heads"),
-        ("a shape", set_("a", lambda t: t[..., 0]), "a has shape"),
+        ("a shape", set_("a", lambda t: t[..., 0] if FAMILY == "kda" else t[:, :2]), "a has shape"),
         ("a stride", set_("a", lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
-         "a must have a contiguous last dim"),
+         "a must have a contiguous last dim"),                              # KDA only
         ("b shape", set_("b", lambda t: t[:, None]), "b has shape"),
         ("A_log shape", set_("A_log", lambda t: t[:2]), "A_log has shape"),
-        ("dt_bias shape", set_("dt_bias", lambda t: t[:, 0]), "dt_bias has shape"),
+        ("dt_bias shape", set_("dt_bias", lambda t: t[:, 0] if FAMILY == "kda" else t[None]),
+         "dt_bias has shape"),
         ("q dtype", set_("q", lambda t: t.to(torch.int32)), "q has dtype"),
         ("q stride", set_("q", lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
          "q must have a contiguous last dim"),
@@ -279,7 +292,8 @@ def _bad_cases():
         ("ckpt contiguity", set_("ckpt", lambda t: t.transpose(2, 3).contiguous().transpose(2, 3)),
          "ckpt must be contiguous"),
         ("buf_w dtype", set_("buf_w", lambda t: t.to(torch.int16)), "buf_w has dtype"),
-        ("buf_ld shape", set_("buf_ld", lambda t: t[..., 0]), "buf_ld has shape"),
+        ("buf_ld shape", set_("buf_ld", lambda t: t[..., 0] if FAMILY == "kda" else t[..., None]),
+         "buf_ld has shape"),
         ("buf_ld dtype", set_("buf_ld", lambda t: t.bfloat16()), "buf_ld has dtype"),
         ("buf_k heads", set_("buf_k", lambda t: t[:, :, :1]), "buf_k has shape"),
         ("cursor dtype", set_("cursor", lambda t: t.long()), "cursor has dtype"),
@@ -296,6 +310,7 @@ def _bad_cases():
         ("window > Lb", lambda kw: kw.__setitem__("window", 5), "window=5"),
         ("window float", lambda kw: kw.__setitem__("window", 4.0), "window=4.0"),
         ("cursor value", lambda kw: kw["cursor"].__setitem__(2, 4), r"cursor\[2\]=4"),
+        ("cursor past window", lambda kw: kw.__setitem__("window", 1), r"cursor\[2\]=2"),
         ("out shape", lambda kw: kw.__setitem__("out", torch.empty(3, 4, 8, device=DEV)),
          "out has shape"),
         ("out contiguity",
@@ -311,6 +326,8 @@ def _bad_cases():
 
 @pytest.mark.parametrize("name,mutate,match", _bad_cases(), ids=[c[0] for c in _bad_cases()])
 def test_replay_value_errors(name, mutate, match):
+    if name == "a stride" and FAMILY != "kda":
+        pytest.skip("GDN's gate input a has no key dim")
     p, x, st = _setup()
     kw = dict(q=x["q"], k=x["k"], v=x["v"], a=x["a"], b=x["b"], A_log=p.A_log.to(DEV),
               dt_bias=p.dt_bias.to(DEV), scale=None,
@@ -318,7 +335,7 @@ def test_replay_value_errors(name, mutate, match):
     mutate(kw)
     before = {n: t.clone() for n, t in st.items()}
     with pytest.raises(ValueError, match=match):
-        kda.replay_decode(**kw)
+        OPS.replay_decode(**kw)
     for n, t in st.items():   # nothing launched
         assert torch.equal(t, before[n]), n
 
@@ -330,7 +347,7 @@ _CONV_BAD = [
     ("slot range", lambda kw: kw.__setitem__("slot_ids", torch.tensor([0, 9, -1], device=DEV)),
      "slot_ids holds 9"),
     ("slot twice", lambda kw: kw.__setitem__("slot_ids", torch.tensor([1, 1, -1], device=DEV)), "repeats"),
-    ("a shape", lambda kw: kw.__setitem__("a", kw["a"][..., 0]), "a has shape"),
+    ("a shape", lambda kw: kw.__setitem__("a", kw["a"][..., None]), "a has shape"),
 ]
 
 
@@ -342,7 +359,7 @@ def test_conventional_value_errors(name, mutate, match):
               slot_ids=torch.tensor([2, -1, 0], device=DEV))
     mutate(kw)
     with pytest.raises(ValueError, match=match):
-        kda.conventional_decode(**kw)
+        OPS.conventional_decode(**kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,9 +368,11 @@ def test_conventional_value_errors(name, mutate, match):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("shape", ["kimi-linear-48b", "gqa-122b-shape"])
-def test_gpu_accuracy_real_shapes(shape):
-    res = kda.simulate(**kda.SHAPES[shape], window=16, windows=64, live_slots=6, pad_rows=2,
+@pytest.mark.parametrize("which", [0, 1])
+def test_gpu_accuracy_real_shapes(which):
+    # GDN: Qwen3.5-4B, -122B; KDA: Kimi Linear 48B and a grouped-key shape
+    shape = list(OPS.SHAPES)[which]
+    res = OPS.simulate(**OPS.SHAPES[shape], window=16, windows=64, live_slots=6, pad_rows=2,
                        unused_slots=1, extra_capacity=2,
                        record_dtypes=(torch.float32, torch.bfloat16), device="cuda")
     _check_accuracy(res, FLOOR)
@@ -373,7 +392,7 @@ def test_gpu_cuda_graph_capture_matches_eager():
 
     def pool():
         return {"ckpt": torch.zeros(N, HV, V, K, device="cuda"),
-                "buf_ld": torch.zeros(N, L, HV, K, device="cuda"),
+                "buf_ld": torch.zeros(N, L, HV, device="cuda"),
                 "buf_w": torch.zeros(N, L, HV, V, device="cuda", dtype=torch.bfloat16),
                 "buf_k": torch.zeros(N, L, Hk, K, device="cuda", dtype=torch.bfloat16),
                 "cursor": torch.arange(N, dtype=torch.int32, device="cuda") % L,
@@ -385,7 +404,7 @@ def test_gpu_cuda_graph_capture_matches_eager():
     out = torch.empty(Bt, HV, V, device="cuda", dtype=torch.bfloat16)
 
     def run(st, x, o):
-        kda.replay_decode(x["q"], x["k"], x["v"], x["a"], x["b"], A_log, dt_bias, None, st["ckpt"],
+        OPS.replay_decode(x["q"], x["k"], x["v"], x["a"], x["b"], A_log, dt_bias, None, st["ckpt"],
                           st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], ids, L,
                           out=o, arrive=arrive, validate=False)
 
