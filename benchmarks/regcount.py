@@ -41,6 +41,22 @@ def compile_kernel(fn, signature, constexprs, num_warps):
     return k.asm["cubin"]
 
 
+def signature(fn, ptr: dict, constexprs: dict, floats=()):
+    """Triton signature and constexpr map for `fn`: pointer types from `ptr`, the named
+    constexpr values, fp32 for `floats`, i32 for every other scalar."""
+    names = fn.arg_names
+    sig, const = {}, {}
+    for n in names:
+        if n in ptr:
+            sig[n] = ptr[n]
+        elif n in constexprs:
+            sig[n] = "constexpr"
+            const[(names.index(n),)] = constexprs[n]
+        else:
+            sig[n] = "fp32" if n in floats else "i32"
+    return sig, const
+
+
 def mamba2(cfg):
     from replayssm.ops.mamba2 import decode as m
 
@@ -48,8 +64,6 @@ def mamba2(cfg):
     c = dict(BV=64, num_warps=4, BC=16, flush="fma", sync=1, ablate=0)
     c.update(cfg)
     fn = m._replay_decode_kernel
-    names = fn.arg_names
-    sig, const = {}, {}
     ptr = {"x": "*fp32", "dt": "*fp32", "B": "*fp32", "C": "*fp32", "A": "*fp32", "dt_bias": "*fp32",
            "D": "*fp32", "z": "*fp32", "out": "*fp32", "ckpt": "*fp32", "buf_ld": "*fp32",
            "buf_w": "*bf16", "buf_k": "*bf16", "cursor": "*i32", "epoch": "*i64", "arrive": "*i32",
@@ -59,14 +73,7 @@ def mamba2(cfg):
                 BL=max(16, triton.next_power_of_2(LB)), BC=c["BC"], NVB=triton.cdiv(V, c["BV"]),
                 FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
                 ABLATE=c["ablate"], EVEN=(V % c["BV"] == 0) and c["BC"] <= LB, RC=min(16, c["BV"]))
-    for n in names:
-        if n in ptr:
-            sig[n] = ptr[n]
-        elif n in vals:
-            sig[n] = "constexpr"
-            const[(names.index(n),)] = vals[n]
-        else:
-            sig[n] = "i32"
+    sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
 
@@ -77,23 +84,12 @@ def gdn(cfg, family="gdn"):
     c = dict(BV=32, num_warps=2, window=L)
     c.update(cfg)
     fn = m._replay_decode_kernel
-    names = fn.arg_names
     ptr = {n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")}
     ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
     Lb = c["window"] + 1
-    vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))), BV=c["BV"], BK=K,
-                IS_KDA=family == "kda", USE_QK_L2NORM=True, EXACT_BF16=False)
-    sig, const = {}, {}
-    for n in names:
-        if n in ptr:
-            sig[n] = ptr[n]
-        elif n in vals:
-            sig[n] = "constexpr"
-            const[(names.index(n),)] = vals[n]
-        elif n == "scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
+    vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))),
+                BV=c["BV"], BK=K, IS_KDA=family == "kda", USE_QK_L2NORM=True, EXACT_BF16=False)
+    sig, const = signature(fn, ptr, vals, floats=("scale",))
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} replay {c}")
 
 

@@ -104,19 +104,25 @@ def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float
     )
 
 
-@torch.library.custom_op("replayssm::gdn_conventional_decode", mutates_args=("o", "state"))
-def _gdn_conventional_decode_op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
-                                A_log: Tensor, dt_bias: Tensor, scale: float, state: Tensor,
-                                slot_ids: Tensor, o: Tensor, use_qk_l2norm: bool, BV: int,
-                                num_warps: int, num_stages: int) -> None:
-    launch_conventional("gdn", q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, o,
-                        use_qk_l2norm, BV, num_warps, num_stages)
+def _register_conventional_op(family: str):
+    """The custom op `replayssm::{family}_conventional_decode` (GDN and KDA share the kernel)."""
+
+    @torch.library.custom_op(f"replayssm::{family}_conventional_decode", mutates_args=("o", "state"))
+    def op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+           scale: float, state: Tensor, slot_ids: Tensor, o: Tensor, use_qk_l2norm: bool, BV: int,
+           num_warps: int, num_stages: int) -> None:
+        launch_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, o,
+                            use_qk_l2norm, BV, num_warps, num_stages)
+
+    @op.register_fake
+    def _(q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, o, use_qk_l2norm, BV, num_warps,
+          num_stages) -> None:
+        return None
+
+    return op
 
 
-@_gdn_conventional_decode_op.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, o, use_qk_l2norm, BV, num_warps,
-      num_stages) -> None:
-    return None
+_CONVENTIONAL_OPS = {family: _register_conventional_op(family) for family in ("gdn", "kda")}
 
 
 def prepare_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, out,
@@ -153,9 +159,16 @@ def conventional_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A
     Inputs as :func:`replayssm.ops.gdn.replay_decode`: `q, k` `[Bt, Hk, K]`, `v` `[Bt, HV, V]`,
     `a, b` `[Bt, HV]` raw, `A_log, dt_bias` `[HV]`; negative `slot_ids` are padding rows.
     """
-    scale, out, cfg = prepare_conventional("gdn", q, k, v, a, b, A_log, dt_bias, scale, state,
+    return run_conventional("gdn", q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, out,
+                            use_qk_l2norm, config, validate)
+
+
+def run_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, out,
+                     use_qk_l2norm, config, validate) -> Tensor:
+    """Validate, resolve the config and launch the family's conventional op (GDN and KDA)."""
+    scale, out, cfg = prepare_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, state,
                                            slot_ids, out, config, validate)
-    torch.ops.replayssm.gdn_conventional_decode(
+    _CONVENTIONAL_OPS[family](
         q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, out, bool(use_qk_l2norm),
         cfg["BV"], cfg["num_warps"], cfg["num_stages"])
     return out

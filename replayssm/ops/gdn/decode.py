@@ -522,22 +522,28 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
 _MUTATED = ("o", "ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "epoch", "arrive")
 
 
-@torch.library.custom_op("replayssm::gdn_replay_decode", mutates_args=_MUTATED)
-def _gdn_replay_decode_op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                          dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor,
-                          buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor,
-                          arrive: Tensor, slot_ids: Tensor, window: int, o: Tensor,
-                          use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int,
-                          maxnreg: int) -> None:
-    launch_replay("gdn", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
-                  cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
-                  num_stages, maxnreg)
+def _register_replay_op(family: str):
+    """The custom op `replayssm::{family}_replay_decode` (GDN and KDA share the kernel)."""
+
+    @torch.library.custom_op(f"replayssm::{family}_replay_decode", mutates_args=_MUTATED)
+    def op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+           dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor,
+           buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor, slot_ids: Tensor,
+           window: int, o: Tensor, use_qk_l2norm: bool, BV: int, num_warps: int,
+           num_stages: int, maxnreg: int) -> None:
+        launch_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
+                      cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
+                      num_stages, maxnreg)
+
+    @op.register_fake
+    def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
+          arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg) -> None:
+        return None
+
+    return op
 
 
-@_gdn_replay_decode_op.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-      slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg) -> None:
-    return None
+_REPLAY_OPS = {family: _register_replay_op(family) for family in ("gdn", "kda")}
 
 
 def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
@@ -594,10 +600,17 @@ def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
     Returns:
         `out`: `[Bt, HV, V]`.
     """
+    return run_replay("gdn", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
+                      cursor, epoch, slot_ids, window, out, use_qk_l2norm, config, arrive, validate)
+
+
+def run_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
+               epoch, slot_ids, window, out, use_qk_l2norm, config, arrive, validate) -> Tensor:
+    """Validate, resolve the config and launch the family's replay op (GDN and KDA wrappers)."""
     scale, out, arrive, cfg = prepare_replay(
-        "gdn", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
+        family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
         slot_ids, window, out, config, arrive, validate)
-    torch.ops.replayssm.gdn_replay_decode(
+    _REPLAY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
         cfg["num_stages"], cfg["maxnreg"])

@@ -8,32 +8,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
-from ..gdn.decode import launch_replay, prepare_replay
+from ..gdn.decode import run_replay
 
 __all__ = ["replay_decode"]
-
-_MUTATED = ("o", "ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "epoch", "arrive")
-
-
-@torch.library.custom_op("replayssm::kda_replay_decode", mutates_args=_MUTATED)
-def _kda_replay_decode_op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                          dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor,
-                          buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor,
-                          arrive: Tensor, slot_ids: Tensor, window: int, o: Tensor,
-                          use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int,
-                          maxnreg: int) -> None:
-    launch_replay("kda", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
-                  cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
-                  num_stages, maxnreg)
-
-
-@_kda_replay_decode_op.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-      slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg) -> None:
-    return None
 
 
 def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
@@ -51,11 +30,5 @@ def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
     buf_w `[N, Lb, HV, V]`; buf_k `[N, Lb, Hk, K]`; cursor `[N]` int32; epoch `[N]` int64;
     slot_ids `[Bt]` (negative: padding). Returns `out` `[Bt, HV, V]`.
     """
-    scale, out, arrive, cfg = prepare_replay(
-        "kda", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-        slot_ids, window, out, config, arrive, validate)
-    torch.ops.replayssm.kda_replay_decode(
-        q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-        slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
-        cfg["num_stages"], cfg["maxnreg"])
-    return out
+    return run_replay("kda", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
+                      cursor, epoch, slot_ids, window, out, use_qk_l2norm, config, arrive, validate)
