@@ -27,7 +27,7 @@ keep their sign.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor

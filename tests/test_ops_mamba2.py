@@ -150,7 +150,7 @@ POISON_CASES = [
 @pytest.mark.parametrize("shape, L", POISON_CASES)
 def test_poison_and_cursors(shape, L):
     HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
-    N, Lb, f64 = 6, L + 2, torch.float64
+    N, Lb = 6, L + 2
     used, start = [0, 1, 2], [0, L - 1, 2]     # slot 0 at cursor 0; slot 1 flushes on its first step
     g = torch.Generator().manual_seed(3)
     p = make_params("mamba2", HV, K, seed=3)

@@ -1,6 +1,4 @@
 """The traffic model of SPEC section 6 reproduces the paper's figures and its own algebra."""
-import math
-
 import pytest
 
 from replayssm import traffic
@@ -17,7 +15,7 @@ def test_nemotron3_super_figures():
 
 def test_closed_forms():
     dv, dk, L = 64, 128, 16
-    ms, r = 4 * dv * dk, traffic.record_bytes(dv, dk)
+    r = traffic.record_bytes(dv, dk)
     assert traffic.m_conv(L, dv, dk) == 8 * L * dv * dk
     assert traffic.m_replay(L, dv, dk) == 4 * (L + 1) * dv * dk + (L - 1) * (L + 2) / 2 * r
     # standard decoding: f(L) is the window's traffic per token

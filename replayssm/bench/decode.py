@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import itertools
-import math
 
 import torch
 
@@ -109,7 +108,7 @@ def measure(shape, batch, window, cursors, record_dtype, reps, replay_cfg=None, 
     finite = bool(torch.isfinite(case.ckpt).all() and torch.isfinite(case.state).all())
     base = dict(shape=shape, family=case.family, batch=batch, window=window, cursors=cursors,
                 record_dtype=str(record_dtype).replace("torch.", ""), finite=finite)
-    del case
+    case = None       # free this point's tensors before the next one is allocated
     torch.cuda.empty_cache()
     return [dict(base, scheme="conventional", us_per_step=t_conv, tb_per_s=b_conv / t_conv / 1e6,
                  bytes_per_step=b_conv, ratio_vs_conventional=1.0),
