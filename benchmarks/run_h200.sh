@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# One GPU session: environment, GPU tests at real shapes, decode benchmark, record study.
-# Run from the repository root on the GPU machine:  bash benchmarks/run_h200.sh [bench args]
-# Results go to $OUT (or benchmarks/results/ when OUT is unset).
+# One GPU session in one call: GPU tests at real shapes, the decode benchmark (replay launch
+# configs swept per shape first), the 16K-step record-precision study. About 6 minutes on an
+# H200. Run from the repository root on the GPU machine:
+#   OUT=/some/dir STAGE=all bash benchmarks/run_h200.sh
+# STAGE: all | test | bench | records. Results go to $OUT (default benchmarks/results/).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 STAGE="${STAGE:-all}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [[ "$STAGE" == all || "$STAGE" == test ]]; then
-  python3 -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-fi
-if [[ "$STAGE" == all || "$STAGE" == bench ]]; then
-  python3 -m replayssm.bench.decode --out "$OUT/decode_h200.json" "$@" 2>&1 | tee "$OUT/decode.log" | tail -60
+  python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 fi
 if [[ "$STAGE" == all || "$STAGE" == records ]]; then
-  python3 -m replayssm.bench.records --out "$OUT/records_h200.json" 2>&1 | tail -20
+  python3 -m replayssm.bench.records --steps 16384 --out "$OUT/records_h200.json" 2>&1 | tail -14
+fi
+if [[ "$STAGE" == all || "$STAGE" == bench ]]; then
+  python3 -m replayssm.bench.decode --sweep --sweep-replay-only --reps 8 --out "$OUT/decode_h200.json" 2>&1 \
+    | tee "$OUT/decode.log" | grep -v " L=" | tail -35
 fi
