@@ -192,12 +192,16 @@ class SlotPool:
             return parts["data"][s]
         return formats.decode({k: v[s:s + 1] for k, v in parts.items()}, fmt, self.dtype)[0]
 
-    def _write(self, s: int, S: Tensor) -> None:
-        """Store a new checkpoint of slot `s` (HP with its rounding, LP round-to-nearest)."""
+    def _write(self, s: int, S: Tensor, loading: bool = False) -> None:
+        """Store a new checkpoint of slot `s` (HP with its rounding, LP round-to-nearest).
+
+        The stochastic-rounding stream is keyed by slot, flush count and whether this is a
+        `load` or a flush, so that no two roundings of one slot share random numbers."""
         if self.hp_format is None:
             self.ckpt["data"][s] = S
         else:
-            stream = torch.tensor([s * _STREAM_SLOT_STRIDE + int(self.epoch[s])], device=self.device)
+            key = s * _STREAM_SLOT_STRIDE + 2 * int(self.epoch[s]) + int(loading)
+            stream = torch.tensor([key], device=self.device)
             parts = formats.encode(S[None], self.hp_format, self.hp_rounding, seed=self.seed, stream=stream)
             for key, val in parts.items():
                 self.ckpt[key][s] = val[0]
@@ -341,7 +345,7 @@ class SlotPool:
         state = state.to(self.dtype)
         for b, s in enumerate(slot_ids.tolist()):
             if s >= 0:
-                self._write(s, state[b])
+                self._write(s, state[b], loading=True)
                 self.cursor[s] = 0
                 self.pending[s] = 0
 
