@@ -74,6 +74,16 @@ def _traffic(args) -> int:
     return 0
 
 
+BENCHES = {"decode": "replayssm.bench.decode", "records": "replayssm.bench.records"}
+
+
+def _bench(args) -> int:
+    import importlib
+
+    importlib.import_module(BENCHES[args.which]).main(args.rest)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="replayssm", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -87,6 +97,12 @@ def main(argv=None) -> int:
     t = sub.add_parser("traffic", help="the traffic model (SPEC section 6) for the model shapes")
     t.add_argument("--format", default="fp32")
     t.set_defaults(func=_traffic)
+    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep) or records (precision study)",
+                       description="Arguments after the benchmark's name go to it: "
+                                   "`replayssm bench decode --help`.")
+    b.add_argument("which", choices=sorted(BENCHES))
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_bench)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -62,6 +62,8 @@ def _command_name() -> str:
     path = Path(sys.argv[0])
     if path.suffix == ".py" and path.parent.name == "bench" and path.parent.parent.name == "replayssm":
         return f"python -m replayssm.bench.{path.stem}"
+    if path.name == "cli.py" and path.parent.name == "replayssm":
+        return "python -m replayssm.cli"
     return sys.argv[0]
 
 
