@@ -31,18 +31,23 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def cumulative(ld: Tensor) -> Tensor:
-    """Inclusive cumulative log-decay over positions: `[n, HV(, K)]` -> `[n, HV(, K)]`.
-
-    `cum[j] = log g_{1:j+1}`, so `g_{j+1:n} = exp(cum[n-1] - cum[j])` (0-based positions).
-    """
-    return torch.cumsum(ld, dim=0)
-
-
 def _col_decay(d: Tensor) -> Tensor:
     """Broadcast a decay over the state's columns: scalar `[HV]` -> `[HV, 1, 1]`; vector
     `[HV, K]` (KDA) -> `[HV, 1, K]` (it scales the key dim)."""
     return d[:, None, None] if d.dim() == 1 else d[:, None, :]
+
+
+def _decayed(C: Tensor, ld: Tensor, k: Tensor):
+    """The two decayed pieces of SPEC section 2's unrolled state `S_n`.
+
+    Returns `g_{1:n} C` (`[HV, V, K]`; KDA: the decay scales the key columns) and the decayed
+    keys `g_{j+1:n} k_j` expanded to value heads (`[n, HV, K]`), so that
+    `S_n = g_{1:n} C + sum_j w_j (g_{j+1:n} k_j)^T`.
+    """
+    total = ld.sum(0)                                          # log g_{1:n}
+    g = torch.exp(total - torch.cumsum(ld, 0))                 # [n, HV(, K)]: g_{j+1:n}
+    kw = expand_heads(k, C.shape[0]) * (g[..., None] if g.dim() == 2 else g)
+    return torch.exp(_col_decay(total)) * C, kw
 
 
 def replay(C: Tensor, ld: Tensor, w: Tensor, k: Tensor) -> Tensor:
@@ -52,18 +57,8 @@ def replay(C: Tensor, ld: Tensor, w: Tensor, k: Tensor) -> Tensor:
     `k`: `[n, Hk, K]`. Returns `S_n = g_{1:n} C + sum_j g_{j+1:n} w_j k_j^T` (KDA: the decay
     scales the key columns).
     """
-    n = ld.shape[0]
-    if n == 0:
-        return C.clone()
-    HV = C.shape[0]
-    cum = cumulative(ld)
-    ke = expand_heads(k, HV)                                  # [n, HV, K]
-    S = torch.exp(_col_decay(cum[-1])) * C
-    for j in range(n):
-        g = torch.exp(cum[-1] - cum[j])                       # g_{j+1:n}
-        kj = ke[j] * (g[:, None] if g.dim() == 1 else g)     # [HV, K]
-        S = S + w[j][:, :, None] * kj[:, None, :]
-    return S
+    Cg, kw = _decayed(C, ld, k)
+    return Cg + torch.einsum("jhv,jhk->hvk", w, kw)
 
 
 def apply(C: Tensor, ld: Tensor, w: Tensor, k: Tensor, vec: Tensor) -> Tensor:
@@ -74,19 +69,5 @@ def apply(C: Tensor, ld: Tensor, w: Tensor, k: Tensor, vec: Tensor) -> Tensor:
     `g_{1:n} (C vec) + sum_j g_{j+1:n} (k_j^T vec) w_j`; for KDA the decays multiply `vec`
     channel-wise instead: `C (g_{1:n} * vec) + sum_j ((g_{j+1:n} * k_j)^T vec) w_j`.
     """
-    n = ld.shape[0]
-    HV = C.shape[0]
-    if n == 0:
-        return torch.einsum("hvk,hk->hv", C, vec)
-    cum = cumulative(ld)
-    ke = expand_heads(k, HV)
-    g_all = torch.exp(cum[-1])
-    if g_all.dim() == 1:
-        out = g_all[:, None] * torch.einsum("hvk,hk->hv", C, vec)
-    else:
-        out = torch.einsum("hvk,hk->hv", C, g_all * vec)
-    for j in range(n):
-        g = torch.exp(cum[-1] - cum[j])
-        kj = ke[j] * (g[:, None] if g.dim() == 1 else g)
-        out = out + (kj * vec).sum(-1)[:, None] * w[j]
-    return out
+    Cg, kw = _decayed(C, ld, k)
+    return torch.einsum("hvk,hk->hv", Cg, vec) + torch.einsum("jhk,hk,jhv->hv", kw, vec, w)

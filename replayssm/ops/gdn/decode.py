@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from ..common import arrive_counter, capturing
 from torch import Tensor
 
 __all__ = ["replay_decode", "replay_config"]
@@ -338,10 +340,6 @@ def _last_contig(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dim (strides {t.stride()})")
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def check_token_inputs(family: str, q, k, v, a, b, A_log, dt_bias, out) -> tuple:
     """Shapes, dtypes and strides of one step's inputs; returns `(Bt, Hk, K, HV, V)`."""
     if not isinstance(q, Tensor) or q.dim() != 3:
@@ -385,7 +383,7 @@ def check_slot_ids(slot_ids, Bt: int, N: int) -> None:
 
 def check_slot_values(slot_ids: Tensor, N: int) -> None:
     """Slot range and uniqueness (host sync; skipped while capturing a CUDA graph or compiling)."""
-    if _capturing() or torch.compiler.is_compiling():
+    if capturing() or torch.compiler.is_compiling():
         return
     ids = slot_ids.detach().cpu()
     valid = ids[ids >= 0]
@@ -407,27 +405,6 @@ def check_devices(**tensors) -> None:
 # ---------------------------------------------------------------------------------------------
 # The arrive counters (one int32 per slot, zero between launches).
 # ---------------------------------------------------------------------------------------------
-
-_ARRIVE_CACHE: dict = {}
-
-
-def arrive_counter(device, N: int) -> Tensor:
-    """A zeroed `[N]` int32 counter for the cursor hand-off, cached per (device, N).
-
-    The kernel leaves it zeroed, so one buffer serves every layer and step on one stream. A
-    pool that runs layers on several streams at once should own one per stream and pass it as
-    `arrive=`. Created on first use, which must not be inside a CUDA-graph capture (warm up
-    first, or pass `arrive=`).
-    """
-    key = (torch.device(device), int(N))
-    t = _ARRIVE_CACHE.get(key)
-    if t is None:
-        if _capturing():
-            raise ValueError("arrive counter not allocated yet: call once before capturing "
-                             "a CUDA graph, or pass arrive=")
-        t = torch.zeros(N, dtype=torch.int32, device=device)
-        _ARRIVE_CACHE[key] = t
-    return t
 
 
 def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
@@ -464,7 +441,7 @@ def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
 def check_cursor_values(cursor: Tensor, slot_ids: Tensor, Lb: int, window: int) -> None:
     """The rows' cursors leave room for the new record and do not pass the window, which
     sizes the kernel's record tiles (host sync; skipped when capturing)."""
-    if _capturing() or torch.compiler.is_compiling():
+    if capturing() or torch.compiler.is_compiling():
         return
     ids = slot_ids.detach().cpu().long()
     ids = ids[ids >= 0]

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from ..common import arrive_counter, capturing
 from torch import Tensor
 
 __all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config"]
@@ -288,9 +290,6 @@ def _replay_decode_kernel(
 # ----------------------------------------------------------------------------------------------
 # Python boundary
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
 
 def check_tensor(name: str, t, shape, dtypes, device, *, contiguous: bool = False,
                  inner: bool = False) -> None:
@@ -313,7 +312,7 @@ def check_tensor(name: str, t, shape, dtypes, device, *, contiguous: bool = Fals
 def check_slots(slot_ids: Tensor, N: int, force: bool) -> None:
     """Range and uniqueness of slot ids. Reading them needs a device sync, so on an accelerator
     this runs only when asked (`force`), and never during CUDA-graph capture or tracing."""
-    if torch.compiler.is_compiling() or _capturing() or (slot_ids.device.type != "cpu" and not force):
+    if torch.compiler.is_compiling() or capturing() or (slot_ids.device.type != "cpu" and not force):
         return
     s = slot_ids.detach().to("cpu", torch.int64)
     live = s[s >= 0]
@@ -350,20 +349,6 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
     if Bt > 65535 or HV > 65535:
         raise ValueError(f"x: batch {Bt} or heads {HV} above the grid limit 65535")
     return Bt, HV, V, G, K
-
-
-_ARRIVE: dict = {}
-
-
-def _arrival_counters(device: torch.device, N: int) -> Tensor:
-    # Zero-initialised int32 counters, one per slot, cached per device. Every launch leaves
-    # them at zero, so launches on one stream may share them; pass `arrive` explicitly for
-    # CUDA graphs (allocate before capture) or for concurrent launches on several streams.
-    t = _ARRIVE.get(device)
-    if t is None or t.numel() < N:
-        t = torch.zeros(max(N, 1024), dtype=torch.int32, device=device)
-        _ARRIVE[device] = t
-    return t
 
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
@@ -463,7 +448,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     if out is None:
         out = torch.empty_like(x)
     if arrive is None:
-        arrive = _arrival_counters(x.device, ckpt.shape[0])
+        arrive = arrive_counter(x.device, ckpt.shape[0])
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"], cfg["BC"])
     if torch.compiler.is_compiling():

@@ -1,0 +1,31 @@
+"""Pieces the kernels of every family share."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_ARRIVE_CACHE: dict = {}
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no host syncs or allocation then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def arrive_counter(device, N: int) -> Tensor:
+    """A zeroed `[N]` int32 counter for the cursor hand-off, cached per (device, N).
+
+    The kernels leave it zeroed, so one buffer serves every layer and step on one stream. A
+    pool that runs layers on several streams at once should own one per stream and pass it as
+    `arrive=` (the slot pool owns one). Created on first use, which must not be inside a
+    CUDA-graph capture (warm up first, or pass `arrive=`).
+    """
+    key = (torch.device(device), int(N))
+    t = _ARRIVE_CACHE.get(key)
+    if t is None:
+        if capturing():
+            raise ValueError("arrive counter not allocated yet: call once before capturing "
+                             "a CUDA graph, or pass arrive=")
+        t = torch.zeros(N, dtype=torch.int32, device=device)
+        _ARRIVE_CACHE[key] = t
+    return t
