@@ -61,7 +61,7 @@ def mamba2(cfg):
     from replayssm.ops.mamba2 import decode as m
 
     HV, G, V, K, L = 128, 8, 64, 128, 16
-    c = dict(BV=64, num_warps=4, BC=16, flush="fma", sync=1, ablate=0)
+    c = dict(BV=64, num_warps=4, flush="fma", sync=1, HPP=4, recmask=1, prefetch=1)
     c.update(cfg)
     fn = m._replay_decode_kernel
     ptr = {"x": "*fp32", "dt": "*fp32", "B": "*fp32", "C": "*fp32", "A": "*fp32", "dt_bias": "*fp32",
@@ -70,9 +70,10 @@ def mamba2(cfg):
            "slot_ids": "*i64"}
     LB = L + 1
     vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
-                BL=max(16, triton.next_power_of_2(LB)), BC=c["BC"], NVB=triton.cdiv(V, c["BV"]),
+                BL=max(16, triton.next_power_of_2(min(L, LB))), HPP=c["HPP"], NVB=triton.cdiv(V, c["BV"]),
                 FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
-                ABLATE=c["ablate"], EVEN=(V % c["BV"] == 0) and c["BC"] <= LB, RC=min(16, c["BV"]))
+                RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EVEN=bool(c.get("even", 1)),
+                RC=min(16, c["BV"]))
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
@@ -81,14 +82,15 @@ def gdn(cfg, family="gdn"):
     from replayssm.ops.gdn import decode as m
 
     HV, HK, V, K, L = (32, 16, 128, 128, 16) if family == "gdn" else (32, 32, 128, 128, 16)
-    c = dict(BV=32, num_warps=2, window=L)
+    c = dict(BV=32, num_warps=4, window=L, HPP=2 if family == "gdn" else 1, recmask=1, prefetch=1)
     c.update(cfg)
     fn = m._replay_decode_kernel
     ptr = {n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")}
     ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
     Lb = c["window"] + 1
     vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))),
-                BV=c["BV"], BK=K, IS_KDA=family == "kda", USE_QK_L2NORM=True, EXACT_BF16=False)
+                BV=c["BV"], BK=K, HPP=c["HPP"], IS_KDA=family == "kda", USE_QK_L2NORM=True,
+                RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EXACT_BF16=False)
     sig, const = signature(fn, ptr, vals, floats=("scale",))
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} replay {c}")
 

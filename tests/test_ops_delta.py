@@ -116,6 +116,25 @@ def test_poison_bookkeeping_multi_block_and_spare_capacity():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("cfg", [
+    {"BV": 8, "num_warps": 1, "HPP": 2, "recmask": True, "prefetch": True},
+    {"BV": 16, "num_warps": 2, "HPP": 2, "recmask": False, "prefetch": False},
+    {"BV": 8, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": True},
+], ids=["hpp2-prefetch", "hpp2-unmasked", "hpp1-unmasked-prefetch"])
+def test_program_variants(cfg):
+    # two value heads per program sharing their key head's records; the next head's tile
+    # prefetched; record loads issued before the cursor is known. KDA (one value head per key
+    # head here) runs HPP=1 only.
+    Hk = 2 if FAMILY == "gdn" else 4
+    if FAMILY == "kda":
+        cfg = dict(cfg, HPP=1)
+    res = OPS.simulate(HV=4, Hk=Hk, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=1,
+                       unused_slots=1, extra_capacity=1, config=cfg, conv_config={"BV": 8},
+                       device=DEV, seed=4)
+    _check_accuracy(res, FLOOR)
+
+
+@pytest.mark.interpret
 def test_window_one_flushes_every_step_one_key_head_per_value_head():
     res = OPS.simulate(HV=2, Hk=2, V=16, K=32, window=1, windows=6, live_slots=2, pad_rows=1,
                        unused_slots=1, start_cursors=(0, 0), device=DEV, seed=2)
@@ -230,7 +249,7 @@ def test_custom_ops_schema_and_fake():
     arrive = torch.zeros(st["ckpt"].shape[0], dtype=torch.int32, device=DEV)
     args = (x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV), p.dt_bias.to(DEV), 0.2,
             st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], arrive,
-            ids, 4, o, True, 16, 2, 1, 0)
+            ids, 4, o, True, 16, 2, 1, 0, 1, True, True)
     torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_replay_decode").default, args,
                           test_utils=("test_schema", "test_faketensor"))
     S = st["ckpt"].clone()

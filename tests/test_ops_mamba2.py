@@ -62,16 +62,22 @@ def test_replay_error_within_conventional(shape, window, n_slots, windows):
 
 EDGE_CASES = [
     # window 1: every step flushes (replay degenerates to read-update-write)
-    pytest.param(SMALL, 1, dict(flush="ieee"), id="L1-ieee"),
+    pytest.param(SMALL, 1, dict(flush="tf32x3"), id="L1-dot"),
     # V, K not powers of two (masked tiles, two V-blocks per head); rank-1 flush loop
     pytest.param(dict(HV=4, G=2, V=24, K=20), 5, dict(BV=16, flush="fma"), id="odd-L5-fma"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="fma"),
                  marks=[pytest.mark.gpu, gpu], id="super-fma"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="tf32x3"),
                  marks=[pytest.mark.gpu, gpu], id="super-tf32x3"),
-    # window 32: two chunks of 16 records in the output pass and in the dot flush
-    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 32, dict(flush="ieee"),
-                 marks=[pytest.mark.gpu, gpu], id="super-L32-ieee-chunks"),
+    # window 32: record tiles of 32 positions, in the output and in the dot flush
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 32, dict(flush="tf32x3"),
+                 marks=[pytest.mark.gpu, gpu], id="super-L32-tf32x3"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
+                 dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False),
+                 marks=[pytest.mark.gpu, gpu], id="super-batch1-config"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
+                 dict(HPP=16, prefetch=True, flush="fma"),
+                 marks=[pytest.mark.gpu, gpu], id="super-whole-group"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, dict(BV=32),
                  marks=[pytest.mark.gpu, gpu], id="nano4b-BV32-masked"),
 ]
@@ -113,16 +119,20 @@ def test_bf16_records(shape, window, n_slots, windows):
     assert r["out_replay"] > 1e-4 and r["ckpt_replay"] > 1e-4
 
 
-def test_record_chunks():
-    """Records read in several chunks (BC smaller than the window, a partial last chunk), with
-    both flush paths: the chunk loop past the speculatively loaded first chunk is exercised."""
+@pytest.mark.parametrize("cfg", [
+    dict(BV=8, HPP=2, recmask=True, prefetch=True, flush="fma"),
+    dict(BV=16, HPP=2, recmask=False, prefetch=False, flush="tf32x3"),
+    dict(BV=8, HPP=1, recmask=False, prefetch=True, flush="fma"),
+], ids=["hpp2-prefetch", "hpp2-unmasked-dot", "hpp1-unmasked-prefetch"])
+def test_program_variants(cfg):
+    """Several heads per program (shared group keys), the next head's tile prefetched, record
+    loads issued before the cursor is known, both flush paths: each against the reference."""
     shape = dict(HV=4, G=2, V=16, K=32)
-    for cfg in (dict(BV=8, BC=2, flush="fma"), dict(BV=16, BC=16, flush="ieee")):
-        r = compare_with_reference(shape["HV"], shape["G"], shape["V"], shape["K"], window=5,
-                                   n_slots=3, windows=4, device=DEV, config=cfg)
-        _check_bookkeeping(r)
-        assert r["out_replay"] <= 1.5 * r["out_conventional"] + 2e-8, (cfg, r)
-        assert r["ckpt_replay"] <= 1.5 * r["ckpt_conventional"] + 2e-8, (cfg, r)
+    r = compare_with_reference(shape["HV"], shape["G"], shape["V"], shape["K"], window=5,
+                               n_slots=3, windows=4, device=DEV, config=cfg)
+    _check_bookkeeping(r)
+    assert r["out_replay"] <= 1.5 * r["out_conventional"] + 2e-8, (cfg, r)
+    assert r["ckpt_replay"] <= 1.5 * r["ckpt_conventional"] + 2e-8, (cfg, r)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,7 +374,7 @@ def test_custom_op_registration():
                          torch.tensor([0, 3], dtype=torch.int32, device=DEV),
                          torch.zeros(N, dtype=torch.int64, device=DEV),
                          torch.zeros(N, dtype=torch.int32, device=DEV), slot_ids,
-                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "ieee", 16)
+                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0)
     conv_args = tok + (torch.randn(N, HV, V, K, device=DEV), slot_ids,
                        torch.empty(Bt, HV, V, device=DEV), 16, 4, 1)
     tests = ("test_schema", "test_faketensor")
@@ -433,7 +443,9 @@ REPLAY_ERRORS = [
     ("out", _t(3, 4, 8), "shape"),
     ("arrive", _t(4, dtype=torch.int64), "dtype"),
     ("config", dict(BV=12), "BV must be a power of two"),
-    ("config", dict(BV=8, flush="ieee"), "BV=8 is below 16"),
+    ("config", dict(BV=8, flush="tf32x3"), "BV=8 is below 16"),
+    ("config", dict(HPP=3), "HPP=3 must divide"),
+    ("config", dict(sync=5), "sync"),
     ("config", dict(num_warps=3), "num_warps"),
     ("config", dict(flush="tf32"), "flush"),
     ("config", dict(block=16), "unknown"),

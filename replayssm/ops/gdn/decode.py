@@ -50,19 +50,24 @@ def _rne_bf16(x):
 
 
 @triton.jit
-def _load_token(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
-                stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-                stride_a_b, stride_a_h, stride_b_b, stride_b_h,
-                K: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
-    """The current token of one (row, value head): normalised key and scaled query `[BK]`,
-    value block `[BV]`, log decay (scalar, or `[BK]` for KDA, zero on padded channels) and
-    beta, all fp32."""
+def _load_qk(q, k, i_b, i_hk, o_k, m_k, scale, stride_q_b, stride_q_h, stride_k_b, stride_k_h,
+             USE_QK_L2NORM: tl.constexpr):
+    """The current token's key (L2-normalised) and query (normalised, scaled) of one key head,
+    `[BK]` fp32."""
     b_q = tl.load(q + i_b * stride_q_b + i_hk * stride_q_h + o_k, mask=m_k, other=0.).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_b + i_hk * stride_k_h + o_k, mask=m_k, other=0.).to(tl.float32)
     if USE_QK_L2NORM:
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-    b_q = b_q * scale
+    return b_q * scale, b_k
+
+
+@triton.jit
+def _load_head(v, a, b, A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
+               stride_v_b, stride_v_h, stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+               K: tl.constexpr, IS_KDA: tl.constexpr):
+    """The current token of one value head: value block `[BV]`, log decay (scalar, or `[BK]`
+    for KDA, zero on padded channels) and beta, fp32."""
     b_v = tl.load(v + i_b * stride_v_b + i_hv * stride_v_h + o_v, mask=m_v, other=0.).to(tl.float32)
     b_beta = tl.sigmoid(tl.load(b + i_b * stride_b_b + i_hv * stride_b_h).to(tl.float32))
     b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
@@ -82,6 +87,20 @@ def _load_token(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m
     b_ld = -b_A * (tl.maximum(b_x, 0.0) + b_l1p)
     if IS_KDA:
         b_ld = tl.where(m_k, b_ld, 0.)
+    return b_v, b_ld, b_beta
+
+
+@triton.jit
+def _load_token(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
+                stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+                stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+                K: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """`_load_qk` and `_load_head` of one (row, value head): q, k, v, log decay, beta."""
+    b_q, b_k = _load_qk(q, k, i_b, i_hk, o_k, m_k, scale, stride_q_b, stride_q_h, stride_k_b,
+                        stride_k_h, USE_QK_L2NORM)
+    b_v, b_ld, b_beta = _load_head(v, a, b, A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
+                                   stride_v_b, stride_v_h, stride_a_b, stride_a_h, stride_b_b,
+                                   stride_b_h, K, IS_KDA)
     return b_q, b_k, b_v, b_ld, b_beta
 
 
@@ -99,156 +118,182 @@ def _replay_decode_kernel(
     stride_a_b, stride_a_h, stride_b_b, stride_b_h,
     HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     LBCAP: tl.constexpr, LB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-    IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    EXACT_BF16: tl.constexpr,
+    HPP: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    RECMASK: tl.constexpr, PREFETCH: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     G: tl.constexpr = HV // HK
-    # 1-D grid, V-block fastest: the programs sharing a key head's records run together,
-    # so the records they all read stay in L2.
-    pid = tl.program_id(0).to(tl.int64)
+    # grid (HV // HPP * NV, Bt), V-block fastest: a program owns V-block i_v of HPP value heads
+    # of one key head, whose records' keys it reads once (and, for GDN, whose products with
+    # the token's key and query it forms once).
+    pid = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
     i_v = pid % NV
-    i_bh = pid // NV
-    i_hv = i_bh % HV
-    i_b = i_bh // HV
-    i_hk = i_hv // G
+    h0 = (pid // NV) * HPP
+    i_hk = h0 // G
 
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    p_o = o + (i_b * HV + i_hv) * V + o_v
+    p_o = o + (i_b * HV + h0) * V + o_v
 
     i_s = tl.load(slot_ids + i_b).to(tl.int64)
     if i_s < 0:
-        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        for i in range(HPP):
+            tl.store(p_o + i * V, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
     h = tl.load(cursor + i_s).to(tl.int64)
 
-    # the checkpoint tile first: the one large read, in flight while the rest is computed.
-    p_C = ckpt + ((i_s * HV + i_hv) * V + o_v)[:, None] * K + o_k[None, :]
-    m_C = m_v[:, None] & m_k[None, :]
-    b_C = tl.load(p_C, mask=m_C, other=0.)                                  # [BV, BK] fp32
-
-    # records 0..h-1 of this slot (masked lanes issue no memory traffic)
+    # Positions j < h hold records; lane j of the shifted decays holds position j + 1 (the
+    # current token is position h). RECMASK predicates the record loads on the cursor (no
+    # traffic for empty positions); otherwise only on the window, so that they are issued
+    # without waiting for the cursor. Either way positions at or past the cursor are removed by
+    # selects after the load: stale or poisoned records never enter the arithmetic.
     o_j = tl.arange(0, LB)
     m_j = o_j < h
-    o_rec = i_s * LBCAP + o_j                                               # [LB] flat position
-    b_Kb = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
-                   mask=m_j[:, None] & m_k[None, :], other=0.).to(tl.float32)  # [LB, BK]
-    b_U = tl.load(buf_w + (o_rec * HV + i_hv)[:, None] * V + o_v[None, :],
-                  mask=m_j[:, None] & m_v[None, :], other=0.).to(tl.float32)   # [LB, BV]
-
-    b_q, b_k, b_v, b_ld, b_beta = _load_token(
-        q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
-        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-        stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, IS_KDA, USE_QK_L2NORM)
-
-    # Decay weights. Record j (< h) enters a_t S_{t-1} with exp(sum of the log decays at
-    # positions j+1..h), the current token's (position h) included; C enters with exp(sum over
-    # 0..h). The suffix sums come from a reverse scan of the decays shifted by one position, not
-    # as total minus prefix, so that a weight near 1 keeps full relative precision even when the
-    # window's total log decay is large.
     m_j1 = (o_j + 1) < h
-    if IS_KDA:
-        b_LDs = tl.load(buf_ld + ((o_rec + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
-                        mask=m_j1[:, None] & m_k[None, :], other=0.)      # [LB, BK]: ld_{j+1}
-        b_LDs = tl.where((o_j + 1 == h)[:, None], b_ld[None, :], b_LDs)
-        b_ld0 = tl.load(buf_ld + (i_s * LBCAP * HV + i_hv) * K + o_k,
-                        mask=o_k < tl.where(h > 0, K, 0), other=0.)
-        b_ld0 = tl.where(h == 0, b_ld, b_ld0)
-        b_suf = tl.cumsum(b_LDs, axis=0, reverse=True)                      # [LB, BK]
-        b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))                        # [BK]
-        b_Kw = b_Kb * tl.exp(b_suf)                                         # [LB, BK]
-        b_kk = tl.sum(b_Kw * b_k[None, :], axis=1)                          # [LB]
-        b_kq = tl.sum(b_Kw * b_q[None, :], axis=1)
+    if RECMASK:
+        m_lj = m_j
+        m_lj1 = m_j1
     else:
-        b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_j1, other=0.)   # [LB]
-        b_LDs = tl.where(o_j + 1 == h, b_ld, b_LDs)
-        b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv, mask=h > 0, other=0.)
-        b_ld0 = tl.where(h == 0, b_ld, b_ld0)
-        b_w = tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True))               # [LB]
-        b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))
-        b_kk = tl.sum(b_Kb * b_k[None, :], axis=1) * b_w                   # [LB]
-        b_kq = tl.sum(b_Kb * b_q[None, :], axis=1) * b_w
-    b_gk = b_gC * b_k
-    b_gq = b_gC * b_q
+        n_pos = tl.minimum(window, LBCAP)
+        m_lj = o_j < n_pos
+        m_lj1 = (o_j + 1) < n_pos
+    o_rec = i_s * LBCAP + o_j                                               # [LB] flat position
 
-    # one read of C, two matvecs
-    b_Ck = tl.sum(b_C * b_gk[None, :], axis=1)                              # [BV]
-    b_Cq = tl.sum(b_C * b_gq[None, :], axis=1)
-    b_Pk = b_Ck + tl.sum(b_U * b_kk[:, None], axis=0)                       # [BV]
-    b_u = b_beta * (b_v - b_Pk)
-    b_o = b_Cq + tl.sum(b_U * b_kq[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
-    b_ost = b_o.to(p_o.dtype.element_ty)
-    if EXACT_BF16:
-        if p_o.dtype.element_ty == tl.bfloat16:
-            b_ost = _rne_bf16(b_o)
-    tl.store(p_o, b_ost, mask=m_v)
+    # tile offsets in int32 added to a scalar 64-bit base per head: a tile of 64-bit addresses
+    # would hold twice the registers for the whole head loop
+    p_C = ckpt + i_s * (HV * V * K)
+    o_C = o_v[:, None] * K + o_k[None, :]
+    m_C = m_v[:, None] & m_k[None, :]
+    if PREFETCH:
+        b_Cn = tl.load(p_C + h0 * (V * K) + o_C, mask=m_C, other=0., eviction_policy="evict_first")
 
-    # the current record at position h (u per value head and V-block; the decay once per value
-    # head; the key once per key head). h < LBCAP guards other slots against a bad cursor.
+    b_Kb = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
+                   mask=m_lj[:, None] & m_k[None, :], other=0.)
+    b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.)                  # [LB, BK]
+
+    b_q, b_k = _load_qk(q, k, i_b, i_hk, o_k, m_k, scale, stride_q_b, stride_q_h, stride_k_b,
+                        stride_k_h, USE_QK_L2NORM)
+    b_kq_t = tl.sum(b_k * b_q)
+    if not IS_KDA:
+        b_Kk0 = tl.sum(b_Kb * b_k[None, :], axis=1)                          # [LB]
+        b_Kq0 = tl.sum(b_Kb * b_q[None, :], axis=1)
+    flush = h + 1 >= window
     in_buf = h < LBCAP
     n_v = tl.where(in_buf, V, 0)
     n_k = tl.where(in_buf, K, 0)
     o_h = i_s * LBCAP + h
-    p_w = buf_w + (o_h * HV + i_hv) * V + o_v
-    b_ust = b_u.to(p_w.dtype.element_ty)
-    if EXACT_BF16:
-        if p_w.dtype.element_ty == tl.bfloat16:
-            b_ust = _rne_bf16(b_u)
-    tl.store(p_w, b_ust, mask=o_v < n_v)
-    if i_v == 0:
-        if IS_KDA:
-            tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=o_k < n_k)
-        else:
-            tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
-        if i_hv % G == 0:
-            p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
-            b_kst = b_k.to(p_kh.dtype.element_ty)
-            if EXACT_BF16:
-                if p_kh.dtype.element_ty == tl.bfloat16:
-                    b_kst = _rne_bf16(b_k)
-            tl.store(p_kh, b_kst, mask=o_k < n_k)
 
-    flush = h + 1 >= window
-    if flush:
-        # C <- g C + sum_j w_j u_j k_j^T + u_t k_t^T, as rank-1 updates over the records,
-        # newest first so that the suffix log decay accumulates along the loop. The records are
-        # re-read (L1/L2 hits: this program just loaded them) rather than kept live in
-        # registers from above, and an FMA-path tl.dot on fp32 spills badly.
-        b_S = b_u[:, None] * b_k[None, :]                                   # [BV, BK]
-        b_sr = b_ld
-        for i_r in range(0, h):
-            o_r = i_s * LBCAP + h - 1 - i_r
-            b_kr = tl.load(buf_k + (o_r * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-            b_ur = tl.load(buf_w + (o_r * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+    for i in range(HPP):
+        i_hv = h0 + i
+        if PREFETCH:
+            b_C = b_Cn
+            b_Cn = tl.load(p_C + (i_hv + 1) * (V * K) + o_C, mask=m_C & (i + 1 < HPP), other=0.,
+                           eviction_policy="evict_first")
+        else:
+            b_C = tl.load(p_C + i_hv * (V * K) + o_C, mask=m_C, other=0., eviction_policy="evict_first")
+        b_U = tl.load(buf_w + (i_s * LBCAP * HV + i_hv) * V + (o_j[:, None] * (HV * V) + o_v[None, :]),
+                      mask=m_lj[:, None] & m_v[None, :], other=0.)
+        b_U = tl.where(m_j[:, None], b_U.to(tl.float32), 0.)                # [LB, BV]
+
+        b_v, b_ld, b_beta = _load_head(v, a, b, A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
+                                       stride_v_b, stride_v_h, stride_a_b, stride_a_h,
+                                       stride_b_b, stride_b_h, K, IS_KDA)
+
+        # Weights: record j (< h) enters a_t S_{t-1} with exp(ld_{j+1} + ... + ld_h), C with
+        # exp(ld_0 + ... + ld_h). The suffix sums come from a reverse scan of the decays shifted
+        # by one position, not as total minus prefix, so that a weight near 1 keeps full
+        # relative precision even when the window's total log decay is large.
+        if IS_KDA:
+            b_LDs = tl.load(buf_ld + ((o_rec + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
+                            mask=m_lj1[:, None] & m_k[None, :], other=0.)
+            b_LDs = tl.where(m_j1[:, None], b_LDs, 0.)
+            b_LDs = tl.where((o_j + 1 == h)[:, None], b_ld[None, :], b_LDs)   # [LB, BK]
+            b_ld0 = tl.load(buf_ld + (i_s * LBCAP * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+            b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+            b_suf = tl.cumsum(b_LDs, axis=0, reverse=True)                  # [LB, BK]
+            b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))                    # [BK]
+            b_Kw = b_Kb * tl.exp(b_suf)                                     # [LB, BK]
+            b_kk = tl.sum(b_Kw * b_k[None, :], axis=1)                      # [LB]
+            b_kq = tl.sum(b_Kw * b_q[None, :], axis=1)
+        else:
+            b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_lj1, other=0.)
+            b_LDs = tl.where(m_j1, b_LDs, tl.where(o_j + 1 == h, b_ld, 0.))  # [LB]
+            b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv)
+            b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+            b_w = tl.where(m_j, tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True)), 0.)   # [LB]
+            b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))
+            b_kk = b_Kk0 * b_w
+            b_kq = b_Kq0 * b_w
+
+        # one read of C, two matvecs
+        b_Ck = tl.sum(b_C * (b_gC * b_k)[None, :], axis=1)                  # [BV]
+        b_Cq = tl.sum(b_C * (b_gC * b_q)[None, :], axis=1)
+        b_Pk = b_Ck + tl.sum(b_U * b_kk[:, None], axis=0)
+        b_u = b_beta * (b_v - b_Pk)
+        b_o = b_Cq + tl.sum(b_U * b_kq[:, None], axis=0) + b_kq_t * b_u
+        b_ost = b_o.to(p_o.dtype.element_ty)
+        if EXACT_BF16:
+            if p_o.dtype.element_ty == tl.bfloat16:
+                b_ost = _rne_bf16(b_o)
+        tl.store(p_o + i * V, b_ost, mask=m_v)
+
+        if flush:
+            # C <- gC C + sum_j w_j u_j k_j^T + u_t k_t^T, one rank-1 update per record, newest first so that the suffix log decay accumulates
+            # along the loop; the records' vectors are re-read (L1/L2 hits).
+            b_S = b_u[:, None] * b_k[None, :]                               # [BV, BK]
+            b_sr = b_ld
+            for i_r in range(0, h):
+                o_r = i_s * LBCAP + h - 1 - i_r
+                b_kr = tl.load(buf_k + (o_r * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+                b_ur = tl.load(buf_w + (o_r * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+                if IS_KDA:
+                    b_S += b_ur[:, None] * (tl.exp(b_sr) * b_kr)[None, :]
+                    b_sr += tl.load(buf_ld + (o_r * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+                else:
+                    b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
+                    b_sr += tl.load(buf_ld + o_r * HV + i_hv)
+            # the tile is read again (an L2 hit) rather than kept live from the matvecs: the
+            # registers of this rare path are allocated to every program
+            b_C2 = tl.load(p_C + i_hv * (V * K) + o_C, mask=m_C, other=0.)
             if IS_KDA:
-                b_S += b_ur[:, None] * (tl.exp(b_sr) * b_kr)[None, :]
-                b_sr += tl.load(buf_ld + (o_r * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+                b_S += b_C2 * tl.exp(b_sr)[None, :]
             else:
-                b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
-                b_sr += tl.load(buf_ld + o_r * HV + i_hv)
-        # the tile's [BV, BK] addresses are rebuilt from a fresh read of the slot id (the stores
-        # above may alias it, so the compiler cannot reuse the first load's addresses, which
-        # would otherwise stay live in registers across the whole program)
-        i_s2 = tl.load(slot_ids + i_b).to(tl.int64)
-        p_C2 = ckpt + ((i_s2 * HV + i_hv) * V + o_v)[:, None] * K + o_k[None, :]
-        if IS_KDA:
-            b_S += tl.load(p_C2, mask=m_C, other=0.) * tl.exp(b_sr)[None, :]
+                b_S += b_C2 * tl.exp(b_sr)
+            tl.store(p_C + i_hv * (V * K) + o_C, b_S, mask=m_C)
         else:
-            b_S += tl.load(p_C2, mask=m_C, other=0.) * tl.exp(b_sr)
-        tl.store(p_C2, b_S, mask=m_C)
+            # the record at position h: u per value head and V-block, the decay once per value
+            # head, the key once per key head. h < LBCAP guards other slots against a bad cursor.
+            p_w = buf_w + (o_h * HV + i_hv) * V + o_v
+            b_ust = b_u.to(p_w.dtype.element_ty)
+            if EXACT_BF16:
+                if p_w.dtype.element_ty == tl.bfloat16:
+                    b_ust = _rne_bf16(b_u)
+            tl.store(p_w, b_ust, mask=o_v < n_v)
+            if i_v == 0:
+                if IS_KDA:
+                    tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=o_k < n_k)
+                else:
+                    tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
+                if i_hv % G == 0:
+                    p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
+                    b_kst = b_k.to(p_kh.dtype.element_ty)
+                    if EXACT_BF16:
+                        if p_kh.dtype.element_ty == tl.bfloat16:
+                            b_kst = _rne_bf16(b_k)
+                    tl.store(p_kh, b_kst, mask=o_k < n_k)
 
-    # Cursor race: every program of slot s reads cursor[s] above, and it may only change once
-    # all HV * NV of them have. Each program arrives on a per-slot counter after its reads
-    # (the barrier makes the reads of all its threads precede the acq_rel atomic); the last
-    # to arrive writes the cursor and epoch and re-arms the counter to 0 for the next launch.
-    # Only that program touches cursor/epoch/arrive afterwards, and nobody of this launch
-    # reads them again, so the scheme needs no second launch and no host sync.
+    # Cursor hand-off: every program of slot s reads cursor[s] above, and it may only change
+    # once all HV // HPP * NV of them have. Each arrives on a per-slot counter at its end, after
+    # a barrier over its threads, with a relaxed atomic whose operand depends on the loaded
+    # cursor (so it cannot be performed before the read); the last to arrive writes cursor and
+    # epoch and re-arms the counter for the next launch. No second launch, no host sync.
+    NPROG: tl.constexpr = HV // HPP * NV
     tl.debug_barrier()
-    n_arrived = tl.atomic_add(arrive + i_s, 1, sem="acq_rel")
-    if n_arrived == HV * NV - 1:
+    n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
+    if n_arrived == NPROG - 1:
         if flush:
             tl.store(cursor + i_s, 0)
             tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
@@ -262,32 +307,54 @@ def _replay_decode_kernel(
 # ---------------------------------------------------------------------------------------------
 
 _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
+# replay only: HPP value heads per program (divides the HV // Hk heads of a key head; a table
+# entry larger than that is cut to it), recmask (record loads predicated on the cursor, or
+# issued at once, without waiting for it), prefetch (the next head's checkpoint tile loaded
+# before this head's arithmetic)
+_REPLAY_KEYS = ("HPP", "recmask", "prefetch")
 
-# (family, V, K) -> config. Starting points chosen from register counts of the sm_90 build
-# (GDN 32x4: ~126 registers, no spills; KDA holds more [L, K] tiles, so 8 warps); a GPU sweep
-# over BV in {16, 32, 64, 128} x num_warps in {2, 4, 8} should replace them.
-# chosen by the H200 sweep at batch 256, window 16 (`--sweep` in benchmarks/results/decode_h200.json)
+# (family, V, K) -> config, or a list of (max_batch, config): the first entry whose max_batch
+# is at least the batch applies. Small batches are latency-bound (one head per program,
+# record loads issued at once); large ones want the key head's records read once for
+# several value heads. Chosen by H200 sweeps (benchmarks/results/).
 _REPLAY_TABLE = {
-    ("gdn", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
-    ("kda", 128, 128): {"BV": 64, "num_warps": 4, "num_stages": 1},
+    ("gdn", 128, 128): [(8, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": False, "prefetch": False}),
+                        (1 << 30, {"BV": 32, "num_warps": 4, "HPP": 4, "recmask": True, "prefetch": True})],
+    ("kda", 128, 128): [(8, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": False, "prefetch": False}),
+                        (1 << 30, {"BV": 64, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
 }
 
 
-def _default_config(table: dict, family: str, V: int, K: int) -> dict:
-    cfg = table.get((family, V, K))
-    if cfg is not None:
-        return dict({"maxnreg": 0}, **cfg)
+def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[int] = None) -> dict:
+    entry = table.get((family, V, K))
+    if isinstance(entry, list):
+        entry = next((c for mb, c in entry if batch is None or batch <= mb), entry[-1][1])
+    if entry is not None:
+        return dict({"num_stages": 1, "maxnreg": 0}, **entry)
     BV = min(32, triton.next_power_of_2(V))
     return {"BV": BV, "num_warps": 4 if BV * triton.next_power_of_2(K) >= 4096 else 2,
             "num_stages": 1, "maxnreg": 0}
 
 
-def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[dict]) -> dict:
-    cfg = _default_config(table, family, V, K)
+def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[dict], *,
+                    G: Optional[int] = None, batch: Optional[int] = None) -> dict:
+    """Launch config from the table (or defaults) and `config`; `G` (value heads per key head)
+    given: a replay config, with the replay-only keys."""
+    cfg = _default_config(table, family, V, K, batch)
+    keys = _CONFIG_KEYS
+    if G is not None:
+        keys = _CONFIG_KEYS + _REPLAY_KEYS
+        cfg = dict({"HPP": 1, "recmask": True, "prefetch": False}, **cfg)
+        hpp = cfg["HPP"]
+        while G % hpp:          # a table entry for a larger group: the largest divisor below
+            hpp -= 1
+        cfg["HPP"] = hpp
+    else:
+        cfg = {key: val for key, val in cfg.items() if key in keys}
     if config:
-        unknown = set(config) - set(_CONFIG_KEYS)
+        unknown = set(config) - set(keys)
         if unknown:
-            raise ValueError(f"config: unknown keys {sorted(unknown)}; allowed {list(_CONFIG_KEYS)}")
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; allowed {list(keys)}")
         cfg.update(config)
     BV, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
     if not isinstance(BV, int) or BV < 1 or BV & (BV - 1):
@@ -298,12 +365,18 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
         raise ValueError(f"config num_stages={ns!r} must be a positive int")
     if not isinstance(cfg["maxnreg"], int) or cfg["maxnreg"] < 0:
         raise ValueError(f"config maxnreg={cfg['maxnreg']!r} must be a non-negative int (0: no cap)")
+    if G is not None:
+        hpp = cfg["HPP"]
+        if isinstance(hpp, bool) or not isinstance(hpp, int) or hpp < 1 or G % hpp:
+            raise ValueError(f"config HPP={hpp!r} must divide the {G} value heads of a key head")
     return cfg
 
 
-def replay_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn") -> dict:
-    """The launch config `replay_decode` uses for value dim `V`, key dim `K` (with overrides)."""
-    return _resolve_config(_REPLAY_TABLE, family, V, K, config)
+def replay_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
+                  G: int = 1, batch: Optional[int] = None) -> dict:
+    """The launch config `replay_decode` uses for value dim `V`, key dim `K`, `G` value heads
+    per key head and a batch of `batch` rows (with overrides)."""
+    return _resolve_config(_REPLAY_TABLE, family, V, K, config, G=G, batch=batch)
 
 
 def _interpreting() -> bool:
@@ -468,7 +541,8 @@ def _scale(scale, K: int) -> float:
 
 def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, epoch, arrive, slot_ids, window: int, o, use_qk_l2norm: bool,
-                  BV: int, num_warps: int, num_stages: int, maxnreg: int = 0) -> None:
+                  BV: int, num_warps: int, num_stages: int, maxnreg: int = 0, HPP: int = 1,
+                  recmask: bool = True, prefetch: bool = False) -> None:
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     Lb = buf_w.shape[1]
@@ -480,16 +554,16 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     LB = max(2, triton.next_power_of_2(min(window, Lb)))
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
-    grid = (Bt * HV * NV,)
+    grid = (HV // HPP * NV, Bt)
     _replay_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
         scale, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, LB=LB, BV=BV, BK=BK,
+        HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, LB=LB, BV=BV, BK=BK, HPP=HPP,
         IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
-        EXACT_BF16=_interpreting(),
+        RECMASK=bool(recmask), PREFETCH=bool(prefetch), EXACT_BF16=_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
         # a register cap raises occupancy (more bytes in flight) at the price of spills
         **({"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}),
@@ -507,14 +581,15 @@ def _register_replay_op(family: str):
            dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor,
            buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor, slot_ids: Tensor,
            window: int, o: Tensor, use_qk_l2norm: bool, BV: int, num_warps: int,
-           num_stages: int, maxnreg: int) -> None:
+           num_stages: int, maxnreg: int, HPP: int, recmask: bool, prefetch: bool) -> None:
         launch_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
-                      num_stages, maxnreg)
+                      num_stages, maxnreg, HPP, recmask, prefetch)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-          arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg) -> None:
+          arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg, HPP,
+          recmask, prefetch) -> None:
         return None
 
     return op
@@ -543,7 +618,8 @@ def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, b
         K, V = q.shape[-1], v.shape[-1]
         if arrive is None:
             arrive = arrive_counter(ckpt.device, ckpt.shape[0])
-    cfg = _resolve_config(_REPLAY_TABLE, family, V, K, config)
+    cfg = _resolve_config(_REPLAY_TABLE, family, V, K, config, G=v.shape[1] // q.shape[1],
+                          batch=q.shape[0])
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _scale(scale, K), out, arrive, cfg
@@ -569,7 +645,8 @@ def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
         window: the replay window `L` (`1 <= L <= Lb`); a row with cursor `h` flushes when
             `h + 1 >= L`.
         out: optional `[Bt, HV, V]` output (default: new tensor of `v`'s dtype).
-        config: overrides of the launch config (`BV`, `num_warps`, `num_stages`).
+        config: overrides of the launch config (`BV`, `num_warps`, `num_stages`, `maxnreg`,
+            `HPP`, `recmask`, `prefetch`; see `_REPLAY_KEYS`).
         arrive: `[N]` int32 zeroed counters (default: a cached buffer, see `arrive_counter`).
         validate: check shapes, dtypes, devices, slot ids and cursors (host syncs for the
             last two, skipped during CUDA-graph capture). False skips every check.
@@ -590,5 +667,5 @@ def run_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
     _REPLAY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
-        cfg["num_stages"], cfg["maxnreg"])
+        cfg["num_stages"], cfg["maxnreg"], cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]))
     return out

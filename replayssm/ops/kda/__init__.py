@@ -23,9 +23,11 @@ SHAPES = {"kimi-linear-48b": {"HV": 32, "Hk": 32, "V": 128, "K": 128},
           "gqa-122b-shape": dict(_GDN_SHAPES["qwen3.5-122b"])}
 
 
-def replay_config(V: int, K: int, config: Optional[dict] = None) -> dict:
-    """The launch config `replay_decode` uses for `V`, `K` (with overrides)."""
-    return _replay_config(V, K, config, family="kda")
+def replay_config(V: int, K: int, config: Optional[dict] = None, *, G: int = 1,
+                  batch: Optional[int] = None) -> dict:
+    """The launch config `replay_decode` uses for `V`, `K`, `G` value heads per key head and
+    `batch` rows (with overrides)."""
+    return _replay_config(V, K, config, family="kda", G=G, batch=batch)
 
 
 def conventional_config(V: int, K: int, config: Optional[dict] = None) -> dict:

@@ -1,6 +1,7 @@
 """Mamba-2 standard decode on ReplaySSM state (checkpoint + ring buffer of records), in Triton.
 
-One launch per decode step, one program per (row, value head, block of `BV` value rows).
+One launch per decode step; a program owns one row, `HPP` heads of a group and a block of
+`BV` value rows.
 The contract is docs/state-layout.md ("Standard decode step"); the mathematics is SPEC.md
 sections 2-3; the float64 oracle is `replayssm.reference.Mamba2Params.step`.
 
@@ -31,25 +32,29 @@ __all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FLUSH_MODES = {"fma": 0, "ieee": 1, "tf32x3": 2}
+_FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 
-# Launch configurations, fixed per shape `(HV, V, K, G)` (never autotuned: the kernels write
-# state in place, and autotuning would replay them on the live state). Keys of a config:
-#   BV          value rows per program (power of two; the grid has ceil(V / BV) blocks per head)
-#   num_warps   warps per program
-#   num_stages  software-pipelining depth of the record loops
-#   flush       replay only: how the flush's fold [BV, h] x [h, K] is computed, in a pass of
-#               its own after the output: "fma" (default: one rank-1 update per record, two
-#               vectors in registers), "ieee" (tl.dot on chunks of BC records, exact fp32),
-#               "tf32x3" (tl.dot on tensor cores, 3 tf32 passes, near-fp32)
-#   BC          replay only: records per chunk of the output pass (and of the dot flush)
-#   sync, ablate  measurement knobs, see resolve_config
+# Launch configurations, fixed per shape `(HV, V, K, G)` and batch size (never autotuned: the
+# kernels write state in place, and autotuning would replay them on the live state). An entry
+# is a config or a list of `(max_batch, config)`, the first whose `max_batch` >= the batch
+# applies. Keys of a config:
+#   BV          value rows per program (power of two; ceil(V / BV) blocks per head)
+#   num_warps, num_stages
+#   HPP         replay only: heads per program (divides the HV // G heads of a group); the
+#               group's keys and their products with the query are shared by them
+#   recmask     replay only: predicate record loads on the cursor (no traffic for empty
+#               positions; the loads wait for the cursor) or only on the window (issued at once)
+#   prefetch    replay only: load the next head's checkpoint tile before this head's arithmetic
+#   flush       replay only: the fold [BV, h] x [h, K] of a flush, "fma" (one rank-1 update per
+#               record, exact fp32) or "tf32x3" (tl.dot on tensor cores, three tf32 passes)
+#   sync, maxnreg  see resolve_config
+_SUPER = [(8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False)),
+          (1 << 30, dict(BV=64, num_warps=4, HPP=4, recmask=True, prefetch=True))]
 REPLAY_CONFIGS = {
-    # chosen by `python -m replayssm.bench.decode --variants ...` on an H200 (batch 256, window 16;
-    # benchmarks/results/decode_h200_variants*.json)
-    (128, 64, 128, 8): dict(BV=64, num_warps=4, num_stages=1, flush="fma"),    # Nemotron-3-Super
-    (96, 80, 128, 8): dict(BV=16, num_warps=2, num_stages=1, flush="fma", maxnreg=128),  # Nano-4B
-    (64, 64, 128, 8): dict(BV=64, num_warps=4, num_stages=1, flush="fma"),     # Nemotron-3-Nano-30B
+    (128, 64, 128, 8): _SUPER,                                                  # Nemotron-3-Super
+    (96, 80, 128, 8): [(8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False)),
+                       (1 << 30, dict(BV=16, num_warps=2, HPP=4, recmask=True, prefetch=True))],  # Nano-4B
+    (64, 64, 128, 8): _SUPER,                                                   # Nemotron-3-Nano-30B
 }
 
 
@@ -57,23 +62,30 @@ def _default_bv(V: int) -> int:
     for bv in (32, 16):
         if V % bv == 0:
             return bv
-    # 16 is the smallest M that tl.dot accepts; masked lanes cost no memory traffic
     return min(32, max(16, triton.next_power_of_2(V)))
 
 
+def _table_entry(table: dict, key, batch: Optional[int]) -> dict:
+    entry = table.get(key, {})
+    if isinstance(entry, dict):
+        return entry
+    for max_batch, cfg in entry:
+        if batch is None or batch <= max_batch:
+            return cfg
+    return entry[-1][1]
+
+
 def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optional[dict],
-                   *, with_flush: bool) -> dict:
-    """The launch config for a shape: the table's entry (or a default), updated by `config`."""
+                   *, with_flush: bool, batch: Optional[int] = None) -> dict:
+    """The launch config for a shape and batch: the table's entry (or a default), updated by
+    `config`; raises ValueError for unknown keys or values."""
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if with_flush:
-        cfg["flush"] = "fma"
-        cfg["BC"] = 16
-        # measurement knobs: sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none
-        # (ablation: races on the cursor); ablate 1 skips buffered records (wrong outputs)
-        cfg["sync"] = 1
-        cfg["ablate"] = 0
-        cfg["maxnreg"] = 0       # register cap (0: none): more programs per SM, maybe spills
-    cfg.update(table.get((HV, V, K, G), {}))
+        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False)
+        # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
+        # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
+        cfg.update(sync=1, maxnreg=0)
+    cfg.update(_table_entry(table, (HV, V, K, G), batch))
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -91,11 +103,13 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
             raise ValueError(f"config: flush must be one of {sorted(_FLUSH_MODES)}, got {cfg['flush']!r}")
         if cfg["flush"] != "fma" and bv < 16:
             raise ValueError(f"config: BV={bv} is below 16, the smallest tl.dot tile; use flush='fma'")
-        bc = cfg["BC"]
-        if not (isinstance(bc, int) and bc >= 1 and bc & (bc - 1) == 0):
-            raise ValueError(f"config: BC must be a power of two, got {bc!r}")
-        if cfg["flush"] != "fma" and bc < 16:
-            raise ValueError(f"config: BC={bc} is below 16, the smallest tl.dot tile; use flush='fma'")
+        hpp = cfg["HPP"]
+        if isinstance(hpp, bool) or not isinstance(hpp, int) or hpp < 1 or (HV // G) % hpp:
+            raise ValueError(f"config: HPP={hpp!r} must divide the {HV // G} heads of a group")
+        if cfg["sync"] not in (0, 1, 2):
+            raise ValueError(f"config: sync must be 0, 1 or 2, got {cfg['sync']!r}")
+        if isinstance(cfg["maxnreg"], bool) or not isinstance(cfg["maxnreg"], int) or cfg["maxnreg"] < 0:
+            raise ValueError(f"config: maxnreg must be a non-negative int, got {cfg['maxnreg']!r}")
     return cfg
 
 
@@ -114,6 +128,15 @@ def softplus(x):
     return tl.maximum(x, 0.0) + l1p
 
 
+@triton.jit
+def _load_tile(p, mask, EVEN: tl.constexpr):
+    # a checkpoint tile, streamed once (evict first); EVEN: unmasked, fully vectorised
+    if EVEN:
+        return tl.load(p, eviction_policy="evict_first")
+    else:
+        return tl.load(p, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernel
 
@@ -124,161 +147,171 @@ def _replay_decode_kernel(
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
-    WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr,
-    NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    SYNC: tl.constexpr, ABLATE: tl.constexpr, EVEN: tl.constexpr, RC: tl.constexpr,
+    WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+    HPP: tl.constexpr, NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr, SYNC: tl.constexpr, RECMASK: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN: tl.constexpr, RC: tl.constexpr,
 ):
-    i_v = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2).to(tl.int64)
-    i_g = i_h // (HV // G)
+    # grid (HV // HPP * NVB, Bt): a program owns V-block i_v of HPP consecutive heads of one
+    # group, so the group's buffered keys are read, and their products with the query formed,
+    # once for HPP heads.
+    pid = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_v = pid % NVB
+    h0 = (pid // NVB) * HPP
+    HG: tl.constexpr = HV // G
+    i_g = h0 // HG
 
     o_v = i_v * BV + tl.arange(0, BV)
     o_k = tl.arange(0, BK)
     o_l = tl.arange(0, BL)
-    o_c = tl.arange(0, BC)
     m_v = o_v < V
     m_k = o_k < K
 
-    p_o = out + i_b * stride_o_b + i_h * stride_o_h + o_v
+    p_o = out + i_b * stride_o_b + h0 * stride_o_h + o_v
     slot = tl.load(slot_ids + i_b).to(tl.int64)
     if slot < 0:
-        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        for i in range(HPP):
+            tl.store(p_o + i * stride_o_h, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
 
-    # Everything that does not depend on the cursor is issued first, so that the dependent
-    # loads overlap the checkpoint's: the checkpoint tile (streamed once: evict first), all
-    # log-decays of the slot's buffer and the first chunk of records (shared by the group's
-    # heads: kept in L2). Positions at or past the cursor are masked out after the loads by
-    # selects, so stale or poisoned records never enter the arithmetic.
-    p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
-    m_S = m_v[:, None] & m_k[None, :]
-    # EVEN (BV divides V, BK == K, BC <= LB): unmasked, fully vectorised tile accesses
-    if EVEN:
-        b_S = tl.load(p_S, eviction_policy="evict_first")                               # [BV, BK]
-    else:
-        b_S = tl.load(p_S, mask=m_S, other=0.0, eviction_policy="evict_first")
+    # Record position j (< h) of the window; positions j + 1 for the shifted log decays (the
+    # current token sits at position h). Record loads are predicated on the cursor (RECMASK:
+    # no traffic for empty positions) or only on the window (no wait for the cursor before
+    # they are issued: the batch-1 latency path); either way positions at or past the cursor
+    # are removed by selects after the load, so stale or poisoned records never enter.
     h = tl.load(cursor + slot)
-    b_ldb = tl.load(buf_ld + slot * (LB * HV) + o_l * HV + i_h, mask=o_l < LB, other=0.0)  # [BL]
-    p_K0 = buf_k + slot * (LB * G * K) + i_g * K + o_c[:, None] * (G * K) + o_k[None, :]
-    p_W0 = buf_w + slot * (LB * HV * V) + i_h * V + o_c[None, :] * (HV * V) + o_v[:, None]
-    if EVEN:
-        b_K0 = tl.load(p_K0, eviction_policy="evict_last")                              # [BC, BK]
-        b_W0 = tl.load(p_W0)                                                            # [BV, BC]
+    n_pos = WINDOW if WINDOW < LB else LB
+    m_j = o_l < h
+    m_j1 = o_l + 1 < h
+    if RECMASK:
+        m_lj = m_j
+        m_lj1 = m_j1
     else:
-        b_K0 = tl.load(p_K0, mask=(o_c < LB)[:, None] & m_k[None, :], other=0.0, eviction_policy="evict_last")
-        b_W0 = tl.load(p_W0, mask=m_v[:, None] & (o_c < LB)[None, :], other=0.0)
+        m_lj = o_l < n_pos
+        m_lj1 = o_l + 1 < n_pos
 
-    # the current token's record, in registers
-    b_dt = tl.load(dt + i_b * stride_dt_b + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    b_dt = softplus(b_dt)
-    b_ld = b_dt * tl.load(A + i_h).to(tl.float32)
-    b_x = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_w = b_dt * b_x                                                                    # [BV]
+    # tile offsets in int32 (a slot's checkpoint is far below 2^31 elements), added to a
+    # scalar 64-bit base per head: a tile of 64-bit addresses would hold twice the registers
+    # for the whole head loop
+    o_S = o_v[:, None] * K + o_k[None, :]
+    m_S = m_v[:, None] & m_k[None, :]
+    p_S0 = ckpt + slot * (HV * V * K)
+    if PREFETCH:
+        b_Sn = _load_tile(p_S0 + h0 * (V * K) + o_S, m_S, EVEN)
+
+    # the group's keys and the token's key and query: shared by the HPP heads
+    b_Kb = tl.load(buf_k + slot * (LB * G * K) + o_l[:, None] * (G * K) + i_g * K + o_k[None, :],
+                   mask=m_lj[:, None] & m_k[None, :], other=0.0)
+    b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.0)                           # [BL, BK]
     b_kc = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-
+    b_kq = tl.sum(b_Kb * b_q[None, :], axis=1)                                        # [BL]
+    b_kcq = tl.sum(b_kc * b_q, axis=0)
     is_flush = h + 1 >= WINDOW
-    # log-decays of positions 0..h (h: the current token), 0 beyond
-    b_lds = tl.where(o_l < h, b_ldb, tl.where(o_l == h, b_ld, 0.0))                     # [BL]
-    b_g = tl.exp(tl.sum(b_lds, axis=0))                                                 # g_{0:h}
 
-    b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)                                      # [BV]
-    # buffered records 0..h-1 in chunks of BC (the first chunk is already loaded): output only
-    n_rec = h if ABLATE == 0 else h * 0
-    for j0 in range(0, n_rec, BC):
-        pos = j0 + o_c
-        m_c = pos < h
-        if j0 == 0:
-            b_K = b_K0
-            b_W = b_W0
-        else:
-            b_K = tl.load(p_K0 + j0 * (G * K), mask=m_c[:, None] & m_k[None, :], other=0.0)
-            b_W = tl.load(p_W0 + j0 * (HV * V), mask=m_v[:, None] & m_c[None, :], other=0.0)
-        b_K = tl.where(m_c[:, None], b_K.to(tl.float32), 0.0)
-        b_W = tl.where(m_c[None, :], b_W.to(tl.float32), 0.0)
-        # coef_j = g_{j+1:h}: each suffix summed directly (no cancelling cumsum difference)
-        b_sfx = tl.sum(tl.where(o_l[None, :] > pos[:, None], b_lds[None, :], 0.0), axis=1)   # [BC]
-        b_coef = tl.where(m_c, tl.exp(b_sfx), 0.0)
-        b_kq = tl.sum(b_K * b_q[None, :], axis=1)                                       # [BC]
-        b_y += tl.sum(b_W * (b_coef * b_kq)[None, :], axis=1)
-    # the current token (coefficient 1)
-    b_y += tl.sum(b_kc * b_q, axis=0) * b_w
-    if HAS_D:
-        b_y += tl.load(D + i_h).to(tl.float32) * b_x
-    if HAS_Z:
-        b_z = tl.load(z + i_b * stride_z_b + i_h * stride_z_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
-    tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
-
-    if is_flush:
-        # REPLAY, in its own pass after the output: C <- g_{0:h} C + sum_{j<=h} g_{j+1:h} w_j k_j^T.
-        # The current token's record is folded directly and never written to the buffer.
-        if FLUSH == 0:
-            # Row chunks of RC: the tile is read again (this program read it above: an L2 hit)
-            # instead of being kept live, so that the registers of this rare path, which
-            # every program is allocated, stay those of a [RC, BK] tile. One rank-1 update
-            # per buffered record.
-            p_kj = buf_k + slot * (LB * G * K) + i_g * K + o_k
-            for r0 in tl.static_range(0, BV, RC):
-                o_r = i_v * BV + r0 + tl.arange(0, RC)
-                m_r = o_r < V
-                p_Sr = ckpt + slot * (HV * V * K) + i_h * (V * K) + o_r[:, None] * K + o_k[None, :]
-                m_Sr = m_r[:, None] & m_k[None, :]
-                b_Sr = tl.load(p_Sr, mask=m_Sr, other=0.0)                              # [RC, BK]
-                b_xr = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_r, mask=m_r, other=0.0)
-                b_Sr = b_g * b_Sr + (b_dt * b_xr.to(tl.float32))[:, None] * b_kc[None, :]
-                p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_r
-                for j in range(0, h):
-                    c_j = tl.exp(tl.sum(tl.where(o_l > j, b_lds, 0.0), axis=0))        # g_{j+1:h}
-                    w_j = tl.load(p_wj + j * (HV * V), mask=m_r, other=0.0).to(tl.float32)
-                    k_j = tl.load(p_kj + j * (G * K), mask=m_k, other=0.0).to(tl.float32)
-                    b_Sr += (c_j * w_j)[:, None] * k_j[None, :]
-                tl.store(p_Sr, b_Sr.to(p_Sr.dtype.element_ty), mask=m_Sr)
-        else:
-            # [BV, BC] x [BC, BK] products on chunks of records, on the tile kept in registers
-            b_S = b_g * b_S + b_w[:, None] * b_kc[None, :]
-            for j0 in range(0, h, BC):
-                pos = j0 + o_c
-                m_c = pos < h
-                b_K = tl.load(p_K0 + j0 * (G * K), mask=m_c[:, None] & m_k[None, :], other=0.0)
-                b_W = tl.load(p_W0 + j0 * (HV * V), mask=m_v[:, None] & m_c[None, :], other=0.0)
-                b_K = tl.where(m_c[:, None], b_K.to(tl.float32), 0.0)
-                b_sfx = tl.sum(tl.where(o_l[None, :] > pos[:, None], b_lds[None, :], 0.0), axis=1)
-                b_Wc = tl.where(m_c[None, :], b_W.to(tl.float32), 0.0) * tl.exp(b_sfx)[None, :]
-                if FLUSH == 1:
-                    b_S += tl.dot(b_Wc, b_K, input_precision="ieee")
-                else:
-                    b_S += tl.dot(b_Wc, b_K, input_precision="tf32x3")
+    for i in range(HPP):
+        i_h = h0 + i
+        if PREFETCH:
+            b_S = b_Sn
             if EVEN:
-                tl.store(p_S, b_S.to(p_S.dtype.element_ty))
+                b_Sn = tl.load(p_S0 + (tl.minimum(i_h + 1, h0 + HPP - 1)) * (V * K) + o_S,
+                               eviction_policy="evict_first")
             else:
-                tl.store(p_S, b_S.to(p_S.dtype.element_ty), mask=m_S)
-    else:
-        p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
-        tl.store(p_wh, b_w.to(p_wh.dtype.element_ty), mask=m_v)
-        if i_v == 0:
-            tl.store(buf_ld + slot * (LB * HV) + h * HV + i_h, b_ld)
-            # the group's key is shared by its HV // G heads: its first head writes it
-            if i_h % (HV // G) == 0:
-                p_kh = buf_k + slot * (LB * G * K) + h * (G * K) + i_g * K + o_k
-                tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
+                b_Sn = tl.load(p_S0 + (i_h + 1) * (V * K) + o_S, mask=m_S & (i + 1 < HPP), other=0.0,
+                               eviction_policy="evict_first")
+        else:
+            b_S = _load_tile(p_S0 + i_h * (V * K) + o_S, m_S, EVEN)
+        p_ld = buf_ld + slot * (LB * HV) + i_h
+        b_ld1 = tl.load(p_ld + (o_l + 1) * HV, mask=m_lj1, other=0.0)                  # ld_{j+1}
+        b_ld0 = tl.load(p_ld)
+        b_W = tl.load(buf_w + slot * (LB * HV * V) + i_h * V + (o_l[:, None] * (HV * V) + o_v[None, :]),
+                      mask=m_lj[:, None] & m_v[None, :], other=0.0)
+        b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                           # [BL, BV]
 
-    # Cursor race: all HV * NVB programs of this slot read cursor[s], which may change only
-    # after the last of them has read it. Each program, at its end, bumps the slot's arrival
-    # counter; acq_rel orders its earlier cursor read (and its state writes) before the
-    # increment. The program that sees HV * NVB - 1 earlier arrivals is the last: every other
-    # program of the slot has read the cursor, so it alone writes cursor and epoch, then resets
-    # the counter to 0 for the next launch. Done at the end, the fence delays no load.
+        # the current token's record, in registers
+        b_dt = tl.load(dt + i_b * stride_dt_b + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+        b_dt = softplus(b_dt)
+        b_ld = b_dt * tl.load(A + i_h).to(tl.float32)
+        b_x = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_w = b_dt * b_x                                                                # [BV]
+
+        # Weights: record j enters with g_{j+1:h} = exp(ld_{j+1} + ... + ld_h) (ld_h: the current
+        # token), the checkpoint with g_{0:h}. Each suffix is summed directly from same-signed
+        # terms, never as a difference of prefix sums, so weights near 1 keep full precision.
+        b_lds = tl.where(m_j1, b_ld1, tl.where(o_l + 1 == h, b_ld, 0.0))               # [BL]
+        b_sfx = tl.sum(tl.where(o_l[None, :] >= o_l[:, None], b_lds[None, :], 0.0), axis=1)
+        b_coef = tl.where(m_j, tl.exp(b_sfx), 0.0)                                      # [BL]
+        b_g = tl.exp(tl.where(h > 0, b_ld0, b_ld) + tl.sum(b_lds, axis=0))              # g_{0:h}
+
+        b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)                                  # [BV]
+        b_y += tl.sum(b_W * (b_coef * b_kq)[:, None], axis=0)
+        b_y += b_kcq * b_w
+        if HAS_D:
+            b_y += tl.load(D + i_h).to(tl.float32) * b_x
+        if HAS_Z:
+            b_z = tl.load(z + i_b * stride_z_b + i_h * stride_z_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
+        tl.store(p_o + i * stride_o_h, b_y.to(p_o.dtype.element_ty), mask=m_v)
+
+        if is_flush:
+            # REPLAY: C <- g_{0:h} C + sum_{j<h} g_{j+1:h} w_j k_j^T + w_h k_h^T. The current
+            # token is folded directly, never written to the buffer.
+            if FLUSH == 0:
+                # Row chunks of RC, the tile re-read (this program just read it: L2 hits), one
+                # rank-1 update per record: the registers of this rare path, which every
+                # program is allocated, stay those of an [RC, BK] tile.
+                p_kj = buf_k + slot * (LB * G * K) + i_g * K + o_k
+                for r0 in tl.static_range(0, BV, RC):
+                    o_r = i_v * BV + r0 + tl.arange(0, RC)
+                    m_r = o_r < V
+                    p_Sr = p_S0 + i_h * (V * K) + (o_r[:, None] * K + o_k[None, :])
+                    m_Sr = m_r[:, None] & m_k[None, :]
+                    b_Sr = tl.load(p_Sr, mask=m_Sr, other=0.0)                          # [RC, BK]
+                    b_xr = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_r, mask=m_r, other=0.0)
+                    b_Sr = b_g * b_Sr + (b_dt * b_xr.to(tl.float32))[:, None] * b_kc[None, :]
+                    p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_r
+                    for j in range(0, h):
+                        c_j = tl.sum(tl.where(o_l == j, b_coef, 0.0), axis=0)
+                        w_j = tl.load(p_wj + j * (HV * V), mask=m_r, other=0.0).to(tl.float32)
+                        k_j = tl.load(p_kj + j * (G * K), mask=m_k, other=0.0).to(tl.float32)
+                        b_Sr += (c_j * w_j)[:, None] * k_j[None, :]
+                    tl.store(p_Sr, b_Sr, mask=m_Sr)
+            else:
+                # on the tile still in registers: [BV, BL] x [BL, BK] on tensor cores, three
+                # tf32 passes (near fp32)
+                b_S = b_g * b_S + b_w[:, None] * b_kc[None, :]
+                b_S += tl.dot(tl.trans(b_W * b_coef[:, None]), b_Kb, input_precision="tf32x3")
+                if EVEN:
+                    tl.store(p_S0 + i_h * (V * K) + o_S, b_S)
+                else:
+                    tl.store(p_S0 + i_h * (V * K) + o_S, b_S, mask=m_S)
+        else:
+            p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
+            tl.store(p_wh, b_w.to(p_wh.dtype.element_ty), mask=m_v)
+            if i_v == 0:
+                tl.store(buf_ld + slot * (LB * HV) + h * HV + i_h, b_ld)
+                # the group's key: written by the program holding its first head
+                if i_h % HG == 0:
+                    p_kh = buf_k + slot * (LB * G * K) + h * (G * K) + i_g * K + o_k
+                    tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
+
+    # Cursor hand-off: the HV // HPP * NVB programs of a slot all read cursor[s], which may
+    # change only after the last of them has. Each bumps the slot's arrival counter at its end;
+    # the one that sees all others arrived writes cursor and epoch and re-arms the counter.
+    # SYNC 1 (default): a relaxed atomic whose operand depends on the loaded cursor (so it
+    # cannot be performed before the read), after a barrier over the program's threads;
+    # SYNC 0: acq_rel; SYNC 2: no counter (ablation only: races on the cursor).
+    NPROG: tl.constexpr = HV // HPP * NVB
     if SYNC == 0:
+        tl.debug_barrier()
         n_before = tl.atomic_add(arrive + slot, 1, sem="acq_rel")
     elif SYNC == 1:
-        # relaxed: the increment's operand depends on the loaded cursor, so it cannot be
-        # performed before this program's cursor read has completed
+        tl.debug_barrier()
         n_before = tl.atomic_add(arrive + slot, (h >= 0).to(tl.int32), sem="relaxed")
     else:
-        n_before = HV * NVB - 1 + (i_v + i_h) * 0    # ablation only: every program writes
-    if n_before == HV * NVB - 1:
+        n_before = NPROG - 1 + h * 0
+    if n_before == NPROG - 1:
         if is_flush:
             tl.store(cursor + slot, h * 0)
             tl.store(epoch + slot, tl.load(epoch + slot) + 1)
@@ -352,15 +385,17 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
 
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, BC=16, sync=1,
-                   ablate=0, maxnreg=0):
+                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP=1,
+                   recmask=True, prefetch=False, sync=1, maxnreg=0):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
     if Bt == 0:
         return
     nvb = triton.cdiv(V, BV)
-    grid = (nvb, HV, Bt)
+    grid = (HV // HPP * nvb, Bt)
+    # record tiles cover positions 0..min(window, Lb) - 1 (cursors never pass the window)
+    BL = max(16, triton.next_power_of_2(min(window, LB)))
     _replay_decode_kernel[grid](
         x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
@@ -368,10 +403,9 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
         HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K),
-        BL=max(16, triton.next_power_of_2(LB)), BC=BC, NVB=nvb, FLUSH=_FLUSH_MODES[flush],
-        SYNC=sync, ABLATE=ablate,
-        EVEN=(V % BV == 0) and (triton.next_power_of_2(K) == K) and (BC <= LB), RC=min(16, BV),
-        HAS_D=D is not None, HAS_Z=z is not None,
+        BL=BL, HPP=HPP, NVB=nvb, FLUSH=_FLUSH_MODES[flush], HAS_D=D is not None,
+        HAS_Z=z is not None, SYNC=sync, RECMASK=bool(recmask), PREFETCH=bool(prefetch),
+        EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(16, BV),
         num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),
     )
@@ -385,14 +419,17 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
-                      num_stages: int, flush: str, BC: int) -> None:
+                      num_stages: int, flush: str, HPP: int, recmask: bool, prefetch: bool,
+                      sync: int, maxnreg: int) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, BC)
+                   arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask,
+                   prefetch, sync, maxnreg)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-      slot_ids, out, window, BV, num_warps, num_stages, flush, BC) -> None:
+      slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask, prefetch, sync,
+      maxnreg) -> None:
     return None
 
 
@@ -444,15 +481,16 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
             raise ValueError(f"window: must be an int in [1, Lb={Lb}], got {window!r}")
         check_slots(slot_ids, N, check_slots_on_device)
     cfg = resolve_config(REPLAY_CONFIGS, x.shape[1], x.shape[2], B.shape[2], B.shape[1], config,
-                         with_flush=True)
+                         with_flush=True, batch=x.shape[0])
     if out is None:
         out = torch.empty_like(x)
     if arrive is None:
         arrive = arrive_counter(x.device, ckpt.shape[0])
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-            slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"], cfg["BC"])
+            slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"],
+            cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:
-        _launch_replay(*args, sync=cfg["sync"], ablate=cfg["ablate"], maxnreg=cfg["maxnreg"])
+        _launch_replay(*args)
     return out
