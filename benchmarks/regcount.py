@@ -90,7 +90,8 @@ def gdn(cfg, family="gdn"):
     Lb = c["window"] + 1
     vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))),
                 BV=c["BV"], BK=K, HPP=c["HPP"], IS_KDA=family == "kda", USE_QK_L2NORM=True,
-                RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EXACT_BF16=False)
+                RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EXACT_BF16=False,
+                RC=min(16, c["BV"]))
     sig, const = signature(fn, ptr, vals, floats=("scale",))
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} replay {c}")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU session in one call: GPU tests at real shapes, the decode benchmark (replay launch
-# configs swept per shape first), the 16K-step record-precision study. About 6 minutes on an
-# H200. Run from the repository root on the GPU machine:
+# One GPU session in one call: GPU tests at real shapes, the 16K-step record-precision study,
+# the decode benchmark with the launch-config tables (benchmarks/sweep_programs.sh sweeps
+# them). About 8 minutes on an H200. Run from the repository root on the GPU machine:
 #   OUT=/some/dir STAGE=all bash benchmarks/run_h200.sh
 # STAGE: all | test | bench | records. Results go to $OUT (default benchmarks/results/).
 set -uo pipefail
@@ -18,6 +18,6 @@ if [[ "$STAGE" == all || "$STAGE" == records ]]; then
   python3 -m replayssm.bench.records --steps 16384 --out "$OUT/records_h200.json" 2>&1 | tail -14
 fi
 if [[ "$STAGE" == all || "$STAGE" == bench ]]; then
-  python3 -m replayssm.bench.decode --sweep --sweep-replay-only --reps 8 --out "$OUT/decode_h200.json" 2>&1 \
+  python3 -m replayssm.bench.decode --reps 8 --out "$OUT/decode_h200.json" 2>&1 \
     | tee "$OUT/decode.log" | grep -v " L=" | tail -35
 fi

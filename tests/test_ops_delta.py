@@ -411,7 +411,7 @@ def test_gpu_cuda_graph_capture_matches_eager():
 
     def pool():
         return {"ckpt": torch.zeros(N, HV, V, K, device="cuda"),
-                "buf_ld": torch.zeros(N, L, HV, device="cuda"),
+                "buf_ld": torch.zeros((N, L, HV, K) if FAMILY == "kda" else (N, L, HV), device="cuda"),
                 "buf_w": torch.zeros(N, L, HV, V, device="cuda", dtype=torch.bfloat16),
                 "buf_k": torch.zeros(N, L, Hk, K, device="cuda", dtype=torch.bfloat16),
                 "cursor": torch.arange(N, dtype=torch.int32, device="cuda") % L,

@@ -119,7 +119,7 @@ def _replay_decode_kernel(
     HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     LBCAP: tl.constexpr, LB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     HPP: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    RECMASK: tl.constexpr, PREFETCH: tl.constexpr, EXACT_BF16: tl.constexpr,
+    RECMASK: tl.constexpr, PREFETCH: tl.constexpr, EXACT_BF16: tl.constexpr, RC: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     G: tl.constexpr = HV // HK
@@ -240,50 +240,60 @@ def _replay_decode_kernel(
                 b_ost = _rne_bf16(b_o)
         tl.store(p_o + i * V, b_ost, mask=m_v)
 
-        if flush:
-            # C <- gC C + sum_j w_j u_j k_j^T + u_t k_t^T, one rank-1 update per record, newest first so that the suffix log decay accumulates
-            # along the loop; the records' vectors are re-read (L1/L2 hits).
-            b_S = b_u[:, None] * b_k[None, :]                               # [BV, BK]
-            b_sr = b_ld
-            for i_r in range(0, h):
-                o_r = i_s * LBCAP + h - 1 - i_r
-                b_kr = tl.load(buf_k + (o_r * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-                b_ur = tl.load(buf_w + (o_r * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
-                if IS_KDA:
-                    b_S += b_ur[:, None] * (tl.exp(b_sr) * b_kr)[None, :]
-                    b_sr += tl.load(buf_ld + (o_r * HV + i_hv) * K + o_k, mask=m_k, other=0.)
-                else:
-                    b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
-                    b_sr += tl.load(buf_ld + o_r * HV + i_hv)
-            # the tile is read again (an L2 hit) rather than kept live from the matvecs: the
-            # registers of this rare path are allocated to every program
-            b_C2 = tl.load(p_C + i_hv * (V * K) + o_C, mask=m_C, other=0.)
+        # the record at position h: u per value head and V-block, the decay once per value
+        # head, the key once per key head. h < LBCAP guards other slots against a bad cursor.
+        # Written on a flush too (dead then, the cursor returns to 0): the fold below reads
+        # this token's u back by row chunks.
+        p_w = buf_w + (o_h * HV + i_hv) * V + o_v
+        b_ust = b_u.to(p_w.dtype.element_ty)
+        if EXACT_BF16:
+            if p_w.dtype.element_ty == tl.bfloat16:
+                b_ust = _rne_bf16(b_u)
+        tl.store(p_w, b_ust, mask=o_v < n_v)
+        if i_v == 0:
             if IS_KDA:
-                b_S += b_C2 * tl.exp(b_sr)[None, :]
+                tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=o_k < n_k)
             else:
-                b_S += b_C2 * tl.exp(b_sr)
-            tl.store(p_C + i_hv * (V * K) + o_C, b_S, mask=m_C)
-        else:
-            # the record at position h: u per value head and V-block, the decay once per value
-            # head, the key once per key head. h < LBCAP guards other slots against a bad cursor.
-            p_w = buf_w + (o_h * HV + i_hv) * V + o_v
-            b_ust = b_u.to(p_w.dtype.element_ty)
-            if EXACT_BF16:
-                if p_w.dtype.element_ty == tl.bfloat16:
-                    b_ust = _rne_bf16(b_u)
-            tl.store(p_w, b_ust, mask=o_v < n_v)
-            if i_v == 0:
+                tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
+            if i_hv % G == 0:
+                p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
+                b_kst = b_k.to(p_kh.dtype.element_ty)
+                if EXACT_BF16:
+                    if p_kh.dtype.element_ty == tl.bfloat16:
+                        b_kst = _rne_bf16(b_k)
+                tl.store(p_kh, b_kst, mask=o_k < n_k)
+
+        if flush:
+            # C <- gC C + sum_j w_j u_j k_j^T + u_t k_t^T, in row chunks of RC: the tile and
+            # the records are re-read (L1/L2 hits: this program just read or wrote them), so
+            # that the registers of this rare path, which every program is allocated, stay
+            # those of an [RC, BK] tile. One rank-1 update per record, newest first so that
+            # the suffix log decay accumulates along the loop.
+            tl.debug_barrier()          # this token's u, stored above, visible to all threads
+            for r0 in tl.static_range(0, BV, RC):
+                o_r = i_v * BV + r0 + tl.arange(0, RC)
+                m_r = o_r < V
+                o_Sr = o_r[:, None] * K + o_k[None, :]
+                m_Sr = m_r[:, None] & m_k[None, :]
+                b_ut = tl.load(buf_w + (o_h * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
+                b_S = b_ut[:, None] * b_k[None, :]                          # [RC, BK]
+                b_sr = b_ld
+                for i_r in range(0, h):
+                    o_p = i_s * LBCAP + h - 1 - i_r
+                    b_kr = tl.load(buf_k + (o_p * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+                    b_ur = tl.load(buf_w + (o_p * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
+                    if IS_KDA:
+                        b_S += b_ur[:, None] * (tl.exp(b_sr) * b_kr)[None, :]
+                        b_sr += tl.load(buf_ld + (o_p * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+                    else:
+                        b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
+                        b_sr += tl.load(buf_ld + o_p * HV + i_hv)
+                b_Cr = tl.load(p_C + i_hv * (V * K) + o_Sr, mask=m_Sr, other=0.)
                 if IS_KDA:
-                    tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=o_k < n_k)
+                    b_S += b_Cr * tl.exp(b_sr)[None, :]
                 else:
-                    tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
-                if i_hv % G == 0:
-                    p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
-                    b_kst = b_k.to(p_kh.dtype.element_ty)
-                    if EXACT_BF16:
-                        if p_kh.dtype.element_ty == tl.bfloat16:
-                            b_kst = _rne_bf16(b_k)
-                    tl.store(p_kh, b_kst, mask=o_k < n_k)
+                    b_S += b_Cr * tl.exp(b_sr)
+                tl.store(p_C + i_hv * (V * K) + o_Sr, b_S, mask=m_Sr)
 
     # Cursor hand-off: every program of slot s reads cursor[s] above, and it may only change
     # once all HV // HPP * NV of them have. Each arrives on a per-slot counter at its end, after
@@ -314,12 +324,13 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 _REPLAY_KEYS = ("HPP", "recmask", "prefetch")
 
 # (family, V, K) -> config, or a list of (max_batch, config): the first entry whose max_batch
-# is at least the batch applies. Small batches are latency-bound (one head per program,
-# record loads issued at once); large ones want the key head's records read once for
-# several value heads. Chosen by H200 sweeps (benchmarks/results/).
+# is at least the batch applies. Small batches are latency-bound (small programs, record loads
+# issued at once). At batch 256 several value heads per program (sharing the key head's
+# records) measured slower than one (more registers, fewer programs). Chosen by H200 sweeps
+# (benchmarks/sweep_programs.sh, benchmarks/results/variants_*.json).
 _REPLAY_TABLE = {
-    ("gdn", 128, 128): [(8, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": False, "prefetch": False}),
-                        (1 << 30, {"BV": 32, "num_warps": 4, "HPP": 4, "recmask": True, "prefetch": True})],
+    ("gdn", 128, 128): [(8, {"BV": 16, "num_warps": 2, "HPP": 1, "recmask": False, "prefetch": False}),
+                        (1 << 30, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
     ("kda", 128, 128): [(8, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": False, "prefetch": False}),
                         (1 << 30, {"BV": 64, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
 }
@@ -563,7 +574,7 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, LB=LB, BV=BV, BK=BK, HPP=HPP,
         IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
-        RECMASK=bool(recmask), PREFETCH=bool(prefetch), EXACT_BF16=_interpreting(),
+        RECMASK=bool(recmask), PREFETCH=bool(prefetch), EXACT_BF16=_interpreting(), RC=min(16, BV),
         num_warps=num_warps, num_stages=num_stages,
         # a register cap raises occupancy (more bytes in flight) at the price of spills
         **({"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}),
