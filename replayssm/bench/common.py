@@ -50,11 +50,14 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
 
 
 def git_commit() -> str:
+    """REPLAYSSM_COMMIT when set (a copied working tree may carry a stale .git), else HEAD."""
+    if os.environ.get("REPLAYSSM_COMMIT"):
+        return os.environ["REPLAYSSM_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("REPLAYSSM_COMMIT", "unknown")
+        return "unknown"
 
 
 def _command_name() -> str:

@@ -329,10 +329,12 @@ _REPLAY_KEYS = ("HPP", "recmask", "prefetch")
 # records) measured slower than one (more registers, fewer programs). Chosen by H200 sweeps
 # (benchmarks/sweep_programs.sh, benchmarks/results/variants_*.json).
 _REPLAY_TABLE = {
-    ("gdn", 128, 128): [(8, {"BV": 16, "num_warps": 2, "HPP": 1, "recmask": False, "prefetch": False}),
+    ("gdn", 128, 128): [(2, {"BV": 16, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": False}),
+                        (8, {"BV": 16, "num_warps": 2, "HPP": 1, "recmask": False, "prefetch": False}),
                         (1 << 30, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
+    # KDA: one program per head at large batch (its decay weights are computed per program)
     ("kda", 128, 128): [(8, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": False, "prefetch": False}),
-                        (1 << 30, {"BV": 64, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
+                        (1 << 30, {"BV": 128, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
 }
 
 

@@ -49,16 +49,18 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #               record, exact fp32) or "tf32x3" (tl.dot on tensor cores, three tf32 passes)
 #   sync, maxnreg  see resolve_config
 # chosen by H200 sweeps at batch 1, 8 and 256, window 16 (benchmarks/sweep_programs.sh;
-# benchmarks/results/variants_*.json). Batch <= 8 is latency-bound: small programs, record
-# loads issued before the cursor is known, the flush on tensor cores from the record tiles
-# already in registers (no dependent loads in a loop). Larger batches: one head per program
-# for Super (the loop over heads raised registers more than sharing the keys saved), four per
-# program for Nano-4B (its 80-row heads fill 16-row blocks exactly).
+# benchmarks/results/variants_*.json). Small batches are latency-bound: small programs (one
+# warp at batch <= 2), record loads issued before the cursor is known, the flush on tensor
+# cores from the record tiles already in registers (no dependent loads in a loop). Larger
+# batches: one head per program for Super (looping over heads raised registers more than
+# sharing the keys saved), six per program for Nano-4B (its 80-row heads fill 16-row blocks).
+_TINY = (2, dict(BV=16, num_warps=1, HPP=1, recmask=False, prefetch=False, flush="tf32x3"))
 _SMALL = (8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flush="tf32x3"))
-_SUPER = [_SMALL, (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=True, prefetch=False))]
+_SUPER = [_TINY, _SMALL, (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=True, prefetch=False))]
 REPLAY_CONFIGS = {
     (128, 64, 128, 8): _SUPER,                                                  # Nemotron-3-Super
-    (96, 80, 128, 8): [_SMALL, (1 << 30, dict(BV=16, num_warps=2, HPP=4, recmask=True, prefetch=True))],
+    (96, 80, 128, 8): [_TINY, _SMALL,                                           # Nemotron-3-Nano-4B
+                       (1 << 30, dict(BV=16, num_warps=2, HPP=6, recmask=True, prefetch=True))],
     (64, 64, 128, 8): _SUPER,                                                   # Nemotron-3-Nano-30B
 }
 
