@@ -120,14 +120,15 @@ def test_poison_bookkeeping_multi_block_and_spare_capacity():
     {"BV": 8, "num_warps": 1, "HPP": 2, "recmask": True, "prefetch": True},
     {"BV": 16, "num_warps": 2, "HPP": 2, "recmask": False, "prefetch": False},
     {"BV": 8, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": True},
-], ids=["hpp2-prefetch", "hpp2-unmasked", "hpp1-unmasked-prefetch"])
+    {"BV": 8, "num_warps": 1, "HPP": 2, "BC": 2},
+], ids=["hpp2-prefetch", "hpp2-unmasked", "hpp1-unmasked-prefetch", "record-chunks-of-2"])
 def test_program_variants(cfg):
     # two value heads per program sharing their key head's records; the next head's tile
     # prefetched; record loads issued before the cursor is known. KDA (one value head per key
     # head here) runs HPP=1 only.
     Hk = 2 if FAMILY == "gdn" else 4
     if FAMILY == "kda":
-        cfg = dict(cfg, HPP=1)
+        cfg = {k: v for k, v in dict(cfg, HPP=1).items() if k != "BC"}
     res = OPS.simulate(HV=4, Hk=Hk, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=1,
                        unused_slots=1, extra_capacity=1, config=cfg, conv_config={"BV": 8},
                        device=DEV, seed=4)
@@ -249,7 +250,7 @@ def test_custom_ops_schema_and_fake():
     arrive = torch.zeros(st["ckpt"].shape[0], dtype=torch.int32, device=DEV)
     args = (x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV), p.dt_bias.to(DEV), 0.2,
             st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], arrive,
-            ids, 4, o, True, 16, 2, 1, 0, 1, True, True)
+            ids, 4, o, True, 16, 2, 1, 0, 1, True, True, 0)
     torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_replay_decode").default, args,
                           test_utils=("test_schema", "test_faketensor"))
     S = st["ckpt"].clone()

@@ -120,6 +120,7 @@ def _replay_decode_kernel(
     LBCAP: tl.constexpr, LB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     HPP: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     RECMASK: tl.constexpr, PREFETCH: tl.constexpr, EXACT_BF16: tl.constexpr, RC: tl.constexpr,
+    BC: tl.constexpr, CHUNK: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     G: tl.constexpr = HV // HK
@@ -170,16 +171,18 @@ def _replay_decode_kernel(
     if PREFETCH:
         b_Cn = tl.load(p_C + h0 * (V * K) + o_C, mask=m_C, other=0., eviction_policy="evict_first")
 
-    b_Kb = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
-                   mask=m_lj[:, None] & m_k[None, :], other=0.)
-    b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.)                  # [LB, BK]
+    if not CHUNK:
+        b_Kb = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
+                       mask=m_lj[:, None] & m_k[None, :], other=0.)
+        b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.)              # [LB, BK]
 
     b_q, b_k = _load_qk(q, k, i_b, i_hk, o_k, m_k, scale, stride_q_b, stride_q_h, stride_k_b,
                         stride_k_h, USE_QK_L2NORM)
     b_kq_t = tl.sum(b_k * b_q)
     if not IS_KDA:
-        b_Kk0 = tl.sum(b_Kb * b_k[None, :], axis=1)                          # [LB]
-        b_Kq0 = tl.sum(b_Kb * b_q[None, :], axis=1)
+        if not CHUNK:
+            b_Kk0 = tl.sum(b_Kb * b_k[None, :], axis=1)                      # [LB]
+            b_Kq0 = tl.sum(b_Kb * b_q[None, :], axis=1)
     flush = h + 1 >= window
     in_buf = h < LBCAP
     n_v = tl.where(in_buf, V, 0)
@@ -194,9 +197,11 @@ def _replay_decode_kernel(
                            eviction_policy="evict_first")
         else:
             b_C = tl.load(p_C + i_hv * (V * K) + o_C, mask=m_C, other=0., eviction_policy="evict_first")
-        b_U = tl.load(buf_w + (i_s * LBCAP * HV + i_hv) * V + (o_j[:, None] * (HV * V) + o_v[None, :]),
-                      mask=m_lj[:, None] & m_v[None, :], other=0.)
-        b_U = tl.where(m_j[:, None], b_U.to(tl.float32), 0.)                # [LB, BV]
+        p_U = buf_w + (i_s * LBCAP * HV + i_hv) * V
+        if not CHUNK:
+            b_U = tl.load(p_U + (o_j[:, None] * (HV * V) + o_v[None, :]),
+                          mask=m_lj[:, None] & m_v[None, :], other=0.)
+            b_U = tl.where(m_j[:, None], b_U.to(tl.float32), 0.)            # [LB, BV]
 
         b_v, b_ld, b_beta = _load_head(v, a, b, A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
                                        stride_v_b, stride_v_h, stride_a_b, stride_a_h,
@@ -223,17 +228,44 @@ def _replay_decode_kernel(
             b_LDs = tl.where(m_j1, b_LDs, tl.where(o_j + 1 == h, b_ld, 0.))  # [LB]
             b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv)
             b_ld0 = tl.where(h == 0, b_ld, b_ld0)
-            b_w = tl.where(m_j, tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True)), 0.)   # [LB]
             b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))
-            b_kk = b_Kk0 * b_w
-            b_kq = b_Kq0 * b_w
+            if not CHUNK:
+                b_w = tl.where(m_j, tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True)), 0.)   # [LB]
+                b_kk = b_Kk0 * b_w
+                b_kq = b_Kq0 * b_w
 
         # one read of C, two matvecs
         b_Ck = tl.sum(b_C * (b_gC * b_k)[None, :], axis=1)                  # [BV]
         b_Cq = tl.sum(b_C * (b_gC * b_q)[None, :], axis=1)
-        b_Pk = b_Ck + tl.sum(b_U * b_kk[:, None], axis=0)
+        if CHUNK:
+            # GDN, records in chunks of BC up to the cursor only (the work follows h, not the
+            # window): a chunk's weights are its own reverse scan plus the decays after it
+            b_Pk = b_Ck
+            b_or = b_Cq
+            for j0 in range(0, h, BC):
+                o_c = j0 + tl.arange(0, BC)
+                m_c = o_c < h
+                o_pc = i_s * LBCAP + o_c
+                b_Kc = tl.load(buf_k + (o_pc * HK + i_hk)[:, None] * K + o_k[None, :],
+                               mask=m_c[:, None] & m_k[None, :], other=0.)
+                b_Kc = tl.where(m_c[:, None], b_Kc.to(tl.float32), 0.)      # [BC, BK]
+                b_Uc = tl.load(p_U + (o_c[:, None] * (HV * V) + o_v[None, :]),
+                               mask=m_c[:, None] & m_v[None, :], other=0.)
+                b_Uc = tl.where(m_c[:, None], b_Uc.to(tl.float32), 0.)      # [BC, BV]
+                m_c1 = (o_c + 1) < h
+                b_LDc = tl.load(buf_ld + (o_pc + 1) * HV + i_hv, mask=m_c1, other=0.)
+                b_LDc = tl.where(m_c1, b_LDc, tl.where(o_c + 1 == h, b_ld, 0.))
+                b_tail = tl.sum(tl.where(o_j >= j0 + BC, b_LDs, 0.), axis=0)
+                b_wc = tl.where(m_c, tl.exp(tl.cumsum(b_LDc, axis=0, reverse=True) + b_tail), 0.)
+                b_kkc = tl.sum(b_Kc * b_k[None, :], axis=1) * b_wc
+                b_kqc = tl.sum(b_Kc * b_q[None, :], axis=1) * b_wc
+                b_Pk += tl.sum(b_Uc * b_kkc[:, None], axis=0)
+                b_or += tl.sum(b_Uc * b_kqc[:, None], axis=0)
+        else:
+            b_Pk = b_Ck + tl.sum(b_U * b_kk[:, None], axis=0)
+            b_or = b_Cq + tl.sum(b_U * b_kq[:, None], axis=0)
         b_u = b_beta * (b_v - b_Pk)
-        b_o = b_Cq + tl.sum(b_U * b_kq[:, None], axis=0) + b_kq_t * b_u
+        b_o = b_or + b_kq_t * b_u
         b_ost = b_o.to(p_o.dtype.element_ty)
         if EXACT_BF16:
             if p_o.dtype.element_ty == tl.bfloat16:
@@ -320,8 +352,9 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # replay only: HPP value heads per program (divides the HV // Hk heads of a key head; a table
 # entry larger than that is cut to it), recmask (record loads predicated on the cursor, or
 # issued at once, without waiting for it), prefetch (the next head's checkpoint tile loaded
-# before this head's arithmetic)
-_REPLAY_KEYS = ("HPP", "recmask", "prefetch")
+# before this head's arithmetic), BC (GDN: records read in chunks of BC up to the cursor; 0:
+# one tile covering the window)
+_REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC")
 
 # (family, V, K) -> config, or a list of (max_batch, config): the first entry whose max_batch
 # is at least the batch applies. Small batches are latency-bound (small programs, record loads
@@ -357,7 +390,7 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
     keys = _CONFIG_KEYS
     if G is not None:
         keys = _CONFIG_KEYS + _REPLAY_KEYS
-        cfg = dict({"HPP": 1, "recmask": True, "prefetch": False}, **cfg)
+        cfg = dict({"HPP": 1, "recmask": True, "prefetch": False, "BC": 0}, **cfg)
         hpp = cfg["HPP"]
         while G % hpp:          # a table entry for a larger group: the largest divisor below
             hpp -= 1
@@ -382,6 +415,11 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
         hpp = cfg["HPP"]
         if isinstance(hpp, bool) or not isinstance(hpp, int) or hpp < 1 or G % hpp:
             raise ValueError(f"config HPP={hpp!r} must divide the {G} value heads of a key head")
+        bc = cfg["BC"]
+        if isinstance(bc, bool) or not isinstance(bc, int) or bc < 0 or (bc and bc & (bc - 1)):
+            raise ValueError(f"config BC={bc!r} must be 0 (one tile of the window) or a power of two")
+        if bc and family == "kda":
+            raise ValueError(f"config BC={bc!r}: record chunks are implemented for GDN only")
     return cfg
 
 
@@ -555,7 +593,7 @@ def _scale(scale, K: int) -> float:
 def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, epoch, arrive, slot_ids, window: int, o, use_qk_l2norm: bool,
                   BV: int, num_warps: int, num_stages: int, maxnreg: int = 0, HPP: int = 1,
-                  recmask: bool = True, prefetch: bool = False) -> None:
+                  recmask: bool = True, prefetch: bool = False, BC: int = 0) -> None:
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     Lb = buf_w.shape[1]
@@ -577,6 +615,7 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, LB=LB, BV=BV, BK=BK, HPP=HPP,
         IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
         RECMASK=bool(recmask), PREFETCH=bool(prefetch), EXACT_BF16=_interpreting(), RC=min(16, BV),
+        BC=BC if 0 < BC < LB else LB, CHUNK=0 < BC < LB and family == "gdn",
         num_warps=num_warps, num_stages=num_stages,
         # a register cap raises occupancy (more bytes in flight) at the price of spills
         **({"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}),
@@ -594,15 +633,15 @@ def _register_replay_op(family: str):
            dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor,
            buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor, slot_ids: Tensor,
            window: int, o: Tensor, use_qk_l2norm: bool, BV: int, num_warps: int,
-           num_stages: int, maxnreg: int, HPP: int, recmask: bool, prefetch: bool) -> None:
+           num_stages: int, maxnreg: int, HPP: int, recmask: bool, prefetch: bool, BC: int) -> None:
         launch_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
-                      num_stages, maxnreg, HPP, recmask, prefetch)
+                      num_stages, maxnreg, HPP, recmask, prefetch, BC)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
           arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg, HPP,
-          recmask, prefetch) -> None:
+          recmask, prefetch, BC) -> None:
         return None
 
     return op
@@ -680,5 +719,6 @@ def run_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
     _REPLAY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
-        cfg["num_stages"], cfg["maxnreg"], cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]))
+        cfg["num_stages"], cfg["maxnreg"], cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]),
+        cfg["BC"])
     return out
