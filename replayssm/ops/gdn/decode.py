@@ -362,9 +362,10 @@ _REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC")
 # records) measured slower than one (more registers, fewer programs). Chosen by H200 sweeps
 # (benchmarks/sweep_programs.sh, benchmarks/results/variants_*.json).
 _REPLAY_TABLE = {
+    # GDN: one warp per program at small batch; records in chunks of 8 up to the cursor
     ("gdn", 128, 128): [(2, {"BV": 16, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": False}),
-                        (8, {"BV": 16, "num_warps": 2, "HPP": 1, "recmask": False, "prefetch": False}),
-                        (1 << 30, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
+                        (8, {"BV": 16, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": False, "BC": 8}),
+                        (1 << 30, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False, "BC": 8})],
     # KDA: one program per head at large batch (its decay weights are computed per program)
     ("kda", 128, 128): [(8, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": False, "prefetch": False}),
                         (1 << 30, {"BV": 128, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
