@@ -61,7 +61,7 @@ def mamba2(cfg):
     from replayssm.ops.mamba2 import decode as m
 
     HV, G, V, K, L = 128, 8, 64, 128, 16
-    c = dict(BV=64, num_warps=4, flush="fma", sync=1, HPP=4, recmask=1, prefetch=1)
+    c = dict(BV=64, num_warps=4, flush="fma", sync=1, HPP=1, recmask=1, prefetch=0)
     c.update(cfg)
     fn = m._replay_decode_kernel
     ptr = {"x": "*fp32", "dt": "*fp32", "B": "*fp32", "C": "*fp32", "A": "*fp32", "dt_bias": "*fp32",
@@ -82,7 +82,7 @@ def gdn(cfg, family="gdn"):
     from replayssm.ops.gdn import decode as m
 
     HV, HK, V, K, L = (32, 16, 128, 128, 16) if family == "gdn" else (32, 32, 128, 128, 16)
-    c = dict(BV=32, num_warps=4, window=L, HPP=2 if family == "gdn" else 1, recmask=1, prefetch=1)
+    c = dict(BV=32, num_warps=4, window=L, HPP=1, recmask=1, prefetch=0, BC=8 if family == "gdn" else 0)
     c.update(cfg)
     fn = m._replay_decode_kernel
     ptr = {n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")}
@@ -91,7 +91,7 @@ def gdn(cfg, family="gdn"):
     vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))),
                 BV=c["BV"], BK=K, HPP=c["HPP"], IS_KDA=family == "kda", USE_QK_L2NORM=True,
                 RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EXACT_BF16=False,
-                RC=min(16, c["BV"]))
+                RC=min(16, c["BV"]), BC=c.get("BC", 0) or 16, CHUNK=0 < c.get("BC", 0) < 16)
     sig, const = signature(fn, ptr, vals, floats=("scale",))
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} replay {c}")
 
