@@ -29,3 +29,13 @@ def arrive_counter(device, N: int) -> Tensor:
         t = torch.zeros(N, dtype=torch.int32, device=device)
         _ARRIVE_CACHE[key] = t
     return t
+
+
+def table_entry(table: dict, key, batch=None):
+    """A launch-config table's entry for `key`: a config dict, or the first of a list of
+    `(max_batch, config)` whose `max_batch` >= `batch` (the last one past them all; the first
+    when `batch` is None). None when the table has no entry."""
+    entry = table.get(key)
+    if entry is None or isinstance(entry, dict):
+        return entry
+    return next((cfg for max_batch, cfg in entry if batch is None or batch <= max_batch), entry[-1][1])

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .decode import (_rne_bf16, _interpreting, _load_token, _resolve_config, _scale, check_devices,
+from .decode import (_for_store, _interpreting, _load_token, _resolve_config, _scale, check_devices,
                      check_slot_ids, check_slot_values, check_token_inputs, _shape, _dtype, _contig)
 
 __all__ = ["conventional_decode", "conventional_config"]
@@ -65,11 +65,7 @@ def _conventional_decode_kernel(
     b_S += b_u[:, None] * b_k[None, :]
     b_o = tl.sum(b_S * b_q[None, :], axis=1)
     tl.store(p_S, b_S, mask=m_S)
-    b_ost = b_o.to(p_o.dtype.element_ty)
-    if EXACT_BF16:
-        if p_o.dtype.element_ty == tl.bfloat16:
-            b_ost = _rne_bf16(b_o)
-    tl.store(p_o, b_ost, mask=m_v)
+    tl.store(p_o, _for_store(b_o, p_o, EXACT_BF16), mask=m_v)
 
 
 # (family, V, K) -> config; the lead's GPU sweep refines these.

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import arrive_counter, capturing
+from ..common import arrive_counter, capturing, table_entry
 from torch import Tensor
 
 __all__ = ["replay_decode", "replay_config"]
@@ -47,6 +47,17 @@ def _rne_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _for_store(x, p, EXACT_BF16: tl.constexpr):
+    """`x` (fp32) converted to the element type of pointer `p`; EXACT_BF16 (the interpreter):
+    bf16 by round-to-nearest-even as on the GPU."""
+    y = x.to(p.dtype.element_ty)
+    if EXACT_BF16:
+        if p.dtype.element_ty == tl.bfloat16:
+            y = _rne_bf16(x)
+    return y
 
 
 @triton.jit
@@ -266,22 +277,14 @@ def _replay_decode_kernel(
             b_or = b_Cq + tl.sum(b_U * b_kq[:, None], axis=0)
         b_u = b_beta * (b_v - b_Pk)
         b_o = b_or + b_kq_t * b_u
-        b_ost = b_o.to(p_o.dtype.element_ty)
-        if EXACT_BF16:
-            if p_o.dtype.element_ty == tl.bfloat16:
-                b_ost = _rne_bf16(b_o)
-        tl.store(p_o + i * V, b_ost, mask=m_v)
+        tl.store(p_o + i * V, _for_store(b_o, p_o, EXACT_BF16), mask=m_v)
 
         # the record at position h: u per value head and V-block, the decay once per value
         # head, the key once per key head. h < LBCAP guards other slots against a bad cursor.
         # Written on a flush too (dead then, the cursor returns to 0): the fold below reads
         # this token's u back by row chunks.
         p_w = buf_w + (o_h * HV + i_hv) * V + o_v
-        b_ust = b_u.to(p_w.dtype.element_ty)
-        if EXACT_BF16:
-            if p_w.dtype.element_ty == tl.bfloat16:
-                b_ust = _rne_bf16(b_u)
-        tl.store(p_w, b_ust, mask=o_v < n_v)
+        tl.store(p_w, _for_store(b_u, p_w, EXACT_BF16), mask=o_v < n_v)
         if i_v == 0:
             if IS_KDA:
                 tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=o_k < n_k)
@@ -289,11 +292,7 @@ def _replay_decode_kernel(
                 tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
             if i_hv % G == 0:
                 p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
-                b_kst = b_k.to(p_kh.dtype.element_ty)
-                if EXACT_BF16:
-                    if p_kh.dtype.element_ty == tl.bfloat16:
-                        b_kst = _rne_bf16(b_k)
-                tl.store(p_kh, b_kst, mask=o_k < n_k)
+                tl.store(p_kh, _for_store(b_k, p_kh, EXACT_BF16), mask=o_k < n_k)
 
         if flush:
             # C <- gC C + sum_j w_j u_j k_j^T + u_t k_t^T, in row chunks of RC: the tile and
@@ -373,9 +372,7 @@ _REPLAY_TABLE = {
 
 
 def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[int] = None) -> dict:
-    entry = table.get((family, V, K))
-    if isinstance(entry, list):
-        entry = next((c for mb, c in entry if batch is None or batch <= mb), entry[-1][1])
+    entry = table_entry(table, (family, V, K), batch)
     if entry is not None:
         return dict({"num_stages": 1, "maxnreg": 0}, **entry)
     BV = min(32, triton.next_power_of_2(V))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import arrive_counter, capturing
+from ..common import arrive_counter, capturing, table_entry
 from torch import Tensor
 
 __all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config"]
@@ -72,16 +72,6 @@ def _default_bv(V: int) -> int:
     return min(32, max(16, triton.next_power_of_2(V)))
 
 
-def _table_entry(table: dict, key, batch: Optional[int]) -> dict:
-    entry = table.get(key, {})
-    if isinstance(entry, dict):
-        return entry
-    for max_batch, cfg in entry:
-        if batch is None or batch <= max_batch:
-            return cfg
-    return entry[-1][1]
-
-
 def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optional[dict],
                    *, with_flush: bool, batch: Optional[int] = None) -> dict:
     """The launch config for a shape and batch: the table's entry (or a default), updated by
@@ -92,7 +82,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
         # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
         cfg.update(sync=1, maxnreg=0)
-    cfg.update(_table_entry(table, (HV, V, K, G), batch))
+    cfg.update(table_entry(table, (HV, V, K, G), batch) or {})
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
