@@ -36,8 +36,15 @@ def report(cubin: bytes, name: str) -> str:
 
 
 def compile_kernel(fn, signature, constexprs, num_warps):
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    # the JIT specialises 16-byte aligned pointers and integers divisible by 16 (strides, the
+    # window): without these hints the offline compile cannot vectorise the loads
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if signature[n].startswith("*") or (signature[n] == "i32" and (n.startswith("stride") or n == "window"))}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    if os.environ.get("REGCOUNT_DUMP"):
+        for ext in ("ttgir", "ptx"):
+            open(f"{os.environ['REGCOUNT_DUMP']}.{ext}", "w").write(k.asm[ext])
     return k.asm["cubin"]
 
 
@@ -73,7 +80,7 @@ def mamba2(cfg):
                 BL=max(16, triton.next_power_of_2(min(L, LB))), HPP=c["HPP"], NVB=triton.cdiv(V, c["BV"]),
                 FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
                 RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EVEN=bool(c.get("even", 1)),
-                RC=min(16, c["BV"]))
+                RC=min(16, c["BV"]), KS=c.get("KS", 1))
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
@@ -91,7 +98,8 @@ def gdn(cfg, family="gdn"):
     vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))),
                 BV=c["BV"], BK=K, HPP=c["HPP"], IS_KDA=family == "kda", USE_QK_L2NORM=True,
                 RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EXACT_BF16=False,
-                RC=min(16, c["BV"]), BC=c.get("BC", 0) or 16, CHUNK=0 < c.get("BC", 0) < 16)
+                RC=min(16, c["BV"]), BC=c.get("BC", 0) or 16, CHUNK=0 < c.get("BC", 0) < 16,
+                KS=c.get("KS", 1), FLUSH=int(c.get("flush", 0)), LF=max(16, Lb - 1))
     sig, const = signature(fn, ptr, vals, floats=("scale",))
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} replay {c}")
 

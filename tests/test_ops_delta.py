@@ -106,6 +106,25 @@ def test_accuracy_64_windows_fp32_and_bf16_records():
 
 
 @pytest.mark.interpret
+def test_materialising_kernel_bf16x2_matches_bf16_record_error():
+    # GDN's materialising kernel with its two-term bf16 product (bf16 records only): the error
+    # is that of the bf16 records themselves, the same as the default kernel's on these inputs
+    if FAMILY == "kda":
+        pytest.skip("the materialising kernel is GDN only")
+    kw = dict(HV=4, Hk=2, V=16, K=32, window=4, windows=16, live_slots=3, pad_rows=1,
+              unused_slots=1, start_cursors=(3, 0, 2), record_dtypes=(torch.bfloat16,), device=DEV)
+    base = OPS.simulate(**kw, config={"BV": 16, "num_warps": 1})
+    mat = OPS.simulate(**kw, config={"BV": 16, "num_warps": 1, "mat": True, "BKT": 16,
+                                     "matprec": "bf16x2"})
+    assert not mat["problems"], mat["problems"]
+    for key in ("replay_out", "replay_ckpt"):
+        assert mat[key]["bfloat16"] <= 1.1 * base[key]["bfloat16"] + 1e-6, (key, mat, base)
+    with pytest.raises(ValueError, match="bf16 key records"):
+        OPS.simulate(**dict(kw, record_dtypes=(torch.float32,)),
+                     config={"BV": 16, "mat": True, "BKT": 16, "matprec": "bf16x2"})
+
+
+@pytest.mark.interpret
 def test_poison_bookkeeping_multi_block_and_spare_capacity():
     # BV=8 splits V=16 into two programs per head (the arrive counter then waits for 8 programs
     # per slot); buffer capacity 6 > window 4; two padding rows, two unused slots
@@ -121,13 +140,22 @@ def test_poison_bookkeeping_multi_block_and_spare_capacity():
     {"BV": 16, "num_warps": 2, "HPP": 2, "recmask": False, "prefetch": False},
     {"BV": 8, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": True},
     {"BV": 8, "num_warps": 1, "HPP": 2, "BC": 2},
-], ids=["hpp2-prefetch", "hpp2-unmasked", "hpp1-unmasked-prefetch", "record-chunks-of-2"])
+    {"BV": 16, "num_warps": 2, "HPP": 1, "KS": 4, "BC": 2},
+    {"BV": 16, "num_warps": 2, "HPP": 2, "KS": 2, "flush": "tf32x3", "prefetch": True},
+    {"BV": 16, "num_warps": 1, "HPP": 1, "flush": "tf32x3", "recmask": False},
+    {"BV": 16, "num_warps": 1, "mat": True, "BKT": 16},
+    {"BV": 16, "num_warps": 2, "mat": True, "BKT": 32},
+], ids=["hpp2-prefetch", "hpp2-unmasked", "hpp1-unmasked-prefetch", "record-chunks-of-2",
+        "k-slices-4-record-chunks", "k-slices-2-tensor-core-flush", "tensor-core-flush-unmasked",
+        "materialise-chunks-of-16", "materialise-one-chunk"])
 def test_program_variants(cfg):
     # two value heads per program sharing their key head's records; the next head's tile
     # prefetched; record loads issued before the cursor is known. KDA (one value head per key
     # head here) runs HPP=1 only.
     Hk = 2 if FAMILY == "gdn" else 4
     if FAMILY == "kda":
+        if cfg.get("mat"):
+            pytest.skip("the materialising kernel is GDN only")
         cfg = {k: v for k, v in dict(cfg, HPP=1).items() if k != "BC"}
     res = OPS.simulate(HV=4, Hk=Hk, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=1,
                        unused_slots=1, extra_capacity=1, config=cfg, conv_config={"BV": 8},
@@ -340,6 +368,12 @@ def _bad_cases():
         ("config BV", lambda kw: kw.__setitem__("config", {"BV": 12}), "BV=12"),
         ("config key", lambda kw: kw.__setitem__("config", {"BK": 16}), "unknown keys"),
         ("config warps", lambda kw: kw.__setitem__("config", {"num_warps": 3}), "num_warps=3"),
+        ("config KS", lambda kw: kw.__setitem__("config", {"KS": 3}), "KS=3"),
+        ("config KS too big", lambda kw: kw.__setitem__("config", {"KS": 64}), "KS=64"),
+        ("config flush", lambda kw: kw.__setitem__("config", {"flush": "tf32"}), "flush='tf32'"),
+        ("config flush BV", lambda kw: kw.__setitem__("config", {"BV": 8, "flush": "tf32x3"}),
+         "needs BV >= 16"),
+        ("config BKT", lambda kw: kw.__setitem__("config", {"BV": 16, "mat": True, "BKT": 8}), "BKT=8"),
         ("device", set_("v", lambda t: t.to("meta")), "v is on meta"),
     ]
 

@@ -62,19 +62,22 @@ def test_replay_error_within_conventional(shape, window, n_slots, windows):
 
 EDGE_CASES = [
     # window 1: every step flushes (replay degenerates to read-update-write)
-    pytest.param(SMALL, 1, dict(flush="tf32x3"), id="L1-dot"),
+    pytest.param(SMALL, 1, dict(flush="tf32x3", KS=1), id="L1-dot"),
     # V, K not powers of two (masked tiles, two V-blocks per head); rank-1 flush loop
     pytest.param(dict(HV=4, G=2, V=24, K=20), 5, dict(BV=16, flush="fma"), id="odd-L5-fma"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="fma"),
                  marks=[pytest.mark.gpu, gpu], id="super-fma"),
-    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="tf32x3"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="tf32x3", KS=1),
                  marks=[pytest.mark.gpu, gpu], id="super-tf32x3"),
     # window 32: record tiles of 32 positions, in the output and in the dot flush
-    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 32, dict(flush="tf32x3"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 32, dict(flush="tf32x3", KS=1),
                  marks=[pytest.mark.gpu, gpu], id="super-L32-tf32x3"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
-                 dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flush="tf32x3"),
+                 dict(BV=16, num_warps=1, HPP=1, recmask=False, prefetch=False, flush="fma", KS=8),
                  marks=[pytest.mark.gpu, gpu], id="super-batch1-config"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
+                 dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flush="fma", KS=4),
+                 marks=[pytest.mark.gpu, gpu], id="super-batch8-config"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
                  dict(HPP=16, prefetch=True, flush="fma"),
                  marks=[pytest.mark.gpu, gpu], id="super-whole-group"),
@@ -123,7 +126,10 @@ def test_bf16_records(shape, window, n_slots, windows):
     dict(BV=8, HPP=2, recmask=True, prefetch=True, flush="fma"),
     dict(BV=16, HPP=2, recmask=False, prefetch=False, flush="tf32x3"),
     dict(BV=8, HPP=1, recmask=False, prefetch=True, flush="fma"),
-], ids=["hpp2-prefetch", "hpp2-unmasked-dot", "hpp1-unmasked-prefetch"])
+    dict(BV=16, HPP=2, recmask=True, prefetch=True, flush="fma", KS=4),
+    dict(BV=8, HPP=1, recmask=False, prefetch=False, flush="fma", KS=2),
+], ids=["hpp2-prefetch", "hpp2-unmasked-dot", "hpp1-unmasked-prefetch", "k-slices-4-prefetch",
+        "k-slices-2-unmasked"])
 def test_program_variants(cfg):
     """Several heads per program (shared group keys), the next head's tile prefetched, record
     loads issued before the cursor is known, both flush paths: each against the reference."""
@@ -448,6 +454,8 @@ REPLAY_ERRORS = [
     ("config", dict(sync=5), "sync"),
     ("config", dict(num_warps=3), "num_warps"),
     ("config", dict(flush="tf32"), "flush"),
+    ("config", dict(KS=3), "KS=3 must be a power of two"),
+    ("config", dict(KS=2, flush="tf32x3"), "needs KS=1"),
     ("config", dict(block=16), "unknown"),
 ]
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..common import arrive_counter, capturing, table_entry
+from ..tiles import check_slices, tile_dot, tile_offsets
 from torch import Tensor
 
 __all__ = ["replay_decode", "replay_config"]
@@ -121,6 +122,88 @@ def _load_token(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m
 
 
 @triton.jit
+def _flush_fma(p_Ch, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_v, h, b_k, b_ld, o_k, m_k,
+               HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+               LBCAP: tl.constexpr, BV: tl.constexpr, IS_KDA: tl.constexpr, RC: tl.constexpr):
+    """C <- gC C + sum_j w_j u_j k_j^T + u_t k_t^T for head `p_Ch`'s V-block, in row chunks of
+    RC: the tile and the records are re-read (L1/L2 hits: this program just read or wrote
+    them), so that the registers of this rare path, which every program is allocated, stay
+    those of an [RC, BK] tile. One rank-1 update per record (exact fp32), newest first so that
+    the suffix log decay accumulates along the loop."""
+    o_h = i_s * LBCAP + h
+    for r0 in tl.static_range(0, BV, RC):
+        o_r = i_v * BV + r0 + tl.arange(0, RC)
+        m_r = o_r < V
+        o_Sr = o_r[:, None] * K + o_k[None, :]
+        m_Sr = m_r[:, None] & m_k[None, :]
+        b_ut = tl.load(buf_w + (o_h * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
+        b_S = b_ut[:, None] * b_k[None, :]                          # [RC, BK]
+        b_sr = b_ld
+        for i_r in range(0, h):
+            o_p = i_s * LBCAP + h - 1 - i_r
+            b_kr = tl.load(buf_k + (o_p * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_ur = tl.load(buf_w + (o_p * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
+            if IS_KDA:
+                b_S += b_ur[:, None] * (tl.exp(b_sr) * b_kr)[None, :]
+                b_sr += tl.load(buf_ld + (o_p * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+            else:
+                b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
+                b_sr += tl.load(buf_ld + o_p * HV + i_hv)
+        b_Cr = tl.load(p_Ch + o_Sr, mask=m_Sr, other=0.)
+        if IS_KDA:
+            b_S += b_Cr * tl.exp(b_sr)[None, :]
+        else:
+            b_S += b_Cr * tl.exp(b_sr)
+        tl.store(p_Ch + o_Sr, b_S, mask=m_Sr)
+
+
+@triton.jit
+def _flush_dot(p_Ch, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_v, h, b_k, b_ld, b_gC, o_k, m_k,
+               HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+               LBCAP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, IS_KDA: tl.constexpr,
+               RC: tl.constexpr, LF: tl.constexpr):
+    """The same fold as one product per row chunk of RC on tensor cores, `[RC, LF] x [LF, BK]`
+    in three tf32 passes (near fp32): positions 0..h of the window, the current token's key
+    and decay from registers (other programs write them to the buffer), its u (stored by this
+    program before the barrier) from the buffer. No loop of dependent loads."""
+    o_f = tl.arange(0, LF)
+    m_f = o_f <= h
+    m_f1 = (o_f + 1) < h
+    o_pf = i_s * LBCAP + o_f
+    b_Kf = tl.load(buf_k + (o_pf * HK + i_hk)[:, None] * K + o_k[None, :],
+                   mask=(o_f < h)[:, None] & m_k[None, :], other=0.).to(tl.float32)
+    b_Kf = tl.where((o_f < h)[:, None], b_Kf, tl.where((o_f == h)[:, None], b_k[None, :], 0.))
+    # lane j: ld_{j+1} (ld_h from registers), so that the reverse scan at j is the suffix
+    # ld_{j+1} + ... + ld_h, zero at j = h (the current token enters with weight 1)
+    if IS_KDA:
+        b_LDf = tl.load(buf_ld + ((o_pf + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
+                        mask=m_f1[:, None] & m_k[None, :], other=0.)
+        b_LDf = tl.where(m_f1[:, None], b_LDf, tl.where((o_f + 1 == h)[:, None], b_ld[None, :], 0.))
+        b_Kf = b_Kf * tl.where(m_f[:, None], tl.exp(tl.cumsum(b_LDf, axis=0, reverse=True)), 0.)
+    else:
+        b_LDf = tl.load(buf_ld + (o_pf + 1) * HV + i_hv, mask=m_f1, other=0.)
+        b_LDf = tl.where(m_f1, b_LDf, tl.where(o_f + 1 == h, b_ld, 0.))
+        b_wf = tl.where(m_f, tl.exp(tl.cumsum(b_LDf, axis=0, reverse=True)), 0.)      # [LF]
+    for r0 in tl.static_range(0, BV, RC):
+        o_r = i_v * BV + r0 + tl.arange(0, RC)
+        m_r = o_r < V
+        b_Uf = tl.load(buf_w + (o_pf[:, None] * HV + i_hv) * V + o_r[None, :],
+                       mask=m_f[:, None] & m_r[None, :], other=0.).to(tl.float32)
+        b_Uf = tl.where(m_f[:, None], b_Uf, 0.)                                        # [LF, RC]
+        if not IS_KDA:
+            b_Uf = b_Uf * b_wf[:, None]
+        o_Sr = o_r[:, None] * K + o_k[None, :]
+        m_Sr = m_r[:, None] & m_k[None, :]
+        b_Cr = tl.load(p_Ch + o_Sr, mask=m_Sr, other=0.)
+        if IS_KDA:
+            b_Cr = b_Cr * b_gC[None, :]
+        else:
+            b_Cr = b_Cr * b_gC
+        b_Cr += tl.dot(tl.trans(b_Uf), b_Kf, input_precision="tf32x3")
+        tl.store(p_Ch + o_Sr, b_Cr, mask=m_Sr)
+
+
+@triton.jit
 def _replay_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
     ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
@@ -131,7 +214,7 @@ def _replay_decode_kernel(
     LBCAP: tl.constexpr, LB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     HPP: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     RECMASK: tl.constexpr, PREFETCH: tl.constexpr, EXACT_BF16: tl.constexpr, RC: tl.constexpr,
-    BC: tl.constexpr, CHUNK: tl.constexpr,
+    BC: tl.constexpr, CHUNK: tl.constexpr, KS: tl.constexpr, FLUSH: tl.constexpr, LF: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     G: tl.constexpr = HV // HK
@@ -177,8 +260,7 @@ def _replay_decode_kernel(
     # tile offsets in int32 added to a scalar 64-bit base per head: a tile of 64-bit addresses
     # would hold twice the registers for the whole head loop
     p_C = ckpt + i_s * (HV * V * K)
-    o_C = o_v[:, None] * K + o_k[None, :]
-    m_C = m_v[:, None] & m_k[None, :]
+    o_C, m_C = tile_offsets(o_v, m_v, K, BK, KS)
     if PREFETCH:
         b_Cn = tl.load(p_C + h0 * (V * K) + o_C, mask=m_C, other=0., eviction_policy="evict_first")
 
@@ -246,8 +328,8 @@ def _replay_decode_kernel(
                 b_kq = b_Kq0 * b_w
 
         # one read of C, two matvecs
-        b_Ck = tl.sum(b_C * (b_gC * b_k)[None, :], axis=1)                  # [BV]
-        b_Cq = tl.sum(b_C * (b_gC * b_q)[None, :], axis=1)
+        b_Ck = tile_dot(b_C, b_gC * b_k, BK, KS)                             # [BV]
+        b_Cq = tile_dot(b_C, b_gC * b_q, BK, KS)
         if CHUNK:
             # GDN, records in chunks of BC up to the cursor only (the work follows h, not the
             # window): a chunk's weights are its own reverse scan plus the decays after it
@@ -295,36 +377,13 @@ def _replay_decode_kernel(
                 tl.store(p_kh, _for_store(b_k, p_kh, EXACT_BF16), mask=o_k < n_k)
 
         if flush:
-            # C <- gC C + sum_j w_j u_j k_j^T + u_t k_t^T, in row chunks of RC: the tile and
-            # the records are re-read (L1/L2 hits: this program just read or wrote them), so
-            # that the registers of this rare path, which every program is allocated, stay
-            # those of an [RC, BK] tile. One rank-1 update per record, newest first so that
-            # the suffix log decay accumulates along the loop.
             tl.debug_barrier()          # this token's u, stored above, visible to all threads
-            for r0 in tl.static_range(0, BV, RC):
-                o_r = i_v * BV + r0 + tl.arange(0, RC)
-                m_r = o_r < V
-                o_Sr = o_r[:, None] * K + o_k[None, :]
-                m_Sr = m_r[:, None] & m_k[None, :]
-                b_ut = tl.load(buf_w + (o_h * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
-                b_S = b_ut[:, None] * b_k[None, :]                          # [RC, BK]
-                b_sr = b_ld
-                for i_r in range(0, h):
-                    o_p = i_s * LBCAP + h - 1 - i_r
-                    b_kr = tl.load(buf_k + (o_p * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-                    b_ur = tl.load(buf_w + (o_p * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
-                    if IS_KDA:
-                        b_S += b_ur[:, None] * (tl.exp(b_sr) * b_kr)[None, :]
-                        b_sr += tl.load(buf_ld + (o_p * HV + i_hv) * K + o_k, mask=m_k, other=0.)
-                    else:
-                        b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
-                        b_sr += tl.load(buf_ld + o_p * HV + i_hv)
-                b_Cr = tl.load(p_C + i_hv * (V * K) + o_Sr, mask=m_Sr, other=0.)
-                if IS_KDA:
-                    b_S += b_Cr * tl.exp(b_sr)[None, :]
-                else:
-                    b_S += b_Cr * tl.exp(b_sr)
-                tl.store(p_C + i_hv * (V * K) + o_Sr, b_S, mask=m_Sr)
+            if FLUSH == 1:
+                _flush_dot(p_C + i_hv * (V * K), buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_v, h,
+                           b_k, b_ld, b_gC, o_k, m_k, HV, HK, V, K, LBCAP, BV, BK, IS_KDA, RC, LF)
+            else:
+                _flush_fma(p_C + i_hv * (V * K), buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_v, h,
+                           b_k, b_ld, o_k, m_k, HV, HK, V, K, LBCAP, BV, IS_KDA, RC)
 
     # Cursor hand-off: every program of slot s reads cursor[s] above, and it may only change
     # once all HV // HPP * NV of them have. Each arrives on a per-slot counter at its end, after
@@ -332,6 +391,162 @@ def _replay_decode_kernel(
     # cursor (so it cannot be performed before the read); the last to arrive writes cursor and
     # epoch and re-arms the counter for the next launch. No second launch, no host sync.
     NPROG: tl.constexpr = HV // HPP * NV
+    tl.debug_barrier()
+    n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
+    if n_arrived == NPROG - 1:
+        if flush:
+            tl.store(cursor + i_s, 0)
+            tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
+        else:
+            tl.store(cursor + i_s, (h + 1).to(tl.int32))
+        tl.store(arrive + i_s, 0)
+
+
+@triton.jit
+def _mat_fold(b_A, b_A1, b_A2, b_Kc, MP: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """`A K` for the materialising kernel: MP 0, fp32 operands in three tf32 passes (K in the
+    records' dtype); MP 1, bf16 keys (exact) times A split in two bf16 terms (A1 + A2). The CPU
+    interpreter (EXACT_BF16) gets the same products as fp32 dots of the bf16 values: its bf16
+    tl.dot is broken, and bf16 x bf16 products are exact in fp32."""
+    if MP == 1:
+        if EXACT_BF16:
+            b_K32 = b_Kc.to(tl.float32)
+            return (tl.dot(b_A1.to(tl.float32), b_K32, input_precision="ieee")
+                    + tl.dot(b_A2.to(tl.float32), b_K32, input_precision="ieee"))
+        return tl.dot(b_A1, b_Kc, out_dtype=tl.float32) + tl.dot(b_A2, b_Kc, out_dtype=tl.float32)
+    else:
+        return tl.dot(b_A, b_Kc.to(tl.float32), input_precision="tf32x3")
+
+
+@triton.jit
+def _replay_decode_mat_kernel(
+    q, k, v, a, b, A_log, dt_bias, o,
+    ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+    scale, window,
+    stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+    stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+    HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+    LBCAP: tl.constexpr, LR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BKT: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr, MP: tl.constexpr,
+):
+    """GDN replay step that rebuilds the state tile instead of contracting records with k and q.
+
+    Per program `(row, value head, V-block)` and per chunk of BKT key columns:
+        P_c = gC C_c + (U^T Diag(w)) K_c        ([BV, LR] x [LR, BKT], tensor cores, tf32x3)
+    then `P k` and `P q` from the chunk. `P = a_t S_{t-1}`, so a flush stores `P_c + u k_c^T`
+    (the chunk rebuilt once more from L2). No per-record products with k and q, no
+    reductions across warps over records: the record work is one small matrix product.
+    """
+    NV: tl.constexpr = (V + BV - 1) // BV
+    G: tl.constexpr = HV // HK
+    NKT: tl.constexpr = BK // BKT
+    pid = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_v = pid % NV
+    i_hv = pid // NV
+    i_hk = i_hv // G
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_o = o + (i_b * HV + i_hv) * V + o_v
+    i_s = tl.load(slot_ids + i_b).to(tl.int64)
+    if i_s < 0:
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        return
+    h = tl.load(cursor + i_s).to(tl.int64)
+
+    # record positions j < h; lane j of the shifted decays holds ld_{j+1} (ld_h: this token)
+    o_j = tl.arange(0, LR)
+    m_j = o_j < h
+    m_j1 = (o_j + 1) < h
+    o_rec = i_s * LBCAP + o_j
+    b_v, b_ld, b_beta = _load_head(v, a, b, A_log, dt_bias, i_b, i_hv, o_v, m_v, o_v, m_v,
+                                   stride_v_b, stride_v_h, stride_a_b, stride_a_h, stride_b_b,
+                                   stride_b_h, K, False)
+    b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_j1, other=0.)
+    b_LDs = tl.where(m_j1, b_LDs, tl.where(o_j + 1 == h, b_ld, 0.))
+    b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv)
+    b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+    b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))
+    b_w = tl.where(m_j, tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True)), 0.)          # [LR]
+    b_U = tl.load(buf_w + (o_rec[None, :] * HV + i_hv) * V + o_v[:, None],
+                  mask=m_j[None, :] & m_v[:, None], other=0.).to(tl.float32)
+    b_A = tl.where(m_j[None, :], b_U * b_w[None, :], 0.)                               # [BV, LR]
+    b_A1 = b_A
+    b_A2 = b_A
+    if MP == 1:
+        # bf16 records: the keys are exact in bf16, the weighted u split into two bf16 terms
+        if EXACT_BF16:
+            b_A1 = _rne_bf16(b_A)
+            b_A2 = _rne_bf16(b_A - b_A1.to(tl.float32))
+        else:
+            b_A1 = b_A.to(tl.bfloat16)
+            b_A2 = (b_A - b_A1.to(tl.float32)).to(tl.bfloat16)
+
+    # the token's key and query: norms from the whole vectors, then chunks re-read (L1 hits)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_q, b_k = _load_qk(q, k, i_b, i_hk, o_k, m_k, 1.0, stride_q_b, stride_q_h, stride_k_b,
+                        stride_k_h, False)
+    if USE_QK_L2NORM:
+        r_q = scale * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        r_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    else:
+        r_q = scale
+        r_k = 1.0
+    b_kq_t = tl.sum(b_k * b_q) * r_q * r_k
+
+    p_C = ckpt + (i_s * HV + i_hv) * (V * K)
+    p_K = buf_k + (o_rec * HK + i_hk) * K
+    p_q = q + i_b * stride_q_b + i_hk * stride_q_h
+    p_k = k + i_b * stride_k_b + i_hk * stride_k_h
+    b_Pk = tl.zeros([BV], dtype=tl.float32)
+    b_Pq = tl.zeros([BV], dtype=tl.float32)
+    for c in tl.static_range(NKT):
+        o_kt = c * BKT + tl.arange(0, BKT)
+        m_kt = o_kt < K
+        b_kc = tl.load(p_k + o_kt, mask=m_kt, other=0.).to(tl.float32) * r_k
+        b_qc = tl.load(p_q + o_kt, mask=m_kt, other=0.).to(tl.float32) * r_q
+        b_C = tl.load(p_C + o_v[:, None] * K + o_kt[None, :], mask=m_v[:, None] & m_kt[None, :],
+                      other=0., eviction_policy="evict_first")
+        b_Kc = tl.load(p_K[:, None] + o_kt[None, :], mask=m_j[:, None] & m_kt[None, :], other=0.)
+        # (the select in fp32 and back: exact, and the CPU interpreter mishandles bf16 selects)
+        b_Kc = tl.where(m_j[:, None], b_Kc.to(tl.float32), 0.).to(b_Kc.dtype)           # [LR, BKT]
+        b_P = b_gC * b_C + _mat_fold(b_A, b_A1, b_A2, b_Kc, MP, EXACT_BF16)                          # [BV, BKT]
+        b_Pk += tl.sum(b_P * b_kc[None, :], axis=1)
+        b_Pq += tl.sum(b_P * b_qc[None, :], axis=1)
+    b_u = b_beta * (b_v - b_Pk)
+    b_o = b_Pq + b_kq_t * b_u
+    tl.store(p_o, _for_store(b_o, p_o, EXACT_BF16), mask=m_v)
+
+    # the record at position h (h < LBCAP guards other slots against a bad cursor); written on
+    # a flush too (dead then: the cursor returns to 0)
+    in_buf = h < LBCAP
+    o_h = i_s * LBCAP + h
+    p_w = buf_w + (o_h * HV + i_hv) * V + o_v
+    tl.store(p_w, _for_store(b_u, p_w, EXACT_BF16), mask=o_v < tl.where(in_buf, V, 0))
+    if i_v == 0:
+        tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
+        if i_hv % G == 0:
+            p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
+            tl.store(p_kh, _for_store(b_k * r_k, p_kh, EXACT_BF16), mask=o_k < tl.where(in_buf, K, 0))
+
+    flush = h + 1 >= window
+    if flush:
+        # C <- P + u k^T, chunk by chunk, P rebuilt from the re-read tile and records
+        for c in tl.static_range(NKT):
+            o_kt = c * BKT + tl.arange(0, BKT)
+            m_kt = o_kt < K
+            m_Ct = m_v[:, None] & m_kt[None, :]
+            b_kc = tl.load(p_k + o_kt, mask=m_kt, other=0.).to(tl.float32) * r_k
+            b_C = tl.load(p_C + o_v[:, None] * K + o_kt[None, :], mask=m_Ct, other=0.)
+            b_Kc = tl.load(p_K[:, None] + o_kt[None, :], mask=m_j[:, None] & m_kt[None, :], other=0.)
+            b_Kc = tl.where(m_j[:, None], b_Kc.to(tl.float32), 0.).to(b_Kc.dtype)
+            b_P = b_gC * b_C + _mat_fold(b_A, b_A1, b_A2, b_Kc, MP, EXACT_BF16)
+            tl.store(p_C + o_v[:, None] * K + o_kt[None, :], b_P + b_u[:, None] * b_kc[None, :], mask=m_Ct)
+
+    # cursor hand-off, as in _replay_decode_kernel
+    NPROG: tl.constexpr = HV * NV
     tl.debug_barrier()
     n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
     if n_arrived == NPROG - 1:
@@ -352,8 +567,16 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # entry larger than that is cut to it), recmask (record loads predicated on the cursor, or
 # issued at once, without waiting for it), prefetch (the next head's checkpoint tile loaded
 # before this head's arithmetic), BC (GDN: records read in chunks of BC up to the cursor; 0:
-# one tile covering the window)
-_REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC")
+# one tile covering the window), KS (the checkpoint tile held as KS slices of K per thread,
+# see ops/tiles.py; 1: a plain [BV, K] tile), flush ("fma": one rank-1 update per record,
+# exact fp32; "tf32x3": one tensor-core product per 16 rows, needs BV >= 16), mat (GDN:
+# `_replay_decode_mat_kernel`, the state tile rebuilt per chunk of BKT key columns by one
+# tensor-core product; HPP, recmask, prefetch, BC, KS and flush then do not apply), matprec
+# (its product: "tf32x3", or "bf16x2" for bf16 records: exact keys, the weighted u in two
+# bf16 terms, about 16 bits)
+_REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC", "KS", "flush", "mat", "BKT", "matprec")
+_MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1}
+_FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 
 # (family, V, K) -> config, or a list of (max_batch, config): the first entry whose max_batch
 # is at least the batch applies. Small batches are latency-bound (small programs, record loads
@@ -363,11 +586,23 @@ _REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC")
 _REPLAY_TABLE = {
     # GDN: one warp per program at small batch; records in chunks of 8 up to the cursor
     ("gdn", 128, 128): [(2, {"BV": 16, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": False}),
-                        (8, {"BV": 16, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": False, "BC": 8}),
+                        (8, {"BV": 16, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": False, "BC": 8,
+                             "KS": 8}),
                         (1 << 30, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False, "BC": 8})],
     # KDA: one program per head at large batch (its decay weights are computed per program)
     ("kda", 128, 128): [(8, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": False, "prefetch": False}),
-                        (1 << 30, {"BV": 128, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False})],
+                        (1 << 30, {"BV": 128, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False,
+                                   "KS": 8})],
+}
+
+# With bf16 records (keys exact in bf16), large batches take the materialising kernel with its
+# two-term bf16 product: GDN at batch 256, window 16, 1.52x (Qwen3.5-4B) and 1.56x
+# (Qwen3.5-122B) against 1.08x and 1.07x for the table above (variants_v7_mat256.json). One
+# warp per 64-row program, K in two chunks, the chunk loads pipelined (num_stages 3).
+_BF16_RECORDS_TABLE = {
+    ("gdn", 128, 128): [(8, {}),
+                        (1 << 30, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
+                                   "num_stages": 3})],
 }
 
 
@@ -381,14 +616,19 @@ def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[in
 
 
 def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[dict], *,
-                    G: Optional[int] = None, batch: Optional[int] = None) -> dict:
+                    G: Optional[int] = None, batch: Optional[int] = None,
+                    bf16_records: bool = False) -> dict:
     """Launch config from the table (or defaults) and `config`; `G` (value heads per key head)
-    given: a replay config, with the replay-only keys."""
+    given: a replay config, with the replay-only keys (and, for bf16 records, the overrides
+    of `_BF16_RECORDS_TABLE`)."""
     cfg = _default_config(table, family, V, K, batch)
+    if G is not None and bf16_records:
+        cfg.update(table_entry(_BF16_RECORDS_TABLE, (family, V, K), batch) or {})
     keys = _CONFIG_KEYS
     if G is not None:
         keys = _CONFIG_KEYS + _REPLAY_KEYS
-        cfg = dict({"HPP": 1, "recmask": True, "prefetch": False, "BC": 0}, **cfg)
+        cfg = dict({"HPP": 1, "recmask": True, "prefetch": False, "BC": 0, "KS": 1, "flush": "fma",
+                    "mat": False, "BKT": 64, "matprec": "tf32x3"}, **cfg)
         hpp = cfg["HPP"]
         while G % hpp:          # a table entry for a larger group: the largest divisor below
             hpp -= 1
@@ -418,14 +658,31 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
             raise ValueError(f"config BC={bc!r} must be 0 (one tile of the window) or a power of two")
         if bc and family == "kda":
             raise ValueError(f"config BC={bc!r}: record chunks are implemented for GDN only")
+        check_slices(cfg["KS"], triton.next_power_of_2(K))
+        if cfg["flush"] not in _FLUSH_MODES:
+            raise ValueError(f"config flush={cfg['flush']!r} must be one of {sorted(_FLUSH_MODES)}")
+        if cfg["mat"]:
+            bkt, bk = cfg["BKT"], triton.next_power_of_2(K)
+            if isinstance(bkt, bool) or not isinstance(bkt, int) or bkt < 16 or bkt & (bkt - 1) or bk % bkt:
+                raise ValueError(f"config BKT={bkt!r} must be a power of two >= 16 dividing {bk}")
+            if family != "gdn":
+                raise ValueError("config mat=True: the materialising kernel is implemented for GDN only")
+            if min(BV, triton.next_power_of_2(V)) < 16:
+                raise ValueError(f"config mat=True needs BV >= 16 (the smallest tl.dot tile), got {BV}")
+            if cfg["matprec"] not in _MAT_PRECISIONS:
+                raise ValueError(f"config matprec={cfg['matprec']!r} must be one of {sorted(_MAT_PRECISIONS)}")
+        if cfg["flush"] == "tf32x3" and min(BV, triton.next_power_of_2(V)) < 16:
+            raise ValueError(f"config flush='tf32x3' needs BV >= 16 (the smallest tl.dot tile), got {BV}")
     return cfg
 
 
 def replay_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
-                  G: int = 1, batch: Optional[int] = None) -> dict:
+                  G: int = 1, batch: Optional[int] = None,
+                  records: torch.dtype = torch.float32) -> dict:
     """The launch config `replay_decode` uses for value dim `V`, key dim `K`, `G` value heads
-    per key head and a batch of `batch` rows (with overrides)."""
-    return _resolve_config(_REPLAY_TABLE, family, V, K, config, G=G, batch=batch)
+    per key head, a batch of `batch` rows and records of dtype `records` (with overrides)."""
+    return _resolve_config(_REPLAY_TABLE, family, V, K, config, G=G, batch=batch,
+                           bf16_records=records == torch.bfloat16)
 
 
 def _interpreting() -> bool:
@@ -591,7 +848,9 @@ def _scale(scale, K: int) -> float:
 def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, epoch, arrive, slot_ids, window: int, o, use_qk_l2norm: bool,
                   BV: int, num_warps: int, num_stages: int, maxnreg: int = 0, HPP: int = 1,
-                  recmask: bool = True, prefetch: bool = False, BC: int = 0) -> None:
+                  recmask: bool = True, prefetch: bool = False, BC: int = 0, KS: int = 1,
+                  flush: str = "fma", mat: bool = False, BKT: int = 64,
+                  matprec: str = "tf32x3") -> None:
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     Lb = buf_w.shape[1]
@@ -603,6 +862,20 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     LB = max(2, triton.next_power_of_2(min(window, Lb)))
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
+    extra = {"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}
+    if mat:
+        if matprec == "bf16x2" and buf_k.dtype != torch.bfloat16:
+            raise ValueError(f"config matprec='bf16x2' needs bf16 key records, got {buf_k.dtype}")
+        _replay_decode_mat_kernel[(HV * NV, Bt)](
+            q, k, v, a, b, A_log, dt_bias, o,
+            ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+            scale, window,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, LR=max(16, LB), BV=BV, BK=BK, BKT=min(BKT, BK),
+            USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(),
+            MP=_MAT_PRECISIONS[matprec], num_warps=num_warps, num_stages=num_stages, **extra)
+        return
     grid = (HV // HPP * NV, Bt)
     _replay_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, o,
@@ -614,9 +887,9 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
         RECMASK=bool(recmask), PREFETCH=bool(prefetch), EXACT_BF16=_interpreting(), RC=min(16, BV),
         BC=BC if 0 < BC < LB else LB, CHUNK=0 < BC < LB and family == "gdn",
-        num_warps=num_warps, num_stages=num_stages,
+        KS=KS, FLUSH=_FLUSH_MODES[flush], LF=max(16, LB),
         # a register cap raises occupancy (more bytes in flight) at the price of spills
-        **({"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}),
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
 
 
@@ -631,15 +904,17 @@ def _register_replay_op(family: str):
            dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor,
            buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor, slot_ids: Tensor,
            window: int, o: Tensor, use_qk_l2norm: bool, BV: int, num_warps: int,
-           num_stages: int, maxnreg: int, HPP: int, recmask: bool, prefetch: bool, BC: int) -> None:
+           num_stages: int, maxnreg: int, HPP: int, recmask: bool, prefetch: bool, BC: int,
+           KS: int, flush: str, mat: bool, BKT: int, matprec: str) -> None:
         launch_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
-                      num_stages, maxnreg, HPP, recmask, prefetch, BC)
+                      num_stages, maxnreg, HPP, recmask, prefetch, BC, KS, flush, mat, BKT,
+                      matprec)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
           arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg, HPP,
-          recmask, prefetch, BC) -> None:
+          recmask, prefetch, BC, KS, flush, mat, BKT, matprec) -> None:
         return None
 
     return op
@@ -669,7 +944,7 @@ def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, b
         if arrive is None:
             arrive = arrive_counter(ckpt.device, ckpt.shape[0])
     cfg = _resolve_config(_REPLAY_TABLE, family, V, K, config, G=v.shape[1] // q.shape[1],
-                          batch=q.shape[0])
+                          batch=q.shape[0], bf16_records=buf_k.dtype == torch.bfloat16)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _scale(scale, K), out, arrive, cfg
@@ -696,7 +971,7 @@ def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
             `h + 1 >= L`.
         out: optional `[Bt, HV, V]` output (default: new tensor of `v`'s dtype).
         config: overrides of the launch config (`BV`, `num_warps`, `num_stages`, `maxnreg`,
-            `HPP`, `recmask`, `prefetch`; see `_REPLAY_KEYS`).
+            `HPP`, `recmask`, `prefetch`, `BC`, `KS`, `flush`, `mat`, `BKT`; see `_REPLAY_KEYS`).
         arrive: `[N]` int32 zeroed counters (default: a cached buffer, see `arrive_counter`).
         validate: check shapes, dtypes, devices, slot ids and cursors (host syncs for the
             last two, skipped during CUDA-graph capture). False skips every check.
@@ -718,5 +993,5 @@ def run_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
         q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
         cfg["num_stages"], cfg["maxnreg"], cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]),
-        cfg["BC"])
+        cfg["BC"], cfg["KS"], cfg["flush"], bool(cfg["mat"]), cfg["BKT"], cfg["matprec"])
     return out

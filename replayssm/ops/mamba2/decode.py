@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..common import arrive_counter, capturing, table_entry
+from ..tiles import check_slices, tile_dot, tile_offsets
 from torch import Tensor
 
 __all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config"]
@@ -47,6 +48,8 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #   prefetch    replay only: load the next head's checkpoint tile before this head's arithmetic
 #   flush       replay only: the fold [BV, h] x [h, K] of a flush, "fma" (one rank-1 update per
 #               record, exact fp32) or "tf32x3" (tl.dot on tensor cores, three tf32 passes)
+#   KS          replay only: the checkpoint tile held as KS slices of K per thread (ops/tiles.py;
+#               1: a plain [BV, K] tile); KS > 1 needs flush="fma"
 #   sync, maxnreg  see resolve_config
 # chosen by H200 sweeps at batch 1, 8 and 256, window 16 (benchmarks/sweep_programs.sh;
 # benchmarks/results/variants_*.json). Small batches are latency-bound: small programs (one
@@ -54,8 +57,8 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 # cores from the record tiles already in registers (no dependent loads in a loop). Larger
 # batches: one head per program for Super (looping over heads raised registers more than
 # sharing the keys saved), six per program for Nano-4B (its 80-row heads fill 16-row blocks).
-_TINY = (2, dict(BV=16, num_warps=1, HPP=1, recmask=False, prefetch=False, flush="tf32x3"))
-_SMALL = (8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flush="tf32x3"))
+_TINY = (2, dict(BV=16, num_warps=1, HPP=1, recmask=False, prefetch=False, flush="fma", KS=8))
+_SMALL = (8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flush="fma", KS=4))
 _SUPER = [_TINY, _SMALL, (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=True, prefetch=False))]
 REPLAY_CONFIGS = {
     (128, 64, 128, 8): _SUPER,                                                  # Nemotron-3-Super
@@ -78,7 +81,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     `config`; raises ValueError for unknown keys or values."""
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if with_flush:
-        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False)
+        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1)
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
         # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
         cfg.update(sync=1, maxnreg=0)
@@ -100,6 +103,9 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
             raise ValueError(f"config: flush must be one of {sorted(_FLUSH_MODES)}, got {cfg['flush']!r}")
         if cfg["flush"] != "fma" and bv < 16:
             raise ValueError(f"config: BV={bv} is below 16, the smallest tl.dot tile; use flush='fma'")
+        check_slices(cfg["KS"], triton.next_power_of_2(K))
+        if cfg["flush"] != "fma" and cfg["KS"] != 1:
+            raise ValueError("config: flush='tf32x3' folds the [BV, K] tile in registers; it needs KS=1")
         hpp = cfg["HPP"]
         if isinstance(hpp, bool) or not isinstance(hpp, int) or hpp < 1 or (HV // G) % hpp:
             raise ValueError(f"config: HPP={hpp!r} must divide the {HV // G} heads of a group")
@@ -147,7 +153,7 @@ def _replay_decode_kernel(
     WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
     HPP: tl.constexpr, NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr, SYNC: tl.constexpr, RECMASK: tl.constexpr,
-    PREFETCH: tl.constexpr, EVEN: tl.constexpr, RC: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN: tl.constexpr, RC: tl.constexpr, KS: tl.constexpr,
 ):
     # grid (HV // HPP * NVB, Bt): a program owns V-block i_v of HPP consecutive heads of one
     # group, so the group's buffered keys are read, and their products with the query formed,
@@ -191,8 +197,7 @@ def _replay_decode_kernel(
     # tile offsets in int32 (a slot's checkpoint is far below 2^31 elements), added to a
     # scalar 64-bit base per head: a tile of 64-bit addresses would hold twice the registers
     # for the whole head loop
-    o_S = o_v[:, None] * K + o_k[None, :]
-    m_S = m_v[:, None] & m_k[None, :]
+    o_S, m_S = tile_offsets(o_v, m_v, K, BK, KS)
     p_S0 = ckpt + slot * (HV * V * K)
     if PREFETCH:
         b_Sn = _load_tile(p_S0 + h0 * (V * K) + o_S, m_S, EVEN)
@@ -241,7 +246,7 @@ def _replay_decode_kernel(
         b_coef = tl.where(m_j, tl.exp(b_sfx), 0.0)                                      # [BL]
         b_g = tl.exp(tl.where(h > 0, b_ld0, b_ld) + tl.sum(b_lds, axis=0))              # g_{0:h}
 
-        b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)                                  # [BV]
+        b_y = b_g * tile_dot(b_S, b_q, BK, KS)                                          # [BV]
         b_y += tl.sum(b_W * (b_coef * b_kq)[:, None], axis=0)
         b_y += b_kcq * b_w
         if HAS_D:
@@ -383,7 +388,7 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP=1,
-                   recmask=True, prefetch=False, sync=1, maxnreg=0):
+                   recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -402,7 +407,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K),
         BL=BL, HPP=HPP, NVB=nvb, FLUSH=_FLUSH_MODES[flush], HAS_D=D is not None,
         HAS_Z=z is not None, SYNC=sync, RECMASK=bool(recmask), PREFETCH=bool(prefetch),
-        EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(16, BV),
+        EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(16, BV), KS=KS,
         num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),
     )
@@ -417,16 +422,16 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
                       num_stages: int, flush: str, HPP: int, recmask: bool, prefetch: bool,
-                      sync: int, maxnreg: int) -> None:
+                      sync: int, maxnreg: int, KS: int) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask,
-                   prefetch, sync, maxnreg)
+                   prefetch, sync, maxnreg, KS)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
       slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask, prefetch, sync,
-      maxnreg) -> None:
+      maxnreg, KS) -> None:
     return None
 
 
@@ -485,7 +490,8 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
         arrive = arrive_counter(x.device, ckpt.shape[0])
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"],
-            cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"])
+            cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"],
+            cfg["KS"])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:

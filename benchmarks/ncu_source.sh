@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Source-level Nsight Compute profile of one decode kernel (full section set, one launch):
+# the report, a per-SASS-instruction CSV (executed instructions, stall samples, mapped to the
+# kernel's Python lines) and the details page, plus the Triton IR of every kernel compiled.
+# Run on the GPU machine from the repository root:
+#   OUT=/some/dir bash benchmarks/ncu_source.sh qwen3.5-4b 256 replay
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp}"
+shape="$1"; batch="$2"; kind="${3:-replay}"
+tag="${shape}_${batch}_${kind}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton_cache_ncu}"
+ncu --clock-control none -k "regex:_${kind}_decode_kernel" --launch-skip 16 --launch-count 1 \
+    --set full --import-source yes -f -o "$OUT/ncu_$tag" \
+    python3 benchmarks/profile_decode.py "$shape" "$batch" > "$OUT/ncu_${tag}_run.txt" 2>&1
+ncu -i "$OUT/ncu_$tag.ncu-rep" --page details > "$OUT/ncu_${tag}_details.txt" 2>&1
+ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${tag}_sass.csv" 2>&1
+grep -E "Duration|Registers Per|Achieved Occupancy|DRAM Throughput|L1/TEX Cache|Executed Ipc|Issue Slots Busy" \
+    "$OUT/ncu_${tag}_details.txt" | head -12
