@@ -278,7 +278,7 @@ def test_custom_ops_schema_and_fake():
     arrive = torch.zeros(st["ckpt"].shape[0], dtype=torch.int32, device=DEV)
     args = (x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV), p.dt_bias.to(DEV), 0.2,
             st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], arrive,
-            ids, 4, o, True, 16, 2, 1, 0, 1, True, True, 0)
+            ids, 4, o, True, 16, 2, 1, 0, 1, True, True, 0, 2, "fma", False, 64, "tf32x3")
     torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_replay_decode").default, args,
                           test_utils=("test_schema", "test_faketensor"))
     S = st["ckpt"].clone()

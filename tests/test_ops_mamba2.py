@@ -380,7 +380,7 @@ def test_custom_op_registration():
                          torch.tensor([0, 3], dtype=torch.int32, device=DEV),
                          torch.zeros(N, dtype=torch.int64, device=DEV),
                          torch.zeros(N, dtype=torch.int32, device=DEV), slot_ids,
-                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0)
+                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0, 1)
     conv_args = tok + (torch.randn(N, HV, V, K, device=DEV), slot_ids,
                        torch.empty(Bt, HV, V, device=DEV), 16, 4, 1)
     tests = ("test_schema", "test_faketensor")
