@@ -405,10 +405,14 @@ def _replay_decode_kernel(
 @triton.jit
 def _mat_fold(b_A, b_A1, b_A2, b_Kc, MP: tl.constexpr, EXACT_BF16: tl.constexpr):
     """`A K` for the materialising kernel: MP 0, fp32 operands in three tf32 passes (K in the
-    records' dtype); MP 1, bf16 keys (exact) times A split in two bf16 terms (A1 + A2). The CPU
-    interpreter (EXACT_BF16) gets the same products as fp32 dots of the bf16 values: its bf16
-    tl.dot is broken, and bf16 x bf16 products are exact in fp32."""
-    if MP == 1:
+    records' dtype); MP 1, bf16 keys (exact) times A split in two bf16 terms (A1 + A2); MP 2,
+    the first term only. The CPU interpreter (EXACT_BF16) gets the same products as fp32 dots
+    of the bf16 values: its bf16 tl.dot is broken, and bf16 x bf16 products are exact in fp32."""
+    if MP == 2:
+        if EXACT_BF16:
+            return tl.dot(b_A1.to(tl.float32), b_Kc.to(tl.float32), input_precision="ieee")
+        return tl.dot(b_A1, b_Kc, out_dtype=tl.float32)
+    elif MP == 1:
         if EXACT_BF16:
             b_K32 = b_Kc.to(tl.float32)
             return (tl.dot(b_A1.to(tl.float32), b_K32, input_precision="ieee")
@@ -474,7 +478,7 @@ def _replay_decode_mat_kernel(
     b_A = tl.where(m_j[None, :], b_U * b_w[None, :], 0.)                               # [BV, LR]
     b_A1 = b_A
     b_A2 = b_A
-    if MP == 1:
+    if MP >= 1:
         # bf16 records: the keys are exact in bf16, the weighted u split into two bf16 terms
         if EXACT_BF16:
             b_A1 = _rne_bf16(b_A)
@@ -572,10 +576,10 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # exact fp32; "tf32x3": one tensor-core product per 16 rows, needs BV >= 16), mat (GDN:
 # `_replay_decode_mat_kernel`, the state tile rebuilt per chunk of BKT key columns by one
 # tensor-core product; HPP, recmask, prefetch, BC, KS and flush then do not apply), matprec
-# (its product: "tf32x3", or "bf16x2" for bf16 records: exact keys, the weighted u in two
-# bf16 terms, about 16 bits)
+# (its product: "tf32x3", or for bf16 records "bf16x2": exact keys, the weighted u in two
+# bf16 terms, about 16 bits, or "bf16": one term, the weighted u rounded to bf16 once more)
 _REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC", "KS", "flush", "mat", "BKT", "matprec")
-_MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1}
+_MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1, "bf16": 2}
 _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 
 # (family, V, K) -> config, or a list of (max_batch, config): the first entry whose max_batch
@@ -864,8 +868,8 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     NV = triton.cdiv(V, BV)
     extra = {"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}
     if mat:
-        if matprec == "bf16x2" and buf_k.dtype != torch.bfloat16:
-            raise ValueError(f"config matprec='bf16x2' needs bf16 key records, got {buf_k.dtype}")
+        if matprec != "tf32x3" and buf_k.dtype != torch.bfloat16:
+            raise ValueError(f"config matprec={matprec!r} needs bf16 key records, got {buf_k.dtype}")
         _replay_decode_mat_kernel[(HV * NV, Bt)](
             q, k, v, a, b, A_log, dt_bias, o,
             ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
