@@ -2,7 +2,7 @@
 registers and stack (cuobjdump on the cubin; Triton's 3.9 toolchain, so figures may differ
 a little from triton 3.6's), for register-pressure checks between GPU sessions.
 
-    python benchmarks/regcount.py [mamba2|gdn] [key=value config overrides]
+    python benchmarks/regcount.py [mamba2|gdn|kda|gdn-mat] [key=value config overrides]
 """
 import os
 import re
@@ -104,10 +104,26 @@ def gdn(cfg, family="gdn"):
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} replay {c}")
 
 
+def gdn_mat(cfg):
+    """GDN's materialising kernel (bf16 records), the large-batch table config by default."""
+    from replayssm.ops.gdn import decode as m
+
+    HV, HK, V, K, L = 32, 16, 128, 128, 16
+    c = dict(BV=64, num_warps=1, BKT=64, matprec="bf16x2")
+    c.update(cfg)
+    fn = m._replay_decode_mat_kernel
+    ptr = {n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")}
+    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+    vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=L + 1, LR=16, BV=c["BV"], BK=K, BKT=c["BKT"],
+                USE_QK_L2NORM=True, EXACT_BF16=False, MP=m._MAT_PRECISIONS[c["matprec"]])
+    sig, const = signature(fn, ptr, vals, floats=("scale",))
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"gdn materialising {c}")
+
+
 if __name__ == "__main__":
     fam = sys.argv[1] if len(sys.argv) > 1 else "mamba2"
     cfg = {}
     for kv in sys.argv[2:]:
         k, v = kv.split("=")
         cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
-    print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda")}[fam](cfg))
+    print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat}[fam](cfg))
