@@ -436,7 +436,7 @@ def _replay_decode_mat_kernel(
     """GDN replay step that rebuilds the state tile instead of contracting records with k and q.
 
     Per program `(row, value head, V-block)` and per chunk of BKT key columns:
-        P_c = gC C_c + (U^T Diag(w)) K_c        ([BV, LR] x [LR, BKT], tensor cores, tf32x3)
+        P_c = gC C_c + (U^T Diag(w)) K_c        ([BV, LR] x [LR, BKT] on tensor cores, `_mat_fold`)
     then `P k` and `P q` from the chunk. `P = a_t S_{t-1}`, so a flush stores `P_c + u k_c^T`
     (the chunk rebuilt once more from L2). No per-record products with k and q, no
     reductions across warps over records: the record work is one small matrix product.
