@@ -204,6 +204,40 @@ def _flush_dot(p_Ch, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_v, h, b_k, b_ld, b
 
 
 @triton.jit
+def _hand_off(arrive, cursor, epoch, i_s, h, flush, NPROG: tl.constexpr):
+    """Cursor hand-off: every program of slot s reads cursor[s], and it may only change once
+    all NPROG of them have. Each arrives on a per-slot counter at its end, after a barrier
+    over its threads, with a relaxed atomic whose operand depends on the loaded cursor (so it
+    cannot be performed before the read); the last to arrive writes cursor and epoch and
+    re-arms the counter for the next launch. No second launch, no host sync."""
+    tl.debug_barrier()
+    n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
+    if n_arrived == NPROG - 1:
+        if flush:
+            tl.store(cursor + i_s, 0)
+            tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
+        else:
+            tl.store(cursor + i_s, (h + 1).to(tl.int32))
+        tl.store(arrive + i_s, 0)
+
+
+@triton.jit
+def _mat_tile(c, p_C, p_K, p_k, o_v, m_v, m_j, r_k, b_gC, b_A, b_A1, b_A2, K: tl.constexpr,
+              BKT: tl.constexpr, MP: tl.constexpr, EXACT_BF16: tl.constexpr, EVICT: tl.constexpr):
+    """Key chunk c of the materialising kernel: `P_c = gC C_c + A K_c` (`[BV, BKT]`) and the
+    token's normalised key chunk `k_c`."""
+    o_kt = c * BKT + tl.arange(0, BKT)
+    m_kt = o_kt < K
+    b_kc = tl.load(p_k + o_kt, mask=m_kt, other=0.).to(tl.float32) * r_k
+    b_C = tl.load(p_C + o_v[:, None] * K + o_kt[None, :], mask=m_v[:, None] & m_kt[None, :],
+                  other=0., eviction_policy=EVICT)
+    b_Kc = tl.load(p_K[:, None] + o_kt[None, :], mask=m_j[:, None] & m_kt[None, :], other=0.)
+    # (the select in fp32 and back: exact, and the CPU interpreter mishandles bf16 selects)
+    b_Kc = tl.where(m_j[:, None], b_Kc.to(tl.float32), 0.).to(b_Kc.dtype)               # [LR, BKT]
+    return b_gC * b_C + _mat_fold(b_A, b_A1, b_A2, b_Kc, MP, EXACT_BF16), b_kc
+
+
+@triton.jit
 def _replay_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
     ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
@@ -385,21 +419,7 @@ def _replay_decode_kernel(
                 _flush_fma(p_C + i_hv * (V * K), buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_v, h,
                            b_k, b_ld, o_k, m_k, HV, HK, V, K, LBCAP, BV, IS_KDA, RC)
 
-    # Cursor hand-off: every program of slot s reads cursor[s] above, and it may only change
-    # once all HV // HPP * NV of them have. Each arrives on a per-slot counter at its end, after
-    # a barrier over its threads, with a relaxed atomic whose operand depends on the loaded
-    # cursor (so it cannot be performed before the read); the last to arrive writes cursor and
-    # epoch and re-arms the counter for the next launch. No second launch, no host sync.
-    NPROG: tl.constexpr = HV // HPP * NV
-    tl.debug_barrier()
-    n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
-    if n_arrived == NPROG - 1:
-        if flush:
-            tl.store(cursor + i_s, 0)
-            tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
-        else:
-            tl.store(cursor + i_s, (h + 1).to(tl.int32))
-        tl.store(arrive + i_s, 0)
+    _hand_off(arrive, cursor, epoch, i_s, h, flush, HV // HPP * NV)
 
 
 @triton.jit
@@ -508,15 +528,9 @@ def _replay_decode_mat_kernel(
     b_Pq = tl.zeros([BV], dtype=tl.float32)
     for c in tl.static_range(NKT):
         o_kt = c * BKT + tl.arange(0, BKT)
-        m_kt = o_kt < K
-        b_kc = tl.load(p_k + o_kt, mask=m_kt, other=0.).to(tl.float32) * r_k
-        b_qc = tl.load(p_q + o_kt, mask=m_kt, other=0.).to(tl.float32) * r_q
-        b_C = tl.load(p_C + o_v[:, None] * K + o_kt[None, :], mask=m_v[:, None] & m_kt[None, :],
-                      other=0., eviction_policy="evict_first")
-        b_Kc = tl.load(p_K[:, None] + o_kt[None, :], mask=m_j[:, None] & m_kt[None, :], other=0.)
-        # (the select in fp32 and back: exact, and the CPU interpreter mishandles bf16 selects)
-        b_Kc = tl.where(m_j[:, None], b_Kc.to(tl.float32), 0.).to(b_Kc.dtype)           # [LR, BKT]
-        b_P = b_gC * b_C + _mat_fold(b_A, b_A1, b_A2, b_Kc, MP, EXACT_BF16)                          # [BV, BKT]
+        b_qc = tl.load(p_q + o_kt, mask=o_kt < K, other=0.).to(tl.float32) * r_q
+        b_P, b_kc = _mat_tile(c, p_C, p_K, p_k, o_v, m_v, m_j, r_k, b_gC, b_A, b_A1, b_A2, K, BKT,
+                              MP, EXACT_BF16, "evict_first")                             # [BV, BKT]
         b_Pk += tl.sum(b_P * b_kc[None, :], axis=1)
         b_Pq += tl.sum(b_P * b_qc[None, :], axis=1)
     b_u = b_beta * (b_v - b_Pk)
@@ -539,27 +553,13 @@ def _replay_decode_mat_kernel(
     if flush:
         # C <- P + u k^T, chunk by chunk, P rebuilt from the re-read tile and records
         for c in tl.static_range(NKT):
+            b_P, b_kc = _mat_tile(c, p_C, p_K, p_k, o_v, m_v, m_j, r_k, b_gC, b_A, b_A1, b_A2, K,
+                                  BKT, MP, EXACT_BF16, "")
             o_kt = c * BKT + tl.arange(0, BKT)
-            m_kt = o_kt < K
-            m_Ct = m_v[:, None] & m_kt[None, :]
-            b_kc = tl.load(p_k + o_kt, mask=m_kt, other=0.).to(tl.float32) * r_k
-            b_C = tl.load(p_C + o_v[:, None] * K + o_kt[None, :], mask=m_Ct, other=0.)
-            b_Kc = tl.load(p_K[:, None] + o_kt[None, :], mask=m_j[:, None] & m_kt[None, :], other=0.)
-            b_Kc = tl.where(m_j[:, None], b_Kc.to(tl.float32), 0.).to(b_Kc.dtype)
-            b_P = b_gC * b_C + _mat_fold(b_A, b_A1, b_A2, b_Kc, MP, EXACT_BF16)
-            tl.store(p_C + o_v[:, None] * K + o_kt[None, :], b_P + b_u[:, None] * b_kc[None, :], mask=m_Ct)
+            tl.store(p_C + o_v[:, None] * K + o_kt[None, :], b_P + b_u[:, None] * b_kc[None, :],
+                     mask=m_v[:, None] & (o_kt < K)[None, :])
 
-    # cursor hand-off, as in _replay_decode_kernel
-    NPROG: tl.constexpr = HV * NV
-    tl.debug_barrier()
-    n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
-    if n_arrived == NPROG - 1:
-        if flush:
-            tl.store(cursor + i_s, 0)
-            tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
-        else:
-            tl.store(cursor + i_s, (h + 1).to(tl.int32))
-        tl.store(arrive + i_s, 0)
+    _hand_off(arrive, cursor, epoch, i_s, h, flush, HV * NV)
 
 
 # ---------------------------------------------------------------------------------------------
