@@ -85,6 +85,11 @@ def mamba2(cfg):
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
 
+# pointer arguments of the GDN/KDA replay kernels (bf16 records)
+_DELTA_PTRS = dict({n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")},
+                   buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+
+
 def gdn(cfg, family="gdn"):
     from replayssm.ops.gdn import decode as m
 
@@ -92,8 +97,7 @@ def gdn(cfg, family="gdn"):
     c = dict(BV=32, num_warps=4, window=L, HPP=1, recmask=1, prefetch=0, BC=8 if family == "gdn" else 0)
     c.update(cfg)
     fn = m._replay_decode_kernel
-    ptr = {n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")}
-    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+    ptr = _DELTA_PTRS
     Lb = c["window"] + 1
     vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))),
                 BV=c["BV"], BK=K, HPP=c["HPP"], IS_KDA=family == "kda", USE_QK_L2NORM=True,
@@ -112,8 +116,7 @@ def gdn_mat(cfg):
     c = dict(BV=64, num_warps=1, BKT=64, matprec="bf16x2")
     c.update(cfg)
     fn = m._replay_decode_mat_kernel
-    ptr = {n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")}
-    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+    ptr = _DELTA_PTRS
     vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=L + 1, LR=16, BV=c["BV"], BK=K, BKT=c["BKT"],
                 USE_QK_L2NORM=True, EXACT_BF16=False, MP=m._MAT_PRECISIONS[c["matprec"]])
     sig, const = signature(fn, ptr, vals, floats=("scale",))

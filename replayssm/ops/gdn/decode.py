@@ -868,8 +868,6 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     NV = triton.cdiv(V, BV)
     extra = {"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}
     if mat:
-        if matprec != "tf32x3" and buf_k.dtype != torch.bfloat16:
-            raise ValueError(f"config matprec={matprec!r} needs bf16 key records, got {buf_k.dtype}")
         _replay_decode_mat_kernel[(HV * NV, Bt)](
             q, k, v, a, b, A_log, dt_bias, o,
             ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
@@ -949,6 +947,8 @@ def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, b
             arrive = arrive_counter(ckpt.device, ckpt.shape[0])
     cfg = _resolve_config(_REPLAY_TABLE, family, V, K, config, G=v.shape[1] // q.shape[1],
                           batch=q.shape[0], bf16_records=buf_k.dtype == torch.bfloat16)
+    if cfg["mat"] and cfg["matprec"] != "tf32x3" and buf_k.dtype != torch.bfloat16:
+        raise ValueError(f"config matprec={cfg['matprec']!r} needs bf16 key records, got {buf_k.dtype}")
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _scale(scale, K), out, arrive, cfg
