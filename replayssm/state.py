@@ -48,18 +48,28 @@ class SlotPool:
         backend: "reference" (plain PyTorch, any device), "triton" (the GPU kernels: CUDA, fp32
             state, one checkpoint) or "auto" (triton where it applies). Operations the
             kernels do not cover yet run on the reference, on the same tensors.
+        eager_max_batch: `decode` batches of at most this many rows take the eager step
+            (window 1: every row flushes, folding the records it still holds, so the
+            checkpoint is the state, as in conventional decoding; no record is written).
+            Small batches are latency-bound and gain nothing from the window. None: the
+            kernels' measured choice for this shape (`replayssm.ops.<family>.eager_max_batch`,
+            0 for shapes they have not measured), on either backend, so that both keep the
+            same cursors.
     """
 
     def __init__(self, params, num_slots: int, head_v_dim: int, head_k_dim: int, num_k_heads: int,
                  *, window: int = 16, max_draft: int = 1, dtype: torch.dtype = torch.float32,
                  device=None, hp_format: Optional[str] = None, hp_rounding: Optional[str] = None,
                  lp_format: Optional[str] = None, record_dtype: Optional[torch.dtype] = None,
-                 seed: int = 0, backend: str = "auto"):
+                 seed: int = 0, backend: str = "auto", eager_max_batch: Optional[int] = None):
         for name, val, low in (("num_slots", num_slots, 1), ("head_v_dim", head_v_dim, 1),
                                ("head_k_dim", head_k_dim, 1), ("num_k_heads", num_k_heads, 1),
                                ("window", window, 1), ("max_draft", max_draft, 1)):
             if not isinstance(val, int) or isinstance(val, bool) or val < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {val!r}")
+        if eager_max_batch is not None and (not isinstance(eager_max_batch, int)
+                                            or isinstance(eager_max_batch, bool) or eager_max_batch < 0):
+            raise ValueError(f"eager_max_batch must be None or an integer >= 0, got {eager_max_batch!r}")
         if max_draft > window:
             raise ValueError(f"window {window} is too small for max_draft {max_draft} (need window >= max_draft)")
         if dtype not in (torch.float32, torch.float64):
@@ -110,6 +120,10 @@ class SlotPool:
         self.arrive = torch.zeros(N, dtype=torch.int32, device=device)   # kernels' arrival counters
         self.epoch = torch.zeros(N, dtype=torch.int64, device=device)
         self.backend = self._pick_backend(backend)
+        if eager_max_batch is None:
+            ops = importlib.import_module(f"replayssm.ops.{self.family}")
+            eager_max_batch = ops.eager_max_batch(HV, V, K, Hk)
+        self.eager_max_batch = eager_max_batch
 
     def _pick_backend(self, backend: str) -> str:
         if backend not in ("auto", "reference", "triton"):
@@ -221,7 +235,8 @@ class SlotPool:
 
         `slot_ids`: `[B]`; inputs per family, each `[B, ...]` (Mamba-2: `x`, `dt`, `B`, `C`,
         optional `z`; GDN/KDA: `q`, `k`, `v`, `a`, `b`). Returns `[B, HV, V]`. Drafts of a
-        previous `verify` that were not committed are discarded.
+        previous `verify` that were not committed are discarded. A batch of at most
+        `eager_max_batch` rows takes the eager step (window 1).
 
         On the triton backend, `out` (`[B, HV, V]` fp32) and `validate=False` make the call
         free of host synchronisation and allocation, so it can be captured in a CUDA graph
@@ -230,9 +245,10 @@ class SlotPool:
         if validate:
             slot_ids = self._check_slots(slot_ids)
             inputs = self._check_inputs(inputs, slot_ids.shape[0], steps=False)
-        if self.backend == "triton":
-            return self._decode_kernel(slot_ids, inputs, out)
         B = slot_ids.shape[0]
+        window = 1 if B <= self.eager_max_batch else self.window
+        if self.backend == "triton":
+            return self._decode_kernel(slot_ids, inputs, out, window)
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)
         out = torch.zeros(B, self.HV, self.V, dtype=self.dtype, device=self.device)
@@ -243,7 +259,7 @@ class SlotPool:
             h = int(self.cursor[s])
             y, S = R.decode_step(self.params, self._read(self.ckpt, self.hp_format, s),
                                  self._read(self.ckpt_lp, self.lp_format, s), self._slot_buf(s),
-                                 h, self.window, tok, self.recompute)
+                                 h, window, tok, self.recompute)
             out[b] = y
             if S is not None:
                 self._flushed(s, S)
@@ -253,13 +269,13 @@ class SlotPool:
             self.pending[s] = 0
         return self._finish(out, slot_ids, inputs)
 
-    def _decode_kernel(self, slot_ids: Tensor, inputs: dict, out: Optional[Tensor]) -> Tensor:
+    def _decode_kernel(self, slot_ids: Tensor, inputs: dict, out: Optional[Tensor], window: int) -> Tensor:
         ops = importlib.import_module(f"replayssm.ops.{self.family}")
         p = self.params
         inputs = {k: v.contiguous() for k, v in inputs.items()}
         state = dict(ckpt=self.ckpt["data"], buf_ld=self.buf["ld"], buf_w=self.buf["w"], buf_k=self.buf["k"],
                      cursor=self.cursor, epoch=self.epoch, arrive=self.arrive, slot_ids=slot_ids,
-                     window=self.window, out=out, validate=False)
+                     window=window, out=out, validate=False)
         if self.family == "mamba2":
             y = ops.replay_decode(A=p.A, dt_bias=p.dt_bias, D=p.D, z=inputs.pop("z", None), **inputs, **state)
         else:

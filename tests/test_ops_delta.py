@@ -178,6 +178,18 @@ def test_window_one_flushes_every_step_one_key_head_per_value_head():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("config", [None, {"BV": 8, "num_warps": 1}])
+def test_eager_step_folds_pending_records(config):
+    # Window 1 (the eager step: the conventional kernel on the checkpoint) on slots that still
+    # hold 5, 0 and 3 records (buffer of 6): the first step folds them, every step flushes;
+    # poisoned outputs, padding rows, unused slots and cursors/epochs checked by simulate
+    res = OPS.simulate(HV=4, Hk=2, V=16, K=32, window=1, windows=12, live_slots=3, pad_rows=1,
+                       unused_slots=1, extra_capacity=5, start_cursors=(5, 0, 3), device=DEV,
+                       seed=4, config=config, conv_config=config)
+    _check_accuracy(res, FLOOR)
+
+
+@pytest.mark.interpret
 def test_head_dim_128_default_config_window_16_with_draft_capacity():
     # the real head size with the default launch config (BV=32: four V-blocks per head) and a
     # buffer of 16 + 2 records (record tiles padded to 32)
@@ -293,6 +305,11 @@ def test_custom_ops_schema_and_fake():
             ids, o, True, 16, 2, 1)
     torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_conventional_decode").default, args,
                           test_utils=("test_schema", "test_faketensor"))
+    args = (x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV), p.dt_bias.to(DEV), 0.2,
+            st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], arrive,
+            ids, o, True, 16, 2, 1)
+    torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_eager_decode").default, args,
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.interpret
@@ -305,7 +322,10 @@ def test_torch_compile_fullgraph_matches_eager():
     def step(q, k, v, a, b, ckpt, buf_ld, buf_w, buf_k, cursor, epoch):
         o = OPS.replay_decode(q, k, v, a, b, A_log, dt_bias, None, ckpt, buf_ld, buf_w, buf_k,
                               cursor, epoch, ids, 4, arrive=arrive, validate=False)
-        return o * 2.0
+        # then an eager step (window 1) on the same state
+        o2 = OPS.replay_decode(q, k, v, a, b, A_log, dt_bias, None, ckpt, buf_ld, buf_w, buf_k,
+                               cursor, epoch, ids, 1, arrive=arrive, validate=False)
+        return o * 2.0 + o2
 
     st2 = {n: t.clone() for n, t in st.items()}
     names = ("ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "epoch")
@@ -365,7 +385,10 @@ def _bad_cases():
         ("window > Lb", lambda kw: kw.__setitem__("window", 5), "window=5"),
         ("window float", lambda kw: kw.__setitem__("window", 4.0), "window=4.0"),
         ("cursor value", lambda kw: kw["cursor"].__setitem__(2, 4), r"cursor\[2\]=4"),
-        ("cursor past window", lambda kw: kw.__setitem__("window", 1), r"cursor\[2\]=2"),
+        ("cursor past window", lambda kw: (kw.__setitem__("window", 2), kw["cursor"].__setitem__(2, 3)),
+         r"cursor\[2\]=3"),
+        ("cursor past buffer, eager", lambda kw: (kw.__setitem__("window", 1), kw["cursor"].__setitem__(2, 4)),
+         r"cursor\[2\]=4 is outside 0..Lb-1=3"),
         ("out shape", lambda kw: kw.__setitem__("out", torch.empty(3, 4, 8, device=DEV)),
          "out has shape"),
         ("out contiguity",

@@ -245,6 +245,86 @@ def test_poison_and_cursors(shape, L):
         assert torch.equal(pool[name][used, L:], t), f"{name} beyond the window changed"
 
 
+EAGER_CASES = [
+    pytest.param(SMALL, None, id="small"),                       # programs of 32 rows: two heads
+    pytest.param(SMALL, {"BV": 8, "num_warps": 1}, id="small-BV8"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), None,
+                 marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b"),
+]
+
+
+@pytest.mark.parametrize("shape, config", EAGER_CASES)
+def test_eager_step_folds_pending_records(shape, config):
+    # Window 1 (the eager step) on slots that still hold records from a window of 4 (cursors
+    # 0, 3, 2): the first step folds them and the token, every step flushes, no record is
+    # written; unused slots (sentinels) and the padding row stay as they must.
+    HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
+    N, Lb = 5, 6
+    used, start = [0, 1, 3], [0, 3, 2]
+    g = torch.Generator().manual_seed(5)
+    p = make_params("mamba2", HV, K, seed=5)
+    A, dt_bias, D = (t.float() for t in (p.A, p.dt_bias, p.D))
+    ref = Mamba2Params(A=A.double(), dt_bias=dt_bias.double(), D=D.double())
+    A, dt_bias, D = (t.to(DEV) for t in (A, dt_bias, D))
+    pool = _pool(N, Lb, HV, V, K, G, 1e30)
+    S_ref = {}
+    for s, h in zip(used, start):
+        C0 = 0.1 * torch.randn(HV, V, K, generator=g)
+        inp = make_inputs(p, h, V, K, G, generator=g)
+        pr = p.prepare(inp["x"], inp["dt"], inp["B"], inp["C"])
+        ld, w, k = pr["ld"].float(), pr["w"].float(), pr["k"].float()
+        pool["ckpt"][s] = C0.to(DEV)
+        for name in ("buf_ld", "buf_w", "buf_k"):
+            pool[name][s] = float("nan")        # positions past the cursor: never read
+        pool["buf_ld"][s, :h], pool["buf_w"][s, :h], pool["buf_k"][s, :h] = (t.to(DEV) for t in (ld, w, k))
+        pool["cursor"][s] = h
+        pool["epoch"][s] = 10 * s
+        S_ref[s] = replay(C0.double(), ld.double(), w.double(), k.double())
+    unused = [s for s in range(N) if s not in used]
+    frozen = {name: t[unused].clone() for name, t in pool.items()}
+    records = {name: pool[name].clone() for name in ("buf_ld", "buf_w", "buf_k")}
+    arrive = torch.zeros(N, dtype=torch.int32, device=DEV)
+    batches = [[1, -1, 0, 3], [3, 0, -1, 1], [0, 1, 3, -1]]
+    for t, rows in enumerate(batches):
+        slot_ids = torch.tensor(rows, dtype=torch.int32, device=DEV)
+        inp = make_inputs(p, len(rows), V, K, G, generator=g, dtype=torch.float32)
+        dinp = {k: v.to(DEV) for k, v in inp.items()}
+        out = torch.full((len(rows), HV, V), float("nan"), device=DEV)
+        replay_decode(dinp["x"], dinp["dt"], dinp["B"], dinp["C"], A, dt_bias, D, dinp["z"],
+                      pool["ckpt"], pool["buf_ld"], pool["buf_w"], pool["buf_k"], pool["cursor"],
+                      pool["epoch"], slot_ids, 1, out=out, config=config, arrive=arrive)
+        y = out.cpu()
+        for i, s in enumerate(rows):
+            if s < 0:
+                assert (y[i] == 0).all(), f"step {t}: padding row not zero"
+                continue
+            y_ref, S_new = ref.step(S_ref[s][None], *(inp[k][i:i + 1].double()
+                                                      for k in ("x", "dt", "B", "C", "z")))
+            S_ref[s] = S_new[0]
+            err = (y[i].double() - y_ref[0]).norm() / y_ref.norm()
+            assert err < 1e-5, f"step {t}, slot {s}: output rel err {err:.2e}"
+            err = (pool["ckpt"][s].cpu().double() - S_ref[s]).norm() / S_ref[s].norm()
+            assert err < 1e-5, f"step {t}, slot {s}: checkpoint rel err {err:.2e}"
+        assert pool["cursor"][used].tolist() == [0, 0, 0], f"step {t}"
+        assert pool["epoch"][used].tolist() == [10 * s + t + 1 for s in used], f"step {t}"
+        assert (arrive == 0).all(), "arrival counters not re-armed"
+    for name, t in pool.items():
+        assert torch.equal(t[unused], frozen[name]), f"{name} of an unused slot changed"
+    for name, t in records.items():
+        assert torch.equal(pool[name].view(torch.uint8), t.view(torch.uint8)), f"the eager step wrote {name}"
+
+
+def test_eager_step_error_within_conventional():
+    # 16 steps of window 1 on staggered slots: the eager step is the conventional arithmetic
+    r = compare_with_reference(SMALL["HV"], SMALL["G"], SMALL["V"], SMALL["K"], window=1,
+                               n_slots=3, windows=16, device=DEV)
+    _check_bookkeeping(r)
+    assert r["flushes"] >= 3 * 16
+    for what in ("out", "ckpt"):
+        rep, conv = r[f"{what}_replay"], r[f"{what}_conventional"]
+        assert conv < 1e-5 and rep <= 1.5 * conv + FLOOR, (what, rep, conv)
+
+
 @pytest.mark.parametrize("shape", [pytest.param(SMALL, id="small"), pytest.param(
     dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), marks=[pytest.mark.gpu, gpu],
     id="nemotron3-super")])
@@ -341,6 +421,11 @@ def test_custom_ops_compile():
         replay_decode(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"],
                       pool["ckpt"], pool["buf_ld"], pool["buf_w"], pool["buf_k"], pool["cursor"],
                       pool["epoch"], slot_ids, L, out=out_r, arrive=pool["arrive"])
+        # an eager step (window 1) on the same pool, output discarded
+        replay_decode(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"],
+                      pool["ckpt"], pool["buf_ld"], pool["buf_w"], pool["buf_k"], pool["cursor"],
+                      pool["epoch"], slot_ids, 1, out=torch.empty_like(out_r), arrive=pool["arrive"],
+                      validate=False)
         conventional_decode(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"],
                             pool["state"], slot_ids, out=out_c, validate=False)
         return out_r * 2, out_c * 2
@@ -363,7 +448,8 @@ def test_custom_ops_compile():
             assert torch.equal(u, v)
         for k in pools[0]:
             assert torch.equal(pools[0][k], pools[1][k]), k
-    assert {"replayssm.mamba2_replay_decode", "replayssm.mamba2_conventional_decode"} <= seen, seen
+    assert {"replayssm.mamba2_replay_decode", "replayssm.mamba2_conventional_decode",
+            "replayssm.mamba2_eager_decode"} <= seen, seen
 
 
 def test_custom_op_registration():
@@ -386,6 +472,10 @@ def test_custom_op_registration():
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.replayssm.mamba2_replay_decode.default, replay_args, test_utils=tests)
     torch.library.opcheck(torch.ops.replayssm.mamba2_conventional_decode.default, conv_args, test_utils=tests)
+    # the eager step (window 1): the replay state, the conventional launch config; cursor 3
+    # makes it fold records and hand the cursor back
+    eager_args = replay_args[:17] + (32, 2, 1)
+    torch.library.opcheck(torch.ops.replayssm.mamba2_eager_decode.default, eager_args, test_utils=tests)
 
 
 # ----------------------------------------------------------------------------------------------

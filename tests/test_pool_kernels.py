@@ -13,10 +13,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HV, HK, V, K, N, L, T = 4, 2, 16, 32, 4, 4, 2
 
 
+@pytest.mark.parametrize("eager", [0, 3], ids=["windowed", "eager-up-to-3-rows"])
 @pytest.mark.parametrize("family", ["mamba2", "gdn", "kda"])
-def test_triton_pool_matches_reference_pool(family):
+def test_triton_pool_matches_reference_pool(family, eager):
+    # eager=3: batches of 3 rows take the eager step (window 1), batches of 4 the window, so
+    # slots move between the two with records pending
     params = make_params(family, HV, K, seed=2)
-    kw = dict(window=L, max_draft=T, dtype=torch.float32, device=DEV)
+    kw = dict(window=L, max_draft=T, dtype=torch.float32, device=DEV, eager_max_batch=eager)
     fast = SlotPool(params, N, V, K, HK, backend="triton", **kw)
     ref = SlotPool(params, N, V, K, HK, backend="reference", **kw)
     assert fast.backend == "triton" and ref.backend == "reference"
@@ -24,7 +27,7 @@ def test_triton_pool_matches_reference_pool(family):
     init = 0.1 * torch.randn(N, HV, V, K, generator=g)
     for p in (fast, ref):
         p.load(torch.arange(N, device=DEV), init.to(DEV))
-    errs = []
+    errs, sizes = [], set()
     for step in range(14):
         rows = [(step + i) % N for i in range(3) if (step + i) % 5 != 4] + [-1]
         ids = torch.tensor(rows, device=DEV)
@@ -38,6 +41,7 @@ def test_triton_pool_matches_reference_pool(family):
             x = {k: v.to(DEV) for k, v in make_inputs(params, len(rows), V, K, HK, dtype=torch.float32,
                                                         generator=g).items()}
             outs = [p.decode(ids, **x) for p in (fast, ref)]
+            sizes.add(len(rows))
         assert torch.equal(outs[0][-1], torch.zeros_like(outs[0][-1]))      # padding row
         errs.append(rel_err(outs[0], outs[1]))
         assert torch.equal(fast.cursor, ref.cursor) and torch.equal(fast.epoch, ref.epoch)
@@ -45,3 +49,5 @@ def test_triton_pool_matches_reference_pool(family):
     assert max(errs) < 1e-5, errs
     assert rel_err(fast.materialize(all_ids), ref.materialize(all_ids)) < 1e-5
     assert int(ref.epoch.sum()) > 0          # flushes happened
+    if eager:
+        assert min(sizes) <= eager < max(sizes)  # both kinds of step ran

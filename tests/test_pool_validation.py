@@ -77,6 +77,8 @@ def test_bad_input_raises_and_changes_nothing(case):
     (dict(lp_format="int4"), "int4"),
     (dict(hp_rounding="up"), "up"),
     (dict(dtype=torch.float16), "float16"),
+    (dict(eager_max_batch=-1), "eager_max_batch"),
+    (dict(eager_max_batch=True), "eager_max_batch"),
 ])
 def test_bad_construction(kw, needle):
     args = dict(window=L, max_draft=T)

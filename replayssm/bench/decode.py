@@ -5,6 +5,10 @@ the time per step is the median replay over `L`. Rows are either staggered (slot
 at cursor `s mod L`: every step some rows flush) or in lock-step (all flush together).
 Bytes are the state and record traffic each scheme must move (SPEC section 6, keys once per
 key head); TB/s = those bytes over the measured time.
+
+The replay scheme runs what the slot pool runs at each batch: batches up to the shape's
+`eager_max_batch` take the eager step (window 1, the conventional kernel on the checkpoint,
+the conventional bytes; rows' `path` "eager"), larger ones the window (`path` "windowed").
 """
 from __future__ import annotations
 
@@ -76,12 +80,21 @@ class Case:
             return dict(self.steps[i], A=p.A, dt_bias=p.dt_bias, D=p.D, z=self.steps[i].get("z"))
         return dict(self.steps[i], A_log=p.A_log, dt_bias=p.dt_bias, scale=None, use_qk_l2norm=True)
 
+    def eager(self, config=None) -> bool:
+        """Whether the replay steps take the eager path (window 1): the pool's choice at this
+        batch (`ops.<family>.eager_max_batch`), or a variant's `eager` key."""
+        if config and "eager" in config:
+            return bool(config["eager"])
+        return self.batch <= self.ops.eager_max_batch(self.HV, self.V, self.K, self.Hk)
+
     def replay_window(self, config=None):
+        window = 1 if self.eager(config) else self.window
+        config = {k: v for k, v in (config or {}).items() if k != "eager"} or None
         for i in range(self.window):
             _call(self.ops.replay_decode, dict(self._common(i), ckpt=self.ckpt, buf_ld=self.buf_ld,
                                                buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
                                                epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids,
-                                               window=self.window, out=self.out[i], config=config,
+                                               window=window, out=self.out[i], config=config,
                                                validate=False))
 
     def conventional_window(self, config=None):
@@ -89,9 +102,12 @@ class Case:
             _call(self.ops.conventional_decode, dict(self._common(i), state=self.state, slot_ids=self.slot_ids,
                                                      out=self.out[i], config=config, validate=False))
 
-    def bytes_per_step(self):
-        """(conventional, replay) bytes per step for the whole batch."""
+    def bytes_per_step(self, config=None):
+        """(conventional, replay) bytes per step for the whole batch; the eager path moves the
+        conventional kernel's bytes."""
         conv = 2 * traffic.state_bytes(self.V, self.K) * self.HV * self.batch
+        if self.eager(config):
+            return conv, conv
         rb = torch.finfo(self.record_dtype).bits // 8
         per_window = sum(traffic.decode_step_bytes(h, self.window, self.HV, self.V, self.K, self.Hk,
                                                    value_bytes=rb, key_bytes=rb,
@@ -104,15 +120,16 @@ def measure(shape, batch, window, cursors, record_dtype, reps, replay_cfg=None, 
     case = Case(shape, batch, window, cursors, record_dtype)
     t_conv = graph_time_us(lambda: case.conventional_window(conv_cfg), reps=reps) / window
     t_rep = graph_time_us(lambda: case.replay_window(replay_cfg), reps=reps) / window
-    b_conv, b_rep = case.bytes_per_step()
+    b_conv, b_rep = case.bytes_per_step(replay_cfg)
     finite = bool(torch.isfinite(case.ckpt).all() and torch.isfinite(case.state).all())
+    path = "eager" if case.eager(replay_cfg) else "windowed"
     base = dict(shape=shape, family=case.family, batch=batch, window=window, cursors=cursors,
                 record_dtype=str(record_dtype).replace("torch.", ""), finite=finite)
     case = None       # free this point's tensors before the next one is allocated
     torch.cuda.empty_cache()
     return [dict(base, scheme="conventional", us_per_step=t_conv, tb_per_s=b_conv / t_conv / 1e6,
                  bytes_per_step=b_conv, ratio_vs_conventional=1.0),
-            dict(base, scheme="replay", us_per_step=t_rep, tb_per_s=b_rep / t_rep / 1e6,
+            dict(base, scheme="replay", path=path, us_per_step=t_rep, tb_per_s=b_rep / t_rep / 1e6,
                  bytes_per_step=b_rep, ratio_vs_conventional=t_conv / t_rep)]
 
 
@@ -128,7 +145,7 @@ def sweep_configs(shape, candidates_conv, candidates_rep, batch=256, window=16, 
             except Exception as e:  # a config that does not compile or launch is skipped
                 rows.append(dict(shape=shape, scheme=kind, config=cfg, error=repr(e)[:200]))
                 continue
-            b_conv, b_rep = case.bytes_per_step()
+            b_conv, b_rep = case.bytes_per_step(cfg if kind == "replay" else None)
             b = b_conv if kind == "conventional" else b_rep
             rows.append(dict(shape=shape, scheme=kind, config=cfg, us_per_step=t, tb_per_s=b / t / 1e6))
             if kind not in best or t < best[kind][1]:
@@ -172,7 +189,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="first pick launch configs per shape at batch 256")
     ap.add_argument("--sweep-replay-only", action="store_true", help="with --sweep: keep the conventional tables")
     ap.add_argument("--variants", default=None,
-                    help="JSON list of replay configs to time against one conventional run per point")
+                    help="JSON list of replay configs to time against one conventional run per point "
+                         "(a config's \"eager\" key forces the eager step on or off)")
     ap.add_argument("--out", default="benchmarks/results/decode_h200.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -238,13 +256,13 @@ def main(argv=None):
         _plot(rows, path.with_suffix(".png"))
     except Exception as e:  # plotting is a convenience; the JSON is the result
         print("plot failed:", e)
-    print("\nshape               batch  conv us  TB/s  replay us  TB/s  ratio   (window 16, staggered)")
+    print("\nshape               batch  conv us  TB/s  replay us  TB/s  ratio  path   (window 16, staggered)")
     for r in rows:
         if r["window"] == 16 and r["cursors"] == "staggered" and r["scheme"] == "replay":
             c = next(x for x in rows if x["scheme"] == "conventional" and all(
                 x[k] == r[k] for k in ("shape", "batch", "window", "cursors")))
             print(f"{r['shape']:18} {r['batch']:5d} {c['us_per_step']:8.1f} {c['tb_per_s']:5.2f} "
-                  f"{r['us_per_step']:9.1f} {r['tb_per_s']:5.2f} {r['ratio_vs_conventional']:6.2f}x")
+                  f"{r['us_per_step']:9.1f} {r['tb_per_s']:5.2f} {r['ratio_vs_conventional']:6.2f}x  {r['path']}")
     return doc
 
 

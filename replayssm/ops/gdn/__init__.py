@@ -16,9 +16,16 @@ import torch
 
 from .conventional import conventional_config, conventional_decode
 from .decode import arrive_counter, replay_config, replay_decode
+from .decode import eager_max_batch as _eager_max_batch
 
-__all__ = ["replay_decode", "conventional_decode", "replay_config", "conventional_config",
+__all__ = ["replay_decode", "conventional_decode", "replay_config", "conventional_config", "eager_max_batch",
            "arrive_counter", "simulate", "gpu_check"]
+
+
+def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:
+    """The largest batch for which the tables prefer the eager step (`replay_decode` with
+    window 1) at this shape (0: never). The slot pool decodes such batches with window 1."""
+    return _eager_max_batch(HV, V, K, "gdn")
 
 
 def _family_fns(family: str):

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..cursor import eager_bookkeeping, fold_pending
 from .decode import (_for_store, _interpreting, _load_token, _resolve_config, _scale, check_devices,
                      check_slot_ids, check_slot_values, check_token_inputs, _shape, _dtype, _contig)
 
@@ -24,12 +25,17 @@ __all__ = ["conventional_decode", "conventional_config"]
 @triton.jit
 def _conventional_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, o, state, slot_ids, scale,
+    buf_ld, buf_w, buf_k, cursor, epoch, arrive,
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
     stride_a_b, stride_a_h, stride_b_b, stride_b_h,
     HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr,
     IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr,
+    FOLD: tl.constexpr, LBCAP: tl.constexpr,
 ):
+    # FOLD: the eager step of ReplaySSM state (window 1, see eager_decode): `state` is the
+    # checkpoint, records still pending behind the slot's cursor are folded into the tile
+    # first, and the step flushes (cursor 0, epoch + 1). Otherwise the plain conventional step.
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
     i_v = pid % NV
@@ -50,7 +56,19 @@ def _conventional_decode_kernel(
         return
     p_S = state + ((i_s * HV + i_hv) * V + o_v)[:, None] * K + o_k[None, :]
     m_S = m_v[:, None] & m_k[None, :]
+    if FOLD:
+        h = tl.load(cursor + i_s)
     b_S = tl.load(p_S, mask=m_S, other=0.)                                  # [BV, BK] fp32
+    if FOLD:
+        if h > 0:
+            o_p = i_s * LBCAP
+            if IS_KDA:
+                p_ld = buf_ld + (o_p * HV + i_hv) * K + o_k
+            else:
+                p_ld = buf_ld + o_p * HV + i_hv
+            b_S = fold_pending(b_S, h, p_ld, buf_w + (o_p * HV + i_hv) * V + o_v,
+                               buf_k + (o_p * HK + i_hk) * K + o_k, HV * K if IS_KDA else HV,
+                               HV * V, HK * K, m_v, m_k, 2 if IS_KDA else 0)
 
     b_q, b_k, b_v, b_ld, b_beta = _load_token(
         q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
@@ -66,6 +84,8 @@ def _conventional_decode_kernel(
     b_o = tl.sum(b_S * b_q[None, :], axis=1)
     tl.store(p_S, b_S, mask=m_S)
     tl.store(p_o, _for_store(b_o, p_o, EXACT_BF16), mask=m_v)
+    if FOLD:
+        eager_bookkeeping(arrive, cursor, epoch, i_s, h, pid % (HV * NV) == 0, HV * NV)
 
 
 # (family, V, K) -> config; the lead's GPU sweep refines these.
@@ -75,14 +95,18 @@ _CONVENTIONAL_TABLE = {
 }
 
 
-def conventional_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn") -> dict:
-    """The launch config `conventional_decode` uses for `V`, `K` (with overrides)."""
-    return _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config)
+def conventional_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
+                        batch: Optional[int] = None) -> dict:
+    """The launch config `conventional_decode` (and the eager step) uses for `V`, `K` and a
+    batch of `batch` rows (with overrides)."""
+    return _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config, batch=batch)
 
 
 def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, state,
                         slot_ids, o, use_qk_l2norm: bool, BV: int, num_warps: int,
-                        num_stages: int) -> None:
+                        num_stages: int, pending: Optional[tuple] = None) -> None:
+    """The conventional step on `state`; with `pending` = `(buf_ld, buf_w, buf_k, cursor,
+    epoch, arrive)` the eager step on ReplaySSM state (`state` is then the checkpoint)."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     if Bt == 0:
@@ -90,12 +114,15 @@ def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float
     BK = triton.next_power_of_2(K)
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
+    fold = pending is not None
     _conventional_decode_kernel[(Bt * HV * NV,)](
         q, k, v, a, b, A_log, dt_bias, o, state, slot_ids, scale,
+        *(pending if fold else (state, state, state, slot_ids, slot_ids, slot_ids)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, BV=BV, BK=BK, IS_KDA=family == "kda",
         USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(),
+        FOLD=fold, LBCAP=pending[1].shape[1] if fold else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -121,6 +148,45 @@ def _register_conventional_op(family: str):
 _CONVENTIONAL_OPS = {family: _register_conventional_op(family) for family in ("gdn", "kda")}
 
 
+def _register_eager_op(family: str):
+    """The custom op `replayssm::{family}_eager_decode`: the window-1 step of `replay_decode`."""
+
+    @torch.library.custom_op(f"replayssm::{family}_eager_decode",
+                             mutates_args=("o", "ckpt", "cursor", "epoch", "arrive"))
+    def op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+           scale: float, ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor,
+           cursor: Tensor, epoch: Tensor, arrive: Tensor, slot_ids: Tensor, o: Tensor,
+           use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int) -> None:
+        launch_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, slot_ids, o,
+                            use_qk_l2norm, BV, num_warps, num_stages,
+                            pending=(buf_ld, buf_w, buf_k, cursor, epoch, arrive))
+
+    @op.register_fake
+    def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+          slot_ids, o, use_qk_l2norm, BV, num_warps, num_stages) -> None:
+        return None
+
+    return op
+
+
+_EAGER_OPS = {family: _register_eager_op(family) for family in ("gdn", "kda")}
+
+
+def run_eager(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
+              epoch, arrive, slot_ids, out, use_qk_l2norm, config) -> Tensor:
+    """The eager step (`replay_decode` with window 1), inputs already validated: the
+    conventional kernel on the checkpoint, with its launch config at this batch (overridden by
+    the `BV`, `num_warps`, `num_stages` of `config`), after folding each row's pending
+    records; every row flushes."""
+    V, K = v.shape[-1], q.shape[-1]
+    over = {key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")}
+    cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, over, batch=q.shape[0])
+    _EAGER_OPS[family](q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
+                       epoch, arrive, slot_ids, out, bool(use_qk_l2norm), cfg["BV"],
+                       cfg["num_warps"], cfg["num_stages"])
+    return out
+
+
 def prepare_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, out,
                          config, validate):
     """Validation, defaults and output allocation shared by the GDN and KDA wrappers."""
@@ -139,7 +205,7 @@ def prepare_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, state, sl
         check_slot_values(slot_ids, N)
     else:
         K, V = q.shape[-1], v.shape[-1]
-    cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config)
+    cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config, batch=q.shape[0])
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _scale(scale, K), out, cfg

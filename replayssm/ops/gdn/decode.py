@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 
 from ..common import arrive_counter, capturing, table_entry
+from ..cursor import hand_off
 from ..tiles import check_slices, tile_dot, tile_offsets
 from torch import Tensor
 
-__all__ = ["replay_decode", "replay_config"]
+__all__ = ["replay_decode", "replay_config", "eager_max_batch"]
 
 # ---------------------------------------------------------------------------------------------
 # Triton helpers shared by the replay and conventional kernels of both families.
@@ -201,24 +202,6 @@ def _flush_dot(p_Ch, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_v, h, b_k, b_ld, b
             b_Cr = b_Cr * b_gC
         b_Cr += tl.dot(tl.trans(b_Uf), b_Kf, input_precision="tf32x3")
         tl.store(p_Ch + o_Sr, b_Cr, mask=m_Sr)
-
-
-@triton.jit
-def _hand_off(arrive, cursor, epoch, i_s, h, flush, NPROG: tl.constexpr):
-    """Cursor hand-off: every program of slot s reads cursor[s], and it may only change once
-    all NPROG of them have. Each arrives on a per-slot counter at its end, after a barrier
-    over its threads, with a relaxed atomic whose operand depends on the loaded cursor (so it
-    cannot be performed before the read); the last to arrive writes cursor and epoch and
-    re-arms the counter for the next launch. No second launch, no host sync."""
-    tl.debug_barrier()
-    n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
-    if n_arrived == NPROG - 1:
-        if flush:
-            tl.store(cursor + i_s, 0)
-            tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
-        else:
-            tl.store(cursor + i_s, (h + 1).to(tl.int32))
-        tl.store(arrive + i_s, 0)
 
 
 @triton.jit
@@ -419,7 +402,7 @@ def _replay_decode_kernel(
                 _flush_fma(p_C + i_hv * (V * K), buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_v, h,
                            b_k, b_ld, o_k, m_k, HV, HK, V, K, LBCAP, BV, IS_KDA, RC)
 
-    _hand_off(arrive, cursor, epoch, i_s, h, flush, HV // HPP * NV)
+    hand_off(arrive, cursor, epoch, i_s, h, flush, HV // HPP * NV)
 
 
 @triton.jit
@@ -559,7 +542,7 @@ def _replay_decode_mat_kernel(
             tl.store(p_C + o_v[:, None] * K + o_kt[None, :], b_P + b_u[:, None] * b_kc[None, :],
                      mask=m_v[:, None] & (o_kt < K)[None, :])
 
-    _hand_off(arrive, cursor, epoch, i_s, h, flush, HV * NV)
+    hand_off(arrive, cursor, epoch, i_s, h, flush, HV * NV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,6 +591,21 @@ _BF16_RECORDS_TABLE = {
                         (1 << 30, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
                                    "num_stages": 3})],
 }
+
+
+# Batches up to which the eager step (window 1, see replay_decode) is the faster way to run a
+# decode step, per `(family, HV, V, K)`: small batches are latency-bound, and a window only
+# lengthens each program's chain there. Measured on the H200 (benchmarks/results/).
+_EAGER_MAX_BATCH = {
+    ("gdn", 32, 128, 128): 1,      # Qwen3.5-4B
+    ("gdn", 64, 128, 128): 1,      # Qwen3.5-122B
+}
+
+
+def eager_max_batch(HV: int, V: int, K: int, family: str = "gdn") -> int:
+    """The largest batch for which the tables prefer the eager step (window 1) at this shape
+    (0: never). The slot pool decodes such batches with window 1."""
+    return _EAGER_MAX_BATCH.get((family, HV, V, K), 0)
 
 
 def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[int] = None) -> dict:
@@ -830,10 +828,12 @@ def check_cursor_values(cursor: Tensor, slot_ids: Tensor, Lb: int, window: int) 
     ids = ids[ids >= 0]
     if ids.numel():
         h = cursor.detach().cpu()[ids]
-        bad = (h < 0) | (h >= Lb) | (h > window)
+        # window 1 (the eager step) folds whatever the buffer holds
+        bad = (h < 0) | (h >= Lb) | ((h > window) & (window > 1))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"cursor[{int(ids[i])}]={int(h[i])} is outside 0..min(window={window}, Lb-1={Lb - 1})")
+            lim = f"min(window={window}, Lb-1={Lb - 1})" if window > 1 else f"Lb-1={Lb - 1}"
+            raise ValueError(f"cursor[{int(ids[i])}]={int(h[i])} is outside 0..{lim}")
 
 
 def _scale(scale, K: int) -> float:
@@ -972,7 +972,11 @@ def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
             (fp32 or bf16 records); cursor: `[N]` int32; epoch: `[N]` int64. Updated in place.
         slot_ids: `[Bt]` int; negative ids are padding rows (zero output, no state touched).
         window: the replay window `L` (`1 <= L <= Lb`); a row with cursor `h` flushes when
-            `h + 1 >= L`.
+            `h + 1 >= L`. Window 1 is the eager step (the checkpoint is the state after every
+            step, as in conventional decoding, and no record is written): the conventional
+            kernel on the checkpoint, which first folds the records a row still holds (any
+            cursor below `Lb`); `config` then sets only its `BV`, `num_warps`, `num_stages`.
+            `eager_max_batch` says up to which batch the measured tables prefer it.
         out: optional `[Bt, HV, V]` output (default: new tensor of `v`'s dtype).
         config: overrides of the launch config (`BV`, `num_warps`, `num_stages`, `maxnreg`,
             `HPP`, `recmask`, `prefetch`, `BC`, `KS`, `flush`, `mat`, `BKT`; see `_REPLAY_KEYS`).
@@ -993,6 +997,10 @@ def run_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
     scale, out, arrive, cfg = prepare_replay(
         family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
         slot_ids, window, out, config, arrive, validate)
+    if window == 1:
+        from .conventional import run_eager     # conventional.py builds on this module
+        return run_eager(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
+                         cursor, epoch, arrive, slot_ids, out, use_qk_l2norm, config)
     _REPLAY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],

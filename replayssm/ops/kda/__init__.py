@@ -10,11 +10,12 @@ from ..gdn import SHAPES as _GDN_SHAPES
 from ..gdn import simulate as _simulate
 from ..gdn.conventional import conventional_config as _conventional_config
 from ..gdn.decode import arrive_counter
+from ..gdn.decode import eager_max_batch as _eager_max_batch
 from ..gdn.decode import replay_config as _replay_config
 from .conventional import conventional_decode
 from .decode import replay_decode
 
-__all__ = ["replay_decode", "conventional_decode", "replay_config", "conventional_config",
+__all__ = ["replay_decode", "conventional_decode", "replay_config", "conventional_config", "eager_max_batch",
            "arrive_counter", "simulate", "gpu_check"]
 
 # Kimi-Linear-48B's KDA layers (32 heads of 128, one key head per value head, as in
@@ -30,9 +31,17 @@ def replay_config(V: int, K: int, config: Optional[dict] = None, *, G: int = 1,
     return _replay_config(V, K, config, family="kda", G=G, batch=batch)
 
 
-def conventional_config(V: int, K: int, config: Optional[dict] = None) -> dict:
-    """The launch config `conventional_decode` uses for `V`, `K` (with overrides)."""
-    return _conventional_config(V, K, config, family="kda")
+def conventional_config(V: int, K: int, config: Optional[dict] = None, *,
+                        batch: Optional[int] = None) -> dict:
+    """The launch config `conventional_decode` (and the eager step) uses for `V`, `K` and
+    `batch` rows (with overrides)."""
+    return _conventional_config(V, K, config, family="kda", batch=batch)
+
+
+def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:
+    """The largest batch for which the tables prefer the eager step (`replay_decode` with
+    window 1) at this shape (0: never)."""
+    return _eager_max_batch(HV, V, K, "kda")
 
 
 def simulate(**kwargs) -> dict:

@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 
 from .conventional import CONVENTIONAL_CONFIGS, conventional_decode
-from .decode import REPLAY_CONFIGS, replay_decode
+from .decode import REPLAY_CONFIGS, eager_max_batch, replay_decode
 
-__all__ = ["replay_decode", "conventional_decode", "REPLAY_CONFIGS", "CONVENTIONAL_CONFIGS",
+__all__ = ["replay_decode", "conventional_decode", "eager_max_batch", "REPLAY_CONFIGS", "CONVENTIONAL_CONFIGS",
            "compare_with_reference", "gpu_check", "SHAPES"]
 
 # (HV, V, K, G) of the Mamba-2 models of SPEC section 8

@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..cursor import eager_bookkeeping, fold_pending
 from .decode import check_slots, check_tensor, check_token_inputs, resolve_config, softplus
 
-__all__ = ["conventional_decode", "CONVENTIONAL_CONFIGS"]
+__all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVENTIONAL_CONFIGS"]
 
 # Fixed per shape `(HV, V, K, G)`; keys BV, num_warps, num_stages as in decode.REPLAY_CONFIGS,
 # except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
@@ -41,14 +42,32 @@ def _default_rows(HV: int, V: int, G: int) -> int:
     return bv
 
 
+def conventional_config(HV: int, V: int, K: int, G: int, config: Optional[dict] = None, *,
+                        batch: Optional[int] = None) -> dict:
+    """The launch config of the conventional kernel (and of the eager step) for a shape and a
+    batch of `batch` rows: CONVENTIONAL_CONFIGS's entry or a default, updated by `config`."""
+    table = CONVENTIONAL_CONFIGS
+    if (HV, V, K, G) not in table:
+        table = {(HV, V, K, G): dict(BV=_default_rows(HV, V, G))}
+    cfg = resolve_config(table, HV, V, K, G, config, with_flush=False, batch=batch)
+    if (HV // G * V) % cfg["BV"]:
+        raise ValueError(f"config: BV={cfg['BV']} must divide the {HV // G * V} state rows of a group")
+    return cfg
+
+
 @triton.jit
 def _conventional_decode_kernel(
     x, dt, B, C, A, dt_bias, D, z, out, state, slot_ids,
+    buf_ld, buf_w, buf_k, cursor, epoch, arrive,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    FOLD: tl.constexpr, LB: tl.constexpr,
 ):
+    # FOLD: the eager step of ReplaySSM state (window 1, see decode.replay_decode): `state` is
+    # the checkpoint, records still pending behind the slot's cursor are folded into the tile
+    # first, and the step flushes (cursor 0, epoch + 1). Otherwise the plain conventional step.
     # A program owns BV consecutive rows of a slot's state seen as [HV * V, K]: it may span
     # several heads (BV > V) or part of one, but never two groups (BV divides a group's rows),
     # so that B and C are one vector per program.
@@ -69,11 +88,18 @@ def _conventional_decode_kernel(
         return
 
     p_S = state + slot * (HV * V * K) + o_r[:, None] * K + o_k[None, :]
+    if FOLD:
+        h = tl.load(cursor + slot)
     # the state is streamed once: keep it from evicting the inputs shared by a group's heads
     if BK == K:
         b_S = tl.load(p_S, eviction_policy="evict_first")                              # [BV, BK]
     else:
         b_S = tl.load(p_S, mask=m_k[None, :], other=0.0, eviction_policy="evict_first")
+    if FOLD:
+        if h > 0:
+            b_S = fold_pending(b_S, h, buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
+                               buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
+                               o_r >= 0, m_k, 1)
 
     b_dt = tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32)
     b_dt = softplus(b_dt)                                                               # [BV]
@@ -95,23 +121,28 @@ def _conventional_decode_kernel(
         b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
         b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
     tl.store(p_o, b_y.to(p_o.dtype.element_ty))
+    if FOLD:
+        eager_bookkeeping(arrive, cursor, epoch, slot, h, i_r == 0, HV * V // BV)
 
 
 def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps,
-                         num_stages):
+                         num_stages, pending=None):
+    """The conventional step on `state`; with `pending` = `(buf_ld, buf_w, buf_k, cursor,
+    epoch, arrive)` the eager step on ReplaySSM state (`state` is then the checkpoint)."""
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     if Bt == 0:
         return
     grid = (HV * V // BV, Bt)
+    fold = pending is not None
     _conventional_decode_kernel[grid](
         x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
-        state, slot_ids,
+        state, slot_ids, *(pending if fold else (state, state, state, slot_ids, slot_ids, slot_ids)),
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
         HV=HV, G=G, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
-        HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_D=D is not None, HAS_Z=z is not None, FOLD=fold, LB=pending[0].shape[1] if fold else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -128,6 +159,41 @@ def _conventional_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tens
 @_conventional_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps, num_stages) -> None:
     return None
+
+
+@torch.library.custom_op("replayssm::mamba2_eager_decode",
+                         mutates_args=("out", "ckpt", "cursor", "epoch", "arrive"))
+def _eager_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
+                     D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
+                     buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
+                     slot_ids: Tensor, out: Tensor, BV: int, num_warps: int, num_stages: int) -> None:
+    _launch_conventional(x, dt, B, C, A, dt_bias, D, z, ckpt, slot_ids, out, BV, num_warps,
+                         num_stages, pending=(buf_ld, buf_w, buf_k, cursor, epoch, arrive))
+
+
+@_eager_decode_op.register_fake
+def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+      out, BV, num_warps, num_stages) -> None:
+    return None
+
+
+def eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+                 slot_ids, out, config) -> Tensor:
+    """The eager step (`replay_decode` with window 1), inputs already validated: the
+    conventional kernel on the checkpoint, with its launch config at this batch (overridden by
+    the `BV`, `num_warps`, `num_stages` of `config`), after folding each row's pending
+    records; every row flushes."""
+    over = {key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")}
+    cfg = conventional_config(x.shape[1], x.shape[2], B.shape[2], B.shape[1], over, batch=x.shape[0])
+    if torch.compiler.is_compiling():
+        torch.ops.replayssm.mamba2_eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w,
+                                                buf_k, cursor, epoch, arrive, slot_ids, out,
+                                                cfg["BV"], cfg["num_warps"], cfg["num_stages"])
+    else:
+        _launch_conventional(x, dt, B, C, A, dt_bias, D, z, ckpt, slot_ids, out, cfg["BV"],
+                             cfg["num_warps"], cfg["num_stages"],
+                             pending=(buf_ld, buf_w, buf_k, cursor, epoch, arrive))
+    return out
 
 
 def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
@@ -152,13 +218,7 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_slots(slot_ids, N, check_slots_on_device)
-    HV, V, G = x.shape[1], x.shape[2], B.shape[1]
-    table = CONVENTIONAL_CONFIGS
-    if (HV, V, B.shape[2], G) not in table:
-        table = {(HV, V, B.shape[2], G): dict(BV=_default_rows(HV, V, G))}
-    cfg = resolve_config(table, HV, V, B.shape[2], G, config, with_flush=False)
-    if (HV // G * V) % cfg["BV"]:
-        raise ValueError(f"config: BV={cfg['BV']} must divide the {HV // G * V} state rows of a group")
+    cfg = conventional_config(x.shape[1], x.shape[2], B.shape[2], B.shape[1], config, batch=x.shape[0])
     if out is None:
         out = torch.empty_like(x)
     args = (x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, cfg["BV"], cfg["num_warps"],

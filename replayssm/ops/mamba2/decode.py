@@ -29,7 +29,7 @@ from ..common import arrive_counter, capturing, table_entry
 from ..tiles import check_slices, tile_dot, tile_offsets
 from torch import Tensor
 
-__all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config"]
+__all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config", "eager_max_batch", "EAGER_MAX_BATCH"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,6 +66,21 @@ REPLAY_CONFIGS = {
                        (1 << 30, dict(BV=16, num_warps=2, HPP=6, recmask=True, prefetch=True))],
     (64, 64, 128, 8): _SUPER,                                                   # Nemotron-3-Nano-30B
 }
+
+
+# Batches up to which the eager step (window 1, see replay_decode) is the faster way to run a
+# decode step, per shape `(HV, V, K, G)`: small batches are latency-bound, and a window only
+# lengthens each program's chain there. Measured on the H200 (benchmarks/results/).
+EAGER_MAX_BATCH = {
+    (128, 64, 128, 8): 1,          # Nemotron-3-Super
+    (96, 80, 128, 8): 1,           # Nemotron-3-Nano-4B
+}
+
+
+def eager_max_batch(HV: int, V: int, K: int, G: int) -> int:
+    """The largest batch for which the tables prefer the eager step (window 1) at this shape
+    (0: never). The slot pool decodes such batches with window 1."""
+    return EAGER_MAX_BATCH.get((HV, V, K, G), 0)
 
 
 def _default_bv(V: int) -> int:
@@ -451,6 +466,11 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     `slot_ids` `[Bt]` int32/int64 (negative: padding row, `y[b] = 0`, nothing touched);
     `window` the replay window `L` (`1 <= L <= Lb`); every live slot must hold `cursor < L`
     (the pool's invariant in standard decode; not checked, it would need a device sync).
+    Window 1 is the eager step (the checkpoint is the state after every step, as in
+    conventional decoding, and no record is written): the conventional kernel on the
+    checkpoint, which first folds the records a row still holds (any cursor below `Lb`);
+    `config` then sets only its `BV`, `num_warps`, `num_stages` (see `conventional_config`).
+    `eager_max_batch` says up to which batch the measured tables prefer it.
 
     `out` `[Bt, HV, V]` of x's dtype: written when given (then the call allocates nothing and is
     capturable in a CUDA graph). `config`: overrides of the launch config (see REPLAY_CONFIGS).
@@ -488,6 +508,10 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
         out = torch.empty_like(x)
     if arrive is None:
         arrive = arrive_counter(x.device, ckpt.shape[0])
+    if window == 1:
+        from .conventional import eager_decode      # conventional.py builds on this module
+        return eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor,
+                            epoch, arrive, slot_ids, out, config)
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"],
             cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"],

@@ -1,0 +1,62 @@
+"""Triton helpers for a slot's cursor, shared by the kernels of every family.
+
+`hand_off` moves the cursor once every program of a slot has read it; `fold_pending` applies
+the records a slot still holds (positions `0..h-1`) to a state tile, which is what the eager
+step (window 1, `ops/*/eager`) does before its conventional update.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def hand_off(arrive, cursor, epoch, i_s, h, flush, NPROG: tl.constexpr):
+    """Cursor hand-off: every program of slot s reads cursor[s], and it may only change once
+    all NPROG of them have. Each arrives on a per-slot counter at its end, after a barrier
+    over its threads, with a relaxed atomic whose operand depends on the loaded cursor (so it
+    cannot be performed before the read); the last to arrive writes cursor and epoch and
+    re-arms the counter for the next launch. No second launch, no host sync."""
+    tl.debug_barrier()
+    n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
+    if n_arrived == NPROG - 1:
+        if flush:
+            tl.store(cursor + i_s, 0)
+            tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
+        else:
+            tl.store(cursor + i_s, (h + 1).to(tl.int32))
+        tl.store(arrive + i_s, 0)
+
+
+@triton.jit
+def fold_pending(b_S, h, p_ld, p_w, p_k, stride_ld, stride_w, stride_k, m_w, m_k,
+                 DECAY: tl.constexpr):
+    """`b_S` (`[BV, BK]` fp32) after records `0..h-1`, oldest first, one step of the
+    recurrence each: `S <- a_j S + w_j k_j^T` in fp32, the arithmetic of a conventional step.
+
+    Record j's log decay is read at `p_ld + j * stride_ld`, its `w` (`[BV]`) at
+    `p_w + j * stride_w` (valid where `m_w`), its key (`[BK]`) at `p_k + j * stride_k` (valid
+    where `m_k`). DECAY 0: one log decay for the tile (GDN, a scalar pointer); 1: one per row
+    (Mamba-2 programs spanning heads, `[BV]` pointers); 2: one per key column (KDA, `[BK]`
+    pointers)."""
+    for j in range(0, h):
+        b_w = tl.load(p_w + j * stride_w, mask=m_w, other=0.).to(tl.float32)
+        b_k = tl.load(p_k + j * stride_k, mask=m_k, other=0.).to(tl.float32)
+        if DECAY == 0:
+            b_S = b_S * tl.exp(tl.load(p_ld + j * stride_ld))
+        elif DECAY == 1:
+            b_S = b_S * tl.exp(tl.load(p_ld + j * stride_ld, mask=m_w, other=0.))[:, None]
+        else:
+            b_S = b_S * tl.exp(tl.load(p_ld + j * stride_ld, mask=m_k, other=0.))[None, :]
+        b_S += b_w[:, None] * b_k[None, :]
+    return b_S
+
+
+@triton.jit
+def eager_bookkeeping(arrive, cursor, epoch, i_s, h, first, NPROG: tl.constexpr):
+    """The eager step's cursor and epoch: it flushes every row. A slot that held records
+    (h > 0; every program of the slot saw the same h) hands its cursor back to 0 through
+    `hand_off`; otherwise the cursor stays 0 and the slot's `first` program adds the flush to
+    its epoch (a fire-and-forget atomic, nothing waits on it)."""
+    if h > 0:
+        hand_off(arrive, cursor, epoch, i_s, h, True, NPROG)
+    elif first:
+        tl.atomic_add(epoch + i_s, 1, sem="relaxed")
