@@ -61,8 +61,8 @@ def test_replay_error_within_conventional(shape, window, n_slots, windows):
 
 
 EDGE_CASES = [
-    # window 1: every step flushes (replay degenerates to read-update-write)
-    pytest.param(SMALL, 1, dict(flush="tf32x3", KS=1), id="L1-dot"),
+    # window 2: every other step flushes, on tensor cores
+    pytest.param(SMALL, 2, dict(flush="tf32x3", KS=1), id="L2-dot"),
     # V, K not powers of two (masked tiles, two V-blocks per head); rank-1 flush loop
     pytest.param(dict(HV=4, G=2, V=24, K=20), 5, dict(BV=16, flush="fma"), id="odd-L5-fma"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(flush="fma"),
@@ -83,6 +83,11 @@ EDGE_CASES = [
                  marks=[pytest.mark.gpu, gpu], id="super-whole-group"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, dict(BV=32),
                  marks=[pytest.mark.gpu, gpu], id="nano4b-BV32-masked"),
+    # row blocks of [HV * V, K] spanning two heads (V = 24 is no multiple of 16)
+    pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=2), id="rows-spanning"),
+    pytest.param(dict(HV=4, G=2, V=24, K=32), 5, dict(BV=8, rows=True, recmask=False), id="rows-unmasked"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16,
+                 dict(BV=64, rows=True, num_warps=4), marks=[pytest.mark.gpu, gpu], id="nano4b-rows64"),
 ]
 
 
@@ -157,14 +162,15 @@ def _pool(N, Lb, HV, V, K, G, fill):
 
 
 POISON_CASES = [
-    pytest.param(SMALL, 4, id="small"),
-    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16,
+    pytest.param(SMALL, 4, None, id="small"),
+    pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True), id="rows-spanning"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, None,
                  marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b"),
 ]
 
 
-@pytest.mark.parametrize("shape, L", POISON_CASES)
-def test_poison_and_cursors(shape, L):
+@pytest.mark.parametrize("shape, L, config", POISON_CASES)
+def test_poison_and_cursors(shape, L, config):
     HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
     N, Lb = 6, L + 2
     used, start = [0, 1, 2], [0, L - 1, 2]     # slot 0 at cursor 0; slot 1 flushes on its first step
@@ -212,7 +218,7 @@ def test_poison_and_cursors(shape, L):
         out = torch.full((len(rows), HV, V), float("nan"), device=DEV)
         y = replay_decode(dinp["x"], dinp["dt"], dinp["B"], dinp["C"], A, dt_bias, D, dinp["z"],
                           pool["ckpt"], pool["buf_ld"], pool["buf_w"], pool["buf_k"],
-                          pool["cursor"], pool["epoch"], slot_ids, L, out=out)
+                          pool["cursor"], pool["epoch"], slot_ids, L, out=out, config=config)
         assert y is out
         y = y.cpu()
         assert torch.isfinite(y).all(), f"step {t}: output left unwritten or poisoned"
@@ -466,7 +472,7 @@ def test_custom_op_registration():
                          torch.tensor([0, 3], dtype=torch.int32, device=DEV),
                          torch.zeros(N, dtype=torch.int64, device=DEV),
                          torch.zeros(N, dtype=torch.int32, device=DEV), slot_ids,
-                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0, 1)
+                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0, 1, False)
     conv_args = tok + (torch.randn(N, HV, V, K, device=DEV), slot_ids,
                        torch.empty(Bt, HV, V, device=DEV), 16, 4, 1)
     tests = ("test_schema", "test_faketensor")
@@ -547,6 +553,8 @@ REPLAY_ERRORS = [
     ("config", dict(KS=3), "KS=3 must be a power of two"),
     ("config", dict(KS=2, flush="tf32x3"), "needs KS=1"),
     ("config", dict(block=16), "unknown"),
+    ("config", dict(rows=True, BV=32), "rows=True needs BV=32 <= V=16"),
+    ("config", dict(rows=True, BV=16, HPP=2), "rows=True takes HPP=1"),
 ]
 
 

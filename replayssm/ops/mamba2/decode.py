@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..common import arrive_counter, capturing, table_entry
+from ..cursor import hand_off
 from ..tiles import check_slices, tile_dot, tile_offsets
 from torch import Tensor
 
@@ -50,6 +51,9 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #               record, exact fp32) or "tf32x3" (tl.dot on tensor cores, three tf32 passes)
 #   KS          replay only: the checkpoint tile held as KS slices of K per thread (ops/tiles.py;
 #               1: a plain [BV, K] tile); KS > 1 needs flush="fma"
+#   rows        replay only: a program owns BV consecutive rows of the checkpoint seen as
+#               [HV * V, K] (BV <= V, dividing a group's rows), which may span two heads,
+#               instead of a BV-row block of one head (`_replay_decode_rows_kernel`)
 #   sync, maxnreg  see resolve_config
 # chosen by H200 sweeps at batch 1, 8 and 256, window 16 (benchmarks/sweep_programs.sh;
 # benchmarks/results/variants_*.json). Small batches are latency-bound: small programs (one
@@ -96,7 +100,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     `config`; raises ValueError for unknown keys or values."""
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if with_flush:
-        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1)
+        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False)
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
         # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
         cfg.update(sync=1, maxnreg=0)
@@ -124,6 +128,12 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
         hpp = cfg["HPP"]
         if isinstance(hpp, bool) or not isinstance(hpp, int) or hpp < 1 or (HV // G) % hpp:
             raise ValueError(f"config: HPP={hpp!r} must divide the {HV // G} heads of a group")
+        if cfg["rows"]:
+            if not (bv <= V and (HV // G * V) % bv == 0):
+                raise ValueError(f"config: rows=True needs BV={bv} <= V={V} dividing the {HV // G * V} "
+                                 "state rows of a group")
+            if cfg["HPP"] != 1 or cfg["KS"] != 1 or cfg["flush"] != "fma" or cfg["prefetch"] or cfg["sync"] != 1:
+                raise ValueError("config: rows=True takes HPP=1, KS=1, flush='fma', prefetch=False, sync=1")
         if cfg["sync"] not in (0, 1, 2):
             raise ValueError(f"config: sync must be 0, 1 or 2, got {cfg['sync']!r}")
         if isinstance(cfg["maxnreg"], bool) or not isinstance(cfg["maxnreg"], int) or cfg["maxnreg"] < 0:
@@ -155,8 +165,31 @@ def _load_tile(p, mask, EVEN: tl.constexpr):
         return tl.load(p, mask=mask, other=0.0, eviction_policy="evict_first")
 
 
+@triton.jit
+def _token_decay(dt, dt_bias, A, off_dt, i_h):
+    """The current token's `dt = softplus(dt_raw + dt_bias)` and log decay `dt A` of head i_h."""
+    b_dt = softplus(tl.load(dt + off_dt + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32))
+    return b_dt, b_dt * tl.load(A + i_h).to(tl.float32)
+
+
+@triton.jit
+def _head_weights(p_ld, stride_l, b_ld, h, o_l, m_j, m_j1, m_lj1):
+    """Weights of one head at cursor h: record j (lane j < h) enters with
+    g_{j+1:h} = exp(ld_{j+1} + ... + ld_h), the checkpoint with g_{0:h}; `p_ld` points at the
+    head's log decay at position 0 (positions `stride_l` apart), `b_ld` is the current token's
+    (position h). Each suffix is summed directly from same-signed terms, never as a difference
+    of prefix sums, so weights near 1 keep full precision. Returns (coef [BL], g_{0:h})."""
+    b_ld1 = tl.load(p_ld + (o_l + 1) * stride_l, mask=m_lj1, other=0.0)              # ld_{j+1}
+    b_ld0 = tl.load(p_ld)
+    b_lds = tl.where(m_j1, b_ld1, tl.where(o_l + 1 == h, b_ld, 0.0))                   # [BL]
+    b_sfx = tl.sum(tl.where(o_l[None, :] >= o_l[:, None], b_lds[None, :], 0.0), axis=1)
+    b_coef = tl.where(m_j, tl.exp(b_sfx), 0.0)                                          # [BL]
+    b_g = tl.exp(tl.where(h > 0, b_ld0, b_ld) + tl.sum(b_lds, axis=0))                  # g_{0:h}
+    return b_coef, b_g
+
+
 # ----------------------------------------------------------------------------------------------
-# Kernel
+# Kernels
 
 @triton.jit
 def _replay_decode_kernel(
@@ -239,27 +272,15 @@ def _replay_decode_kernel(
                                eviction_policy="evict_first")
         else:
             b_S = _load_tile(p_S0 + i_h * (V * K) + o_S, m_S, EVEN)
-        p_ld = buf_ld + slot * (LB * HV) + i_h
-        b_ld1 = tl.load(p_ld + (o_l + 1) * HV, mask=m_lj1, other=0.0)                  # ld_{j+1}
-        b_ld0 = tl.load(p_ld)
         b_W = tl.load(buf_w + slot * (LB * HV * V) + i_h * V + (o_l[:, None] * (HV * V) + o_v[None, :]),
                       mask=m_lj[:, None] & m_v[None, :], other=0.0)
         b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                           # [BL, BV]
 
         # the current token's record, in registers
-        b_dt = tl.load(dt + i_b * stride_dt_b + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-        b_dt = softplus(b_dt)
-        b_ld = b_dt * tl.load(A + i_h).to(tl.float32)
+        b_dt, b_ld = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, i_h)
         b_x = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_w = b_dt * b_x                                                                # [BV]
-
-        # Weights: record j enters with g_{j+1:h} = exp(ld_{j+1} + ... + ld_h) (ld_h: the current
-        # token), the checkpoint with g_{0:h}. Each suffix is summed directly from same-signed
-        # terms, never as a difference of prefix sums, so weights near 1 keep full precision.
-        b_lds = tl.where(m_j1, b_ld1, tl.where(o_l + 1 == h, b_ld, 0.0))               # [BL]
-        b_sfx = tl.sum(tl.where(o_l[None, :] >= o_l[:, None], b_lds[None, :], 0.0), axis=1)
-        b_coef = tl.where(m_j, tl.exp(b_sfx), 0.0)                                      # [BL]
-        b_g = tl.exp(tl.where(h > 0, b_ld0, b_ld) + tl.sum(b_lds, axis=0))              # g_{0:h}
+        b_coef, b_g = _head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, h, o_l, m_j, m_j1, m_lj1)
 
         b_y = b_g * tile_dot(b_S, b_q, BK, KS)                                          # [BV]
         b_y += tl.sum(b_W * (b_coef * b_kq)[:, None], axis=0)
@@ -337,6 +358,125 @@ def _replay_decode_kernel(
         tl.store(arrive + slot, n_before * 0)
 
 
+@triton.jit
+def _replay_decode_rows_kernel(
+    x, dt, B, C, A, dt_bias, D, z, out,
+    ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+    stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_o_b, stride_o_h,
+    HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
+    WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, RECMASK: tl.constexpr, RC: tl.constexpr,
+):
+    # grid (HV * V // BV, Bt): a program owns BV consecutive rows of the slot's checkpoint seen
+    # as [HV * V, K], as the conventional kernel's programs do, within one group. With V not a
+    # power of two (Nano-4B: 80) such blocks fill every lane where per-head blocks cannot;
+    # BV <= V, so a block spans at most two heads, `h_a` and `h_a + 1`: their weights are
+    # formed per head and selected per row.
+    i_r = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    HG: tl.constexpr = HV // G
+    r0 = i_r * BV
+    i_g = r0 // (HG * V)
+    h_a = r0 // V
+    h_b = tl.minimum(h_a + 1, HV - 1)
+
+    o_r = r0 + tl.arange(0, BV)
+    o_h = o_r // V
+    in_b = o_h != h_a                                                                   # [BV]
+    o_k = tl.arange(0, BK)
+    o_l = tl.arange(0, BL)
+    m_k = o_k < K
+
+    p_o = out + i_b * stride_o_b + o_h * stride_o_h + (o_r - o_h * V)
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    if slot < 0:
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
+        return
+
+    h = tl.load(cursor + slot)
+    n_pos = WINDOW if WINDOW < LB else LB
+    m_j = o_l < h
+    m_j1 = o_l + 1 < h
+    if RECMASK:
+        m_lj = m_j
+        m_lj1 = m_j1
+    else:
+        m_lj = o_l < n_pos
+        m_lj1 = o_l + 1 < n_pos
+
+    p_S = ckpt + slot * (HV * V * K) + r0 * K
+    o_S = tl.arange(0, BV)[:, None] * K + o_k[None, :]
+    b_S = _load_tile(p_S + o_S, m_k[None, :], BK == K)                                  # [BV, BK]
+
+    b_Kb = tl.load(buf_k + slot * (LB * G * K) + o_l[:, None] * (G * K) + i_g * K + o_k[None, :],
+                   mask=m_lj[:, None] & m_k[None, :], other=0.0)
+    b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.0)                             # [BL, BK]
+    b_kc = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_kq = tl.sum(b_Kb * b_q[None, :], axis=1)                                          # [BL]
+    b_kcq = tl.sum(b_kc * b_q, axis=0)
+    p_W = buf_w + slot * (LB * HV * V) + r0
+    b_W = tl.load(p_W + (o_l[:, None] * (HV * V) + tl.arange(0, BV)[None, :]), mask=m_lj[:, None], other=0.0)
+    b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                               # [BL, BV]
+
+    # the current token: per-row dt (its head's), per-head log decays for the weights
+    b_dt = softplus(tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32))
+    b_ldr = b_dt * tl.load(A + o_h).to(tl.float32)                                      # [BV]
+    b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + (o_r - o_h * V)).to(tl.float32)
+    b_w = b_dt * b_x
+    _, b_ld_a = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_a)
+    _, b_ld_b = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_b)
+    p_ld = buf_ld + slot * (LB * HV)
+    c_a, g_a = _head_weights(p_ld + h_a, HV, b_ld_a, h, o_l, m_j, m_j1, m_lj1)
+    c_b, g_b = _head_weights(p_ld + h_b, HV, b_ld_b, h, o_l, m_j, m_j1, m_lj1)
+
+    b_g = tl.where(in_b, g_b, g_a)                                                      # [BV]
+    b_cw = tl.where(in_b[None, :], (c_b * b_kq)[:, None], (c_a * b_kq)[:, None])        # [BL, BV]
+    b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)
+    b_y += tl.sum(b_W * b_cw, axis=0)
+    b_y += b_kcq * b_w
+    if HAS_D:
+        b_y += tl.load(D + o_h).to(tl.float32) * b_x
+    if HAS_Z:
+        b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + (o_r - o_h * V)).to(tl.float32)
+        b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
+    tl.store(p_o, b_y.to(p_o.dtype.element_ty))
+
+    is_flush = h + 1 >= WINDOW
+    if is_flush:
+        # C <- g_{0:h} C + sum_{j<h} g_{j+1:h} w_j k_j^T + w_h k_h^T, in row chunks of RC re-read
+        # from L2, one rank-1 update per record (exact fp32), as the per-head kernel does
+        for c0 in tl.static_range(0, BV, RC):
+            o_c = tl.arange(0, RC)
+            o_rc = r0 + c0 + o_c
+            o_hc = o_rc // V
+            in_bc = o_hc != h_a
+            p_Sc = p_S + (c0 + o_c)[:, None] * K + o_k[None, :]
+            b_Sc = tl.load(p_Sc, mask=m_k[None, :], other=0.0)                         # [RC, BK]
+            b_dtc = softplus(tl.load(dt + i_b * stride_dt_b + o_hc).to(tl.float32)
+                             + tl.load(dt_bias + o_hc).to(tl.float32))
+            b_xc = tl.load(x + i_b * stride_x_b + o_hc * stride_x_h + (o_rc - o_hc * V)).to(tl.float32)
+            b_Sc = tl.where(in_bc, g_b, g_a)[:, None] * b_Sc + (b_dtc * b_xc)[:, None] * b_kc[None, :]
+            for j in range(0, h):
+                c_j = tl.where(in_bc, tl.sum(tl.where(o_l == j, c_b, 0.0), axis=0),
+                               tl.sum(tl.where(o_l == j, c_a, 0.0), axis=0))
+                w_j = tl.load(p_W + j * (HV * V) + c0 + o_c).to(tl.float32)
+                k_j = tl.load(buf_k + slot * (LB * G * K) + j * (G * K) + i_g * K + o_k, mask=m_k,
+                              other=0.0).to(tl.float32)
+                b_Sc += (c_j * w_j)[:, None] * k_j[None, :]
+            tl.store(p_Sc, b_Sc, mask=m_k[None, :])
+    else:
+        # the record: w of these rows; the log decay of each head whose first row is here; the
+        # group's key from the program holding the group's first row
+        tl.store(p_W + h * (HV * V) + tl.arange(0, BV), b_w.to(p_W.dtype.element_ty))
+        tl.store(p_ld + h * HV + o_h, b_ldr, mask=o_r == o_h * V)
+        if r0 % (HG * V) == 0:
+            p_kh = buf_k + slot * (LB * G * K) + h * (G * K) + i_g * K + o_k
+            tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
+    hand_off(arrive, cursor, epoch, slot, h, is_flush, HV * V // BV)
+
+
 # ----------------------------------------------------------------------------------------------
 # Python boundary
 
@@ -403,16 +543,28 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP=1,
-                   recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1):
+                   recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1, rows=False):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
     if Bt == 0:
         return
-    nvb = triton.cdiv(V, BV)
-    grid = (HV // HPP * nvb, Bt)
     # record tiles cover positions 0..min(window, Lb) - 1 (cursors never pass the window)
     BL = max(16, triton.next_power_of_2(min(window, LB)))
+    extra = {"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}
+    if rows:
+        _replay_decode_rows_kernel[(HV * V // BV, Bt)](
+            x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
+            ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+            x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+            z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
+            out.stride(0), out.stride(1),
+            HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K), BL=BL,
+            HAS_D=D is not None, HAS_Z=z is not None, RECMASK=bool(recmask), RC=min(16, BV),
+            num_warps=num_warps, num_stages=num_stages, **extra)
+        return
+    nvb = triton.cdiv(V, BV)
+    grid = (HV // HPP * nvb, Bt)
     _replay_decode_kernel[grid](
         x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
@@ -423,8 +575,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         BL=BL, HPP=HPP, NVB=nvb, FLUSH=_FLUSH_MODES[flush], HAS_D=D is not None,
         HAS_Z=z is not None, SYNC=sync, RECMASK=bool(recmask), PREFETCH=bool(prefetch),
         EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(16, BV), KS=KS,
-        num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
 
 
@@ -437,16 +588,16 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
                       num_stages: int, flush: str, HPP: int, recmask: bool, prefetch: bool,
-                      sync: int, maxnreg: int, KS: int) -> None:
+                      sync: int, maxnreg: int, KS: int, rows: bool) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask,
-                   prefetch, sync, maxnreg, KS)
+                   prefetch, sync, maxnreg, KS, rows)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
       slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask, prefetch, sync,
-      maxnreg, KS) -> None:
+      maxnreg, KS, rows) -> None:
     return None
 
 
@@ -515,7 +666,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"],
             cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"],
-            cfg["KS"])
+            cfg["KS"], bool(cfg["rows"]))
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:
