@@ -68,7 +68,7 @@ def main(argv=None):
                 doc["rows"].append(dict(shape=shape, batch=batch, window=W, kind=kind, config=cfg,
                                         us_per_step=t if ok else None, error=None if ok else t,
                                         ratio_vs_conventional_table=t_conv / t if ok and isinstance(t_conv, float) else None))
-            del case
+            case = None      # free this point's tensors before the next one is allocated
             torch.cuda.empty_cache()
             write_results(args.out, doc)
             best = {}
