@@ -51,12 +51,14 @@ def fold_pending(b_S, h, p_ld, p_w, p_k, stride_ld, stride_w, stride_k, m_w, m_k
 
 
 @triton.jit
-def eager_bookkeeping(arrive, cursor, epoch, i_s, h, first, NPROG: tl.constexpr):
+def eager_bookkeeping(arrive, cursor, epoch, i_s, h, e0, first, NPROG: tl.constexpr):
     """The eager step's cursor and epoch: it flushes every row. A slot that held records
     (h > 0; every program of the slot saw the same h) hands its cursor back to 0 through
-    `hand_off`; otherwise the cursor stays 0 and the slot's `first` program adds the flush to
-    its epoch (a fire-and-forget atomic, nothing waits on it)."""
+    `hand_off`; otherwise the cursor stays 0 and the slot's `first` program stores the epoch
+    it loaded at its start (`e0`) plus one. A plain store, not an atomic: the compiler waits
+    for an atomic's reply, a latency the conventional step does not have, and no other
+    program writes this epoch in this launch."""
     if h > 0:
         hand_off(arrive, cursor, epoch, i_s, h, True, NPROG)
     elif first:
-        tl.atomic_add(epoch + i_s, 1, sem="relaxed")
+        tl.store(epoch + i_s, e0 + 1)

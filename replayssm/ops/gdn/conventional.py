@@ -8,6 +8,7 @@ KDA (`IS_KDA`) scales the key columns by a channel-wise decay instead of a scala
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -56,10 +57,17 @@ def _conventional_decode_kernel(
         return
     p_S = state + ((i_s * HV + i_hv) * V + o_v)[:, None] * K + o_k[None, :]
     m_S = m_v[:, None] & m_k[None, :]
-    if FOLD:
+    if FOLD != 0:
         h = tl.load(cursor + i_s)
+        e0 = tl.load(epoch + i_s)
     b_S = tl.load(p_S, mask=m_S, other=0.)                                  # [BV, BK] fp32
-    if FOLD:
+
+    b_q, b_k, b_v, b_ld, b_beta = _load_token(
+        q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
+        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+        stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, IS_KDA, USE_QK_L2NORM)
+    if FOLD == 1 or FOLD == 2:
+        # after every load is issued: the branch waits for them all at once
         if h > 0:
             o_p = i_s * LBCAP
             if IS_KDA:
@@ -70,11 +78,6 @@ def _conventional_decode_kernel(
                                buf_k + (o_p * HK + i_hk) * K + o_k, HV * K if IS_KDA else HV,
                                HV * V, HK * K, m_v, m_k, 2 if IS_KDA else 0)
 
-    b_q, b_k, b_v, b_ld, b_beta = _load_token(
-        q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
-        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-        stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, IS_KDA, USE_QK_L2NORM)
-
     if IS_KDA:
         b_S = b_S * tl.exp(b_ld)[None, :]
     else:
@@ -84,14 +87,19 @@ def _conventional_decode_kernel(
     b_o = tl.sum(b_S * b_q[None, :], axis=1)
     tl.store(p_S, b_S, mask=m_S)
     tl.store(p_o, _for_store(b_o, p_o, EXACT_BF16), mask=m_v)
-    if FOLD:
-        eager_bookkeeping(arrive, cursor, epoch, i_s, h, pid % (HV * NV) == 0, HV * NV)
+    if FOLD == 1 or FOLD == 3:
+        eager_bookkeeping(arrive, cursor, epoch, i_s, h, e0, pid % (HV * NV) == 0, HV * NV)
 
 
-# (family, V, K) -> config; the lead's GPU sweep refines these.
+# (family, V, K) -> config, or a list of (max_batch, config) as in decode._REPLAY_TABLE: small
+# batches are latency-bound and prefer small programs (H200, benchmarks/results/
+# eager_sweep_v11.json, which times every candidate for this kernel and for the eager step
+# that shares it); at large batch BV=32 with 4 warps moves 3.9 TB/s.
 _CONVENTIONAL_TABLE = {
-    ("gdn", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
-    ("kda", 128, 128): {"BV": 32, "num_warps": 4, "num_stages": 1},
+    ("gdn", 128, 128): [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
+                        (1 << 30, {"BV": 32, "num_warps": 4, "num_stages": 1})],
+    ("kda", 128, 128): [(1, {"BV": 16, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
+                        (1 << 30, {"BV": 32, "num_warps": 4, "num_stages": 1})],
 }
 
 
@@ -122,7 +130,7 @@ def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, BV=BV, BK=BK, IS_KDA=family == "kda",
         USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(),
-        FOLD=fold, LBCAP=pending[1].shape[1] if fold else 1,
+        FOLD=int(os.environ.get("REPLAYSSM_EAGER_ABL", "1")) if fold else 0, LBCAP=pending[1].shape[1] if fold else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
 

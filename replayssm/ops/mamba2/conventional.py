@@ -12,6 +12,7 @@ the GPU sweep can override, like the replay kernel's.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -27,10 +28,15 @@ __all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVEN
 # Fixed per shape `(HV, V, K, G)`; keys BV, num_warps, num_stages as in decode.REPLAY_CONFIGS,
 # except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
 # in one program) and must divide the `HV // G * V` rows of a group.
+# An entry may be a list of `(max_batch, config)` as in decode.REPLAY_CONFIGS: small batches
+# are latency-bound and prefer small programs (H200, benchmarks/results/eager_sweep_v11.json,
+# which times every candidate for this kernel and for the eager step that shares it).
+_LARGE = dict(BV=64, num_warps=8, num_stages=1)
 CONVENTIONAL_CONFIGS = {
-    (128, 64, 128, 8): dict(BV=64, num_warps=8, num_stages=1),   # Nemotron-3-Super
-    (96, 80, 128, 8): dict(BV=64, num_warps=8, num_stages=1),    # Nemotron-3-Nano-4B
-    (64, 64, 128, 8): dict(BV=64, num_warps=8, num_stages=1),    # Nemotron-3-Nano-30B
+    (128, 64, 128, 8): [(1, dict(BV=16, num_warps=2)), (8, dict(BV=32, num_warps=1)),
+                        (1 << 30, _LARGE)],                       # Nemotron-3-Super
+    (96, 80, 128, 8): [(8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],   # Nemotron-3-Nano-4B
+    (64, 64, 128, 8): _LARGE,                                     # Nemotron-3-Nano-30B
 }
 
 
@@ -88,27 +94,33 @@ def _conventional_decode_kernel(
         return
 
     p_S = state + slot * (HV * V * K) + o_r[:, None] * K + o_k[None, :]
-    if FOLD:
+    if FOLD != 0:
         h = tl.load(cursor + slot)
+        e0 = tl.load(epoch + slot)
     # the state is streamed once: keep it from evicting the inputs shared by a group's heads
     if BK == K:
         b_S = tl.load(p_S, eviction_policy="evict_first")                              # [BV, BK]
     else:
         b_S = tl.load(p_S, mask=m_k[None, :], other=0.0, eviction_policy="evict_first")
-    if FOLD:
+
+    b_dt = tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32)
+    b_A = tl.load(A + o_h).to(tl.float32)
+    b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + o_v).to(tl.float32)
+    b_k = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if HAS_D:
+        b_d = tl.load(D + o_h).to(tl.float32)
+    if HAS_Z:
+        b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
+    if FOLD == 1 or FOLD == 2:
+        # after every load is issued: the branch waits for them all at once
         if h > 0:
             b_S = fold_pending(b_S, h, buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
                                buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
                                o_r >= 0, m_k, 1)
 
-    b_dt = tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32)
     b_dt = softplus(b_dt)                                                               # [BV]
-    b_a = tl.exp(b_dt * tl.load(A + o_h).to(tl.float32))
-    b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + o_v).to(tl.float32)
-    b_k = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-
-    b_S = b_a[:, None] * b_S + (b_dt * b_x)[:, None] * b_k[None, :]
+    b_S = tl.exp(b_dt * b_A)[:, None] * b_S + (b_dt * b_x)[:, None] * b_k[None, :]
     if BK == K:
         tl.store(p_S, b_S.to(p_S.dtype.element_ty), eviction_policy="evict_first")
     else:
@@ -116,13 +128,12 @@ def _conventional_decode_kernel(
 
     b_y = tl.sum(b_S * b_q[None, :], axis=1)                                            # [BV]
     if HAS_D:
-        b_y += tl.load(D + o_h).to(tl.float32) * b_x
+        b_y += b_d * b_x
     if HAS_Z:
-        b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
         b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
     tl.store(p_o, b_y.to(p_o.dtype.element_ty))
-    if FOLD:
-        eager_bookkeeping(arrive, cursor, epoch, slot, h, i_r == 0, HV * V // BV)
+    if FOLD == 1 or FOLD == 3:
+        eager_bookkeeping(arrive, cursor, epoch, slot, h, e0, i_r == 0, HV * V // BV)
 
 
 def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps,
@@ -142,7 +153,7 @@ def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
         HV=HV, G=G, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
-        HAS_D=D is not None, HAS_Z=z is not None, FOLD=fold, LB=pending[0].shape[1] if fold else 1,
+        HAS_D=D is not None, HAS_Z=z is not None, FOLD=int(os.environ.get("REPLAYSSM_EAGER_ABL", "1")) if fold else 0, LB=pending[0].shape[1] if fold else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
 
