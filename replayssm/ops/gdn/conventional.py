@@ -74,7 +74,8 @@ def _conventional_decode_kernel(
                 p_ld = buf_ld + (o_p * HV + i_hv) * K + o_k
             else:
                 p_ld = buf_ld + o_p * HV + i_hv
-            b_S = fold_pending(b_S, h, p_ld, buf_w + (o_p * HV + i_hv) * V + o_v,
+            # the tile re-read (an L1/L2 hit), so that the loaded one is dead in here
+            b_S = fold_pending(tl.load(p_S, mask=m_S, other=0.), h, p_ld, buf_w + (o_p * HV + i_hv) * V + o_v,
                                buf_k + (o_p * HK + i_hk) * K + o_k, HV * K if IS_KDA else HV,
                                HV * V, HK * K, m_v, m_k, 2 if IS_KDA else 0)
 

@@ -104,23 +104,31 @@ def _conventional_decode_kernel(
         b_S = tl.load(p_S, mask=m_k[None, :], other=0.0, eviction_policy="evict_first")
 
     b_dt = tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32)
-    b_A = tl.load(A + o_h).to(tl.float32)
+    if FOLD == 0:
+        b_dt = softplus(b_dt)                                                           # [BV]
+        b_a = tl.exp(b_dt * tl.load(A + o_h).to(tl.float32))
+    else:
+        b_A = tl.load(A + o_h).to(tl.float32)
     b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + o_v).to(tl.float32)
     b_k = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-    if HAS_D:
-        b_d = tl.load(D + o_h).to(tl.float32)
-    if HAS_Z:
-        b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
-    if FOLD == 1 or FOLD == 2:
-        # after every load is issued: the branch waits for them all at once
-        if h > 0:
-            b_S = fold_pending(b_S, h, buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
-                               buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
-                               o_r >= 0, m_k, 1)
+    if FOLD != 0:
+        # every load issued before the branch, which waits for them all at once
+        if HAS_D:
+            b_d = tl.load(D + o_h).to(tl.float32)
+        if HAS_Z:
+            b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
+        if FOLD == 1 or FOLD == 2:
+            if h > 0:
+                # the tile re-read (an L1/L2 hit), so that the loaded one is dead in here
+                b_S = fold_pending(tl.load(p_S, mask=m_k[None, :], other=0.0), h,
+                                   buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
+                                   buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
+                                   o_r >= 0, m_k, 1)
+        b_dt = softplus(b_dt)
+        b_a = tl.exp(b_dt * b_A)
 
-    b_dt = softplus(b_dt)                                                               # [BV]
-    b_S = tl.exp(b_dt * b_A)[:, None] * b_S + (b_dt * b_x)[:, None] * b_k[None, :]
+    b_S = b_a[:, None] * b_S + (b_dt * b_x)[:, None] * b_k[None, :]
     if BK == K:
         tl.store(p_S, b_S.to(p_S.dtype.element_ty), eviction_policy="evict_first")
     else:
@@ -128,8 +136,12 @@ def _conventional_decode_kernel(
 
     b_y = tl.sum(b_S * b_q[None, :], axis=1)                                            # [BV]
     if HAS_D:
+        if FOLD == 0:
+            b_d = tl.load(D + o_h).to(tl.float32)
         b_y += b_d * b_x
     if HAS_Z:
+        if FOLD == 0:
+            b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
         b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
     tl.store(p_o, b_y.to(p_o.dtype.element_ty))
     if FOLD == 1 or FOLD == 3:
