@@ -17,6 +17,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..cursor import eager_bookkeeping, fold_pending
+from ..common import table_entry
+from .decode import _EAGER_CONFIGS
 from .decode import (_for_store, _interpreting, _load_token, _resolve_config, _scale, check_devices,
                      check_slot_ids, check_slot_values, check_token_inputs, _shape, _dtype, _contig)
 
@@ -94,13 +96,13 @@ def _conventional_decode_kernel(
 
 # (family, V, K) -> config, or a list of (max_batch, config) as in decode._REPLAY_TABLE: small
 # batches are latency-bound and prefer small programs (H200, benchmarks/results/
-# eager_sweep_v11.json, which times every candidate for this kernel and for the eager step
+# eager_sweep_v13.json, which times every candidate for this kernel and for the eager step
 # that shares it); at large batch BV=32 with 4 warps moves 3.9 TB/s.
 _CONVENTIONAL_TABLE = {
     ("gdn", 128, 128): [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
                         (1 << 30, {"BV": 32, "num_warps": 4, "num_stages": 1})],
-    ("kda", 128, 128): [(1, {"BV": 16, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
-                        (1 << 30, {"BV": 32, "num_warps": 4, "num_stages": 1})],
+    ("kda", 128, 128): [(1, {"BV": 16, "num_warps": 4}), (4, {"BV": 8, "num_warps": 1}),
+                        (8, {"BV": 32, "num_warps": 1}), (1 << 30, {"BV": 32, "num_warps": 4, "num_stages": 1})],
 }
 
 
@@ -184,11 +186,12 @@ _EAGER_OPS = {family: _register_eager_op(family) for family in ("gdn", "kda")}
 def run_eager(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
               epoch, arrive, slot_ids, out, use_qk_l2norm, config) -> Tensor:
     """The eager step (`replay_decode` with window 1), inputs already validated: the
-    conventional kernel on the checkpoint, with its launch config at this batch (overridden by
-    the `BV`, `num_warps`, `num_stages` of `config`), after folding each row's pending
-    records; every row flushes."""
+    conventional kernel on the checkpoint, with the launch config of `_EAGER_CONFIGS` at this
+    batch (else the conventional table's; the `BV`, `num_warps`, `num_stages` of `config`
+    override it), after folding each row's pending records; every row flushes."""
     V, K = v.shape[-1], q.shape[-1]
-    over = {key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")}
+    over = dict(table_entry(_EAGER_CONFIGS, (family, V, K), q.shape[0]) or {})
+    over.update({key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")})
     cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, over, batch=q.shape[0])
     _EAGER_OPS[family](q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
                        epoch, arrive, slot_ids, out, bool(use_qk_l2norm), cfg["BV"],

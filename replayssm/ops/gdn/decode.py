@@ -593,19 +593,25 @@ _BF16_RECORDS_TABLE = {
 }
 
 
-# Batches up to which the eager step (window 1, see replay_decode) is the faster way to run a
-# decode step, per `(family, HV, V, K)`: small batches are latency-bound, and a window only
-# lengthens each program's chain there. Measured on the H200 (benchmarks/results/).
-_EAGER_MAX_BATCH = {
-    ("gdn", 32, 128, 128): 1,      # Qwen3.5-4B
-    ("gdn", 64, 128, 128): 1,      # Qwen3.5-122B
+# The eager step (window 1, see replay_decode) per (family, V, K): a list of (max_batch, launch
+# config); batches up to the last max_batch take it (the slot pool decodes them with window
+# 1), each with the first entry's config whose max_batch >= the batch ({}: the conventional
+# table's). Small batches are latency-bound: a window only lengthens each program's chain
+# there. KDA's windowed kernel lost at every batch measured (0.32-0.74x: its per-program
+# decay weights), so KDA takes the eager step at every batch. Chosen on the H200
+# (benchmarks/results/eager_sweep_v13.json: every candidate config timed for the eager step
+# and for the conventional kernel in one run).
+_EAGER_CONFIGS = {
+    ("gdn", 128, 128): [(8, {"BV": 8, "num_warps": 1})],
+    ("kda", 128, 128): [(8, {"BV": 8, "num_warps": 1}), (1 << 30, {})],
 }
 
 
-def eager_max_batch(HV: int, V: int, K: int, family: str = "gdn") -> int:
+def eager_max_batch(V: int, K: int, family: str = "gdn") -> int:
     """The largest batch for which the tables prefer the eager step (window 1) at this shape
     (0: never). The slot pool decodes such batches with window 1."""
-    return _EAGER_MAX_BATCH.get((family, HV, V, K), 0)
+    entry = _EAGER_CONFIGS.get((family, V, K))
+    return entry[-1][0] if entry else 0
 
 
 def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[int] = None) -> dict:

@@ -21,7 +21,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..cursor import eager_bookkeeping, fold_pending
-from .decode import check_slots, check_tensor, check_token_inputs, resolve_config, softplus
+from ..common import table_entry
+from .decode import EAGER_CONFIGS, check_slots, check_tensor, check_token_inputs, resolve_config, softplus
 
 __all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVENTIONAL_CONFIGS"]
 
@@ -29,13 +30,14 @@ __all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVEN
 # except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
 # in one program) and must divide the `HV // G * V` rows of a group.
 # An entry may be a list of `(max_batch, config)` as in decode.REPLAY_CONFIGS: small batches
-# are latency-bound and prefer small programs (H200, benchmarks/results/eager_sweep_v11.json,
+# are latency-bound and prefer small programs (H200, benchmarks/results/eager_sweep_v13.json,
 # which times every candidate for this kernel and for the eager step that shares it).
 _LARGE = dict(BV=64, num_warps=8, num_stages=1)
 CONVENTIONAL_CONFIGS = {
-    (128, 64, 128, 8): [(1, dict(BV=16, num_warps=2)), (8, dict(BV=32, num_warps=1)),
-                        (1 << 30, _LARGE)],                       # Nemotron-3-Super
-    (96, 80, 128, 8): [(8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],   # Nemotron-3-Nano-4B
+    (128, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),      # Super
+                        (4, dict(BV=16, num_warps=2)), (8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],
+    (96, 80, 128, 8): [(2, dict(BV=32, num_warps=4)), (8, dict(BV=32, num_warps=1)),        # Nano-4B
+                       (1 << 30, _LARGE)],
     (64, 64, 128, 8): _LARGE,                                     # Nemotron-3-Nano-30B
 }
 
@@ -203,11 +205,13 @@ def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, 
 def eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
                  slot_ids, out, config) -> Tensor:
     """The eager step (`replay_decode` with window 1), inputs already validated: the
-    conventional kernel on the checkpoint, with its launch config at this batch (overridden by
-    the `BV`, `num_warps`, `num_stages` of `config`), after folding each row's pending
-    records; every row flushes."""
-    over = {key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")}
-    cfg = conventional_config(x.shape[1], x.shape[2], B.shape[2], B.shape[1], over, batch=x.shape[0])
+    conventional kernel on the checkpoint, with the launch config of EAGER_CONFIGS at this batch
+    (else the conventional table's; the `BV`, `num_warps`, `num_stages` of `config` override
+    it), after folding each row's pending records; every row flushes."""
+    HV, V, G, K = x.shape[1], x.shape[2], B.shape[1], B.shape[2]
+    over = dict(table_entry(EAGER_CONFIGS, (HV, V, K, G), x.shape[0]) or {})
+    over.update({key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")})
+    cfg = conventional_config(HV, V, K, G, over, batch=x.shape[0])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w,
                                                 buf_k, cursor, epoch, arrive, slot_ids, out,

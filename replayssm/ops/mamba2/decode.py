@@ -30,7 +30,7 @@ from ..cursor import hand_off
 from ..tiles import check_slices, tile_dot, tile_offsets
 from torch import Tensor
 
-__all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config", "eager_max_batch", "EAGER_MAX_BATCH"]
+__all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config", "eager_max_batch", "EAGER_CONFIGS"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,25 +66,33 @@ _SMALL = (8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flus
 _SUPER = [_TINY, _SMALL, (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=True, prefetch=False))]
 REPLAY_CONFIGS = {
     (128, 64, 128, 8): _SUPER,                                                  # Nemotron-3-Super
-    (96, 80, 128, 8): [_TINY, _SMALL,                                           # Nemotron-3-Nano-4B
-                       (1 << 30, dict(BV=16, num_warps=2, HPP=6, recmask=True, prefetch=True))],
+    # Nano-4B: one-warp programs of 32 rows of [HV * V, K] across its 80-row heads (rows=True):
+    # batch 256 1.53x against 1.34-1.38x for 16-row blocks of six heads (variants_v12_rows.json)
+    (96, 80, 128, 8): [_TINY, _SMALL,
+                       (1 << 30, dict(BV=32, num_warps=1, HPP=1, recmask=True, prefetch=False, rows=True))],
     (64, 64, 128, 8): _SUPER,                                                   # Nemotron-3-Nano-30B
 }
 
 
-# Batches up to which the eager step (window 1, see replay_decode) is the faster way to run a
-# decode step, per shape `(HV, V, K, G)`: small batches are latency-bound, and a window only
-# lengthens each program's chain there. Measured on the H200 (benchmarks/results/).
-EAGER_MAX_BATCH = {
-    (128, 64, 128, 8): 1,          # Nemotron-3-Super
-    (96, 80, 128, 8): 1,           # Nemotron-3-Nano-4B
+# The eager step (window 1, see replay_decode) per shape `(HV, V, K, G)`: a list of
+# `(max_batch, launch config)`; batches up to the last max_batch take it (the slot pool decodes
+# them with window 1), each with the first entry's config whose max_batch >= the batch ({}:
+# the conventional table's). Small batches are latency-bound: a window only lengthens each
+# program's chain there. Chosen on the H200 (benchmarks/results/eager_sweep_v13.json: every
+# candidate config timed for the eager step and for the conventional kernel in one run).
+EAGER_CONFIGS = {
+    (128, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),     # Super
+                        (4, dict(BV=32, num_warps=1)), (8, dict(BV=16, num_warps=2))],
+    (96, 80, 128, 8): [(1, dict(BV=16, num_warps=2)), (2, dict(BV=32, num_warps=4)),      # Nano-4B
+                       (8, {})],
 }
 
 
 def eager_max_batch(HV: int, V: int, K: int, G: int) -> int:
     """The largest batch for which the tables prefer the eager step (window 1) at this shape
     (0: never). The slot pool decodes such batches with window 1."""
-    return EAGER_MAX_BATCH.get((HV, V, K, G), 0)
+    entry = EAGER_CONFIGS.get((HV, V, K, G))
+    return entry[-1][0] if entry else 0
 
 
 def _default_bv(V: int) -> int:
