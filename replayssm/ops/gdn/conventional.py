@@ -8,7 +8,6 @@ KDA (`IS_KDA`) scales the key columns by a channel-wise decay instead of a scala
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -59,7 +58,7 @@ def _conventional_decode_kernel(
         return
     p_S = state + ((i_s * HV + i_hv) * V + o_v)[:, None] * K + o_k[None, :]
     m_S = m_v[:, None] & m_k[None, :]
-    if FOLD != 0:
+    if FOLD:
         h = tl.load(cursor + i_s)
         e0 = tl.load(epoch + i_s)
     b_S = tl.load(p_S, mask=m_S, other=0.)                                  # [BV, BK] fp32
@@ -68,7 +67,7 @@ def _conventional_decode_kernel(
         q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
         stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, IS_KDA, USE_QK_L2NORM)
-    if FOLD == 1 or FOLD == 2:
+    if FOLD:
         # after every load is issued: the branch waits for them all at once
         if h > 0:
             o_p = i_s * LBCAP
@@ -90,7 +89,7 @@ def _conventional_decode_kernel(
     b_o = tl.sum(b_S * b_q[None, :], axis=1)
     tl.store(p_S, b_S, mask=m_S)
     tl.store(p_o, _for_store(b_o, p_o, EXACT_BF16), mask=m_v)
-    if FOLD == 1 or FOLD == 3:
+    if FOLD:
         eager_bookkeeping(arrive, cursor, epoch, i_s, h, e0, pid % (HV * NV) == 0, HV * NV)
 
 
@@ -133,7 +132,7 @@ def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, BV=BV, BK=BK, IS_KDA=family == "kda",
         USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(),
-        FOLD=int(os.environ.get("REPLAYSSM_EAGER_ABL", "1")) if fold else 0, LBCAP=pending[1].shape[1] if fold else 1,
+        FOLD=fold, LBCAP=pending[1].shape[1] if fold else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -12,7 +12,6 @@ the GPU sweep can override, like the replay kernel's.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -96,7 +95,7 @@ def _conventional_decode_kernel(
         return
 
     p_S = state + slot * (HV * V * K) + o_r[:, None] * K + o_k[None, :]
-    if FOLD != 0:
+    if FOLD:
         h = tl.load(cursor + slot)
         e0 = tl.load(epoch + slot)
     # the state is streamed once: keep it from evicting the inputs shared by a group's heads
@@ -106,7 +105,7 @@ def _conventional_decode_kernel(
         b_S = tl.load(p_S, mask=m_k[None, :], other=0.0, eviction_policy="evict_first")
 
     b_dt = tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32)
-    if FOLD == 0:
+    if not FOLD:
         b_dt = softplus(b_dt)                                                           # [BV]
         b_a = tl.exp(b_dt * tl.load(A + o_h).to(tl.float32))
     else:
@@ -114,19 +113,18 @@ def _conventional_decode_kernel(
     b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + o_v).to(tl.float32)
     b_k = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-    if FOLD != 0:
+    if FOLD:
         # every load issued before the branch, which waits for them all at once
         if HAS_D:
             b_d = tl.load(D + o_h).to(tl.float32)
         if HAS_Z:
             b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
-        if FOLD == 1 or FOLD == 2:
-            if h > 0:
-                # the tile re-read (an L1/L2 hit), so that the loaded one is dead in here
-                b_S = fold_pending(tl.load(p_S, mask=m_k[None, :], other=0.0), h,
-                                   buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
-                                   buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
-                                   o_r >= 0, m_k, 1)
+        if h > 0:
+            # the tile re-read (an L1/L2 hit), so that the loaded one is dead in here
+            b_S = fold_pending(tl.load(p_S, mask=m_k[None, :], other=0.0), h,
+                               buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
+                               buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
+                               o_r >= 0, m_k, 1)
         b_dt = softplus(b_dt)
         b_a = tl.exp(b_dt * b_A)
 
@@ -138,15 +136,15 @@ def _conventional_decode_kernel(
 
     b_y = tl.sum(b_S * b_q[None, :], axis=1)                                            # [BV]
     if HAS_D:
-        if FOLD == 0:
+        if not FOLD:
             b_d = tl.load(D + o_h).to(tl.float32)
         b_y += b_d * b_x
     if HAS_Z:
-        if FOLD == 0:
+        if not FOLD:
             b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
         b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
     tl.store(p_o, b_y.to(p_o.dtype.element_ty))
-    if FOLD == 1 or FOLD == 3:
+    if FOLD:
         eager_bookkeeping(arrive, cursor, epoch, slot, h, e0, i_r == 0, HV * V // BV)
 
 
@@ -167,7 +165,7 @@ def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
         HV=HV, G=G, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
-        HAS_D=D is not None, HAS_Z=z is not None, FOLD=int(os.environ.get("REPLAYSSM_EAGER_ABL", "1")) if fold else 0, LB=pending[0].shape[1] if fold else 1,
+        HAS_D=D is not None, HAS_Z=z is not None, FOLD=fold, LB=pending[0].shape[1] if fold else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
 
