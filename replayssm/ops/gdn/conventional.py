@@ -16,8 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..cursor import eager_bookkeeping, fold_pending
-from ..common import table_entry
-from .decode import _EAGER_CONFIGS
+from .decode import eager_config
 from .decode import (_for_store, _interpreting, _load_token, _resolve_config, _scale, check_devices,
                      check_slot_ids, check_slot_values, check_token_inputs, _shape, _dtype, _contig)
 
@@ -185,11 +184,11 @@ _EAGER_OPS = {family: _register_eager_op(family) for family in ("gdn", "kda")}
 def run_eager(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
               epoch, arrive, slot_ids, out, use_qk_l2norm, config) -> Tensor:
     """The eager step (`replay_decode` with window 1), inputs already validated: the
-    conventional kernel on the checkpoint, with the launch config of `_EAGER_CONFIGS` at this
+    conventional kernel on the checkpoint, with the launch config of `eager_config` at this
     batch (else the conventional table's; the `BV`, `num_warps`, `num_stages` of `config`
     override it), after folding each row's pending records; every row flushes."""
     V, K = v.shape[-1], q.shape[-1]
-    over = dict(table_entry(_EAGER_CONFIGS, (family, V, K), q.shape[0]) or {})
+    over = eager_config(family, v.shape[1], V, K, q.shape[0])
     over.update({key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")})
     cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, over, batch=q.shape[0])
     _EAGER_OPS[family](q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,

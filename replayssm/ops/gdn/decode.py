@@ -593,24 +593,32 @@ _BF16_RECORDS_TABLE = {
 }
 
 
-# The eager step (window 1, see replay_decode) per (family, V, K): a list of (max_batch, launch
-# config); batches up to the last max_batch take it (the slot pool decodes them with window
-# 1), each with the first entry's config whose max_batch >= the batch ({}: the conventional
-# table's). Small batches are latency-bound: a window only lengthens each program's chain
-# there. KDA's windowed kernel lost at every batch measured (0.32-0.74x: its per-program
-# decay weights), so KDA takes the eager step at every batch. Chosen on the H200
-# (benchmarks/results/eager_sweep_v13.json: every candidate config timed for the eager step
-# and for the conventional kernel in one run).
+# The eager step (window 1, see replay_decode) per (family, HV, V, K): a list of (max_batch,
+# launch config); batches up to the last max_batch take it (the slot pool decodes them with
+# window 1), each with the first entry's config whose max_batch >= the batch ({}: the
+# conventional table's). Small batches are latency-bound: a window only lengthens each
+# program's chain there (Qwen3.5-4B's 32 heads still at batch 16: eager 1.12x, window 0.94x;
+# Qwen3.5-122B's 64 heads there: window 1.34x). KDA's windowed kernel lost at every batch
+# measured (0.32-0.74x: its per-program decay weights), so KDA takes the eager step at every
+# batch (one-warp programs of 8 rows: 1.00x at batch 64, 0.99x at 256). Chosen on the H200
+# (benchmarks/results/eager_sweep_v13.json, eager_sweep_v15_*.json: every candidate config
+# timed for the eager step and for the conventional kernel in one run).
 _EAGER_CONFIGS = {
-    ("gdn", 128, 128): [(8, {"BV": 8, "num_warps": 1})],
-    ("kda", 128, 128): [(8, {"BV": 8, "num_warps": 1}), (1 << 30, {})],
+    ("gdn", 32, 128, 128): [(16, {"BV": 8, "num_warps": 1})],           # Qwen3.5-4B, Qwen3-Next
+    ("gdn", 64, 128, 128): [(8, {"BV": 8, "num_warps": 1})],            # Qwen3.5-122B
+    ("kda", 32, 128, 128): [(1 << 30, {"BV": 8, "num_warps": 1})],      # Kimi-Linear-48B
 }
 
 
-def eager_max_batch(V: int, K: int, family: str = "gdn") -> int:
+def eager_config(family: str, HV: int, V: int, K: int, batch: int) -> dict:
+    """The eager step's launch-config overrides at this shape and batch ({}: none)."""
+    return dict(table_entry(_EAGER_CONFIGS, (family, HV, V, K), batch) or {})
+
+
+def eager_max_batch(HV: int, V: int, K: int, family: str = "gdn") -> int:
     """The largest batch for which the tables prefer the eager step (window 1) at this shape
     (0: never). The slot pool decodes such batches with window 1."""
-    entry = _EAGER_CONFIGS.get((family, V, K))
+    entry = _EAGER_CONFIGS.get((family, HV, V, K))
     return entry[-1][0] if entry else 0
 
 
