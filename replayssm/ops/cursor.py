@@ -2,7 +2,8 @@
 
 `hand_off` moves the cursor once every program of a slot has read it; `fold_pending` applies
 the records a slot still holds (positions `0..h-1`) to a state tile, which is what the eager
-step (window 1, `ops/*/eager`) does before its conventional update.
+step (`replay_decode` with window 1: the conventional kernels with `FOLD`) does before its
+conventional update; `eager_bookkeeping` is that step's cursor and epoch.
 """
 import triton
 import triton.language as tl

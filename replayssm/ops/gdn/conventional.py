@@ -34,7 +34,7 @@ def _conventional_decode_kernel(
     IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr,
     FOLD: tl.constexpr, LBCAP: tl.constexpr,
 ):
-    # FOLD: the eager step of ReplaySSM state (window 1, see eager_decode): `state` is the
+    # FOLD: the eager step of ReplaySSM state (window 1, see run_eager): `state` is the
     # checkpoint, records still pending behind the slot's cursor are folded into the tile
     # first, and the step flushes (cursor 0, epoch + 1). Otherwise the plain conventional step.
     NV: tl.constexpr = (V + BV - 1) // BV
