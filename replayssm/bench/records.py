@@ -4,11 +4,14 @@ records over a long decode, measured against the float64 conventional recurrence
 For each family at a real shape, `steps` decode steps of the same random inputs run through
 the conventional fp32 kernel, the ReplaySSM kernel with fp32 records and with bf16 records,
 and the float64 reference (on the GPU). Reported per bin of steps: the mean relative error of
-the outputs, and at the end the relative error of the state.
+the outputs, and at the end the relative error of the state. The replay kernels run with the
+window given (never the eager step, which keeps no records); `--bf16-configs` adds bf16-record
+runs with other launch configs (e.g. GDN's `{"matprec": "bf16"}`).
 """
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -20,7 +23,7 @@ from .decode import _call, _ops
 SHAPES = {"mamba2": "nemotron3-nano-4b", "gdn": "qwen3.5-4b", "kda": "kimi-linear-48b"}
 
 
-def run(family, steps, batch, heads, window, bins, seed=0):
+def run(family, steps, batch, heads, window, bins, seed=0, bf16_configs=()):
     shape = SHAPES[family]
     _, HV_full, Hk_full, V, K = traffic.MODEL_SHAPES[shape]
     HV = heads or HV_full
@@ -33,10 +36,13 @@ def run(family, steps, batch, heads, window, bins, seed=0):
     slots = torch.arange(N, device=dev)
     S64 = torch.zeros(N, HV, V, K, dtype=torch.float64, device=dev)
     conv = torch.zeros(N, HV, V, K, device=dev)
-    schemes = {}
-    for rd in (torch.float32, torch.bfloat16):
+    schemes, configs = {}, {}
+    runs = [(torch.float32, None), (torch.bfloat16, None)] + [(torch.bfloat16, c) for c in bf16_configs if c]
+    for rd, cfg in runs:
         ld_shape = (N, Lb, HV, K) if family == "kda" else (N, Lb, HV)
-        schemes[str(rd).replace("torch.", "")] = dict(
+        name = str(rd).replace("torch.", "") + ("" if cfg is None else " " + json.dumps(cfg, sort_keys=True))
+        configs[name] = cfg
+        schemes[name] = dict(
             ckpt=torch.zeros(N, HV, V, K, device=dev), buf_ld=torch.zeros(ld_shape, device=dev),
             buf_w=torch.zeros(N, Lb, HV, V, dtype=rd, device=dev), buf_k=torch.zeros(N, Lb, Hk, K, dtype=rd, device=dev),
             cursor=torch.zeros(N, dtype=torch.int32, device=dev), epoch=torch.zeros(N, dtype=torch.int64, device=dev),
@@ -56,7 +62,8 @@ def run(family, steps, batch, heads, window, bins, seed=0):
             common = dict(inp, A_log=p32.A_log, dt_bias=p32.dt_bias, scale=None, use_qk_l2norm=True)
         outs = {"conventional_fp32": _call(ops.conventional_decode, dict(common, state=conv, slot_ids=slots, validate=False))}
         for k, st in schemes.items():
-            outs[f"replay_{k}_records"] = _call(ops.replay_decode, dict(common, **st, slot_ids=slots, window=window, validate=False))
+            outs[f"replay_{k}_records"] = _call(ops.replay_decode, dict(common, **st, slot_ids=slots, window=window,
+                                                                        config=configs[k], validate=False))
         den = y64.norm().item()
         for n, y in outs.items():
             acc[n][min(t // per_bin, bins - 1)] += (y.double() - y64).norm().item() / den / per_bin
@@ -80,16 +87,19 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=8, help="value heads (real head dims); 0: the model's")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--bins", type=int, default=8)
+    ap.add_argument("--bf16-configs", default="[]",
+                    help="JSON list of launch configs for further bf16-record runs (as replay_decode's config=)")
     ap.add_argument("--out", default="benchmarks/results/records_h200.json")
     args = ap.parse_args(argv)
     doc = header("records")
     doc["rows"] = []
     for fam in args.families.split(","):
-        r = run(fam, args.steps, args.batch, args.heads, args.window, args.bins)
+        r = run(fam, args.steps, args.batch, args.heads, args.window, args.bins,
+                bf16_configs=json.loads(args.bf16_configs))
         doc["rows"].append(r)
         print(f"{fam}: mean output rel. error per {r['bin_steps']}-step bin")
         for n, v in r["output_rel_err_by_bin"].items():
-            print(f"  {n:26} " + " ".join(f"{x:.1e}" for x in v), flush=True)
+            print(f"  {n:44} " + " ".join(f"{x:.1e}" for x in v), flush=True)
     write_results(args.out, doc)
     return doc
 
