@@ -2,7 +2,7 @@
 registers and stack (cuobjdump on the cubin; Triton's 3.9 toolchain, so figures may differ
 a little from triton 3.6's), for register-pressure checks between GPU sessions.
 
-    python benchmarks/regcount.py [mamba2|gdn|kda|gdn-mat] [key=value config overrides]
+    python benchmarks/regcount.py [mamba2|mamba2-rows|gdn|kda|gdn-mat] [key=value config overrides]
 """
 import os
 import re
@@ -85,6 +85,24 @@ def mamba2(cfg):
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
 
+def mamba2_rows(cfg):
+    """Mamba-2's row-block kernel (rows=True), Nano-4B's large-batch table config by default."""
+    from replayssm.ops.mamba2 import decode as m
+
+    HV, G, V, K, L = 96, 8, 80, 128, 16
+    c = dict(BV=32, num_warps=1, recmask=1)
+    c.update(cfg)
+    fn = m._replay_decode_rows_kernel
+    ptr = {n: "*fp32" for n in ("x", "dt", "B", "C", "A", "dt_bias", "D", "z", "out", "ckpt", "buf_ld")}
+    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+    LB = L + 1
+    vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
+                BL=max(16, triton.next_power_of_2(min(L, LB))), HAS_D=True, HAS_Z=True,
+                RECMASK=bool(c["recmask"]), RC=min(16, c["BV"]))
+    sig, const = signature(fn, ptr, vals)
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 rows {c}")
+
+
 # pointer arguments of the GDN/KDA replay kernels (bf16 records)
 _DELTA_PTRS = dict({n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")},
                    buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
@@ -129,4 +147,5 @@ if __name__ == "__main__":
     for kv in sys.argv[2:]:
         k, v = kv.split("=")
         cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
-    print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat}[fam](cfg))
+    print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat,
+           "mamba2-rows": mamba2_rows}[fam](cfg))
