@@ -186,6 +186,36 @@ def _token_decay(dt, dt_bias, A, off_dt, i_h):
 
 
 @triton.jit
+def _record_masks(o_l, h, n_pos, RECMASK: tl.constexpr):
+    """Masks of the record lanes at cursor h: `m_j` position j < h holds a record, `m_j1`
+    position j + 1 does (the shifted log decays; the current token sits at position h), and
+    `m_lj`, `m_lj1` those the loads are predicated on: the same with RECMASK (no traffic for
+    empty positions), else only the `n_pos` window positions (issued without waiting for the
+    cursor: the small-batch latency path). Positions at or past the cursor are removed by
+    selects on `m_j` / `m_j1` after the load either way, so stale or poisoned records never
+    enter the arithmetic."""
+    m_j = o_l < h
+    m_j1 = o_l + 1 < h
+    if RECMASK:
+        return m_j, m_j1, m_j, m_j1
+    else:
+        return m_j, m_j1, o_l < n_pos, o_l + 1 < n_pos
+
+
+@triton.jit
+def _group_keys(p_K, stride_K, p_kc, p_q, o_l, o_k, m_k, m_j, m_lj):
+    """A group's buffered keys (`[BL, BK]` fp32, zero where no record), the token's key and
+    their products with the query: `(K_rec, k_t, q, K_rec q, k_t . q)`. `p_K` points at position 0
+    of the group's keys (positions `stride_K` apart), `p_kc` and `p_q` at the token's key and
+    query."""
+    b_Kb = tl.load(p_K + o_l[:, None] * stride_K + o_k[None, :], mask=m_lj[:, None] & m_k[None, :], other=0.0)
+    b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.0)                             # [BL, BK]
+    b_kc = tl.load(p_kc + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_q = tl.load(p_q + o_k, mask=m_k, other=0.0).to(tl.float32)
+    return b_Kb, b_kc, b_q, tl.sum(b_Kb * b_q[None, :], axis=1), tl.sum(b_kc * b_q, axis=0)
+
+
+@triton.jit
 def _head_weights(p_ld, stride_l, b_ld, h, o_l, m_j, m_j1, m_lj1):
     """Weights of one head at cursor h: record j (lane j < h) enters with
     g_{j+1:h} = exp(ld_{j+1} + ... + ld_h), the checkpoint with g_{0:h}; `p_ld` points at the
@@ -239,21 +269,8 @@ def _replay_decode_kernel(
             tl.store(p_o + i * stride_o_h, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
 
-    # Record position j (< h) of the window; positions j + 1 for the shifted log decays (the
-    # current token sits at position h). Record loads are predicated on the cursor (RECMASK:
-    # no traffic for empty positions) or only on the window (no wait for the cursor before
-    # they are issued: the batch-1 latency path); either way positions at or past the cursor
-    # are removed by selects after the load, so stale or poisoned records never enter.
     h = tl.load(cursor + slot)
-    n_pos = WINDOW if WINDOW < LB else LB
-    m_j = o_l < h
-    m_j1 = o_l + 1 < h
-    if RECMASK:
-        m_lj = m_j
-        m_lj1 = m_j1
-    else:
-        m_lj = o_l < n_pos
-        m_lj1 = o_l + 1 < n_pos
+    m_j, m_j1, m_lj, m_lj1 = _record_masks(o_l, h, WINDOW if WINDOW < LB else LB, RECMASK)
 
     # tile offsets in int32 (a slot's checkpoint is far below 2^31 elements), added to a
     # scalar 64-bit base per head: a tile of 64-bit addresses would hold twice the registers
@@ -264,13 +281,10 @@ def _replay_decode_kernel(
         b_Sn = _load_tile(p_S0 + h0 * (V * K) + o_S, m_S, EVEN)
 
     # the group's keys and the token's key and query: shared by the HPP heads
-    b_Kb = tl.load(buf_k + slot * (LB * G * K) + o_l[:, None] * (G * K) + i_g * K + o_k[None, :],
-                   mask=m_lj[:, None] & m_k[None, :], other=0.0)
-    b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.0)                           # [BL, BK]
-    b_kc = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_kq = tl.sum(b_Kb * b_q[None, :], axis=1)                                        # [BL]
-    b_kcq = tl.sum(b_kc * b_q, axis=0)
+    b_Kb, b_kc, b_q, b_kq, b_kcq = _group_keys(buf_k + slot * (LB * G * K) + i_g * K, G * K,
+                                               B + i_b * stride_B_b + i_g * stride_B_g,
+                                               C + i_b * stride_C_b + i_g * stride_C_g,
+                                               o_l, o_k, m_k, m_j, m_lj)
     is_flush = h + 1 >= WINDOW
 
     for i in range(HPP):
@@ -408,27 +422,16 @@ def _replay_decode_rows_kernel(
         return
 
     h = tl.load(cursor + slot)
-    n_pos = WINDOW if WINDOW < LB else LB
-    m_j = o_l < h
-    m_j1 = o_l + 1 < h
-    if RECMASK:
-        m_lj = m_j
-        m_lj1 = m_j1
-    else:
-        m_lj = o_l < n_pos
-        m_lj1 = o_l + 1 < n_pos
+    m_j, m_j1, m_lj, m_lj1 = _record_masks(o_l, h, WINDOW if WINDOW < LB else LB, RECMASK)
 
     p_S = ckpt + slot * (HV * V * K) + r0 * K
     o_S = tl.arange(0, BV)[:, None] * K + o_k[None, :]
     b_S = _load_tile(p_S + o_S, m_k[None, :], BK == K)                                  # [BV, BK]
 
-    b_Kb = tl.load(buf_k + slot * (LB * G * K) + o_l[:, None] * (G * K) + i_g * K + o_k[None, :],
-                   mask=m_lj[:, None] & m_k[None, :], other=0.0)
-    b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.0)                             # [BL, BK]
-    b_kc = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_kq = tl.sum(b_Kb * b_q[None, :], axis=1)                                          # [BL]
-    b_kcq = tl.sum(b_kc * b_q, axis=0)
+    b_Kb, b_kc, b_q, b_kq, b_kcq = _group_keys(buf_k + slot * (LB * G * K) + i_g * K, G * K,
+                                               B + i_b * stride_B_b + i_g * stride_B_g,
+                                               C + i_b * stride_C_b + i_g * stride_C_g,
+                                               o_l, o_k, m_k, m_j, m_lj)
     p_W = buf_w + slot * (LB * HV * V) + r0
     b_W = tl.load(p_W + (o_l[:, None] * (HV * V) + tl.arange(0, BV)[None, :]), mask=m_lj[:, None], other=0.0)
     b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                               # [BL, BV]
