@@ -162,6 +162,36 @@ def _pool(N, Lb, HV, V, K, G, fill):
     )
 
 
+def _live_pool(shape, N, Lb, used, start, *, seed, sentinel_from=None):
+    """A pool of sentinel-filled slots (`_pool`) whose slots `used` hold a random checkpoint
+    and `start[i]` records each (positions past the cursor NaN: any read the kernel should not
+    make carries into the outputs; from `sentinel_from` on, the sentinel again), epoch 10 * s.
+    Returns the layer parameters, their fp32 copies on the device `(A, dt_bias, D)`, the
+    float64 reference, the pool, each used slot's float64 state, and the generator."""
+    HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
+    g = torch.Generator().manual_seed(seed)
+    p = make_params("mamba2", HV, K, seed=seed)
+    A, dt_bias, D = (t.float() for t in (p.A, p.dt_bias, p.D))
+    ref = Mamba2Params(A=A.double(), dt_bias=dt_bias.double(), D=D.double())
+    pool = _pool(N, Lb, HV, V, K, G, 1e30)
+    S_ref = {}
+    for s, h in zip(used, start):
+        C0 = 0.1 * torch.randn(HV, V, K, generator=g)
+        inp = make_inputs(p, h, V, K, G, generator=g)
+        pr = p.prepare(inp["x"], inp["dt"], inp["B"], inp["C"])
+        ld, w, k = pr["ld"].float(), pr["w"].float(), pr["k"].float()
+        pool["ckpt"][s] = C0.to(DEV)
+        for name, rec in (("buf_ld", ld), ("buf_w", w), ("buf_k", k)):
+            pool[name][s] = float("nan")
+            pool[name][s, :h] = rec.to(DEV)
+            if sentinel_from is not None:
+                pool[name][s, sentinel_from:] = 1e30
+        pool["cursor"][s] = h
+        pool["epoch"][s] = 10 * s
+        S_ref[s] = replay(C0.double(), ld.double(), w.double(), k.double())
+    return p, tuple(t.to(DEV) for t in (A, dt_bias, D)), ref, pool, S_ref, g
+
+
 POISON_CASES = [
     pytest.param(SMALL, 4, None, id="small"),
     pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True), id="rows-spanning"),
@@ -175,35 +205,8 @@ def test_poison_and_cursors(shape, L, config):
     HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
     N, Lb = 6, L + 2
     used, start = [0, 1, 2], [0, L - 1, 2]     # slot 0 at cursor 0; slot 1 flushes on its first step
-    g = torch.Generator().manual_seed(3)
-    p = make_params("mamba2", HV, K, seed=3)
-    A, dt_bias, D = (t.float() for t in (p.A, p.dt_bias, p.D))
-    ref = Mamba2Params(A=A.double(), dt_bias=dt_bias.double(), D=D.double())
-    A, dt_bias, D = (t.to(DEV) for t in (A, dt_bias, D))
-
-    pool = _pool(N, Lb, HV, V, K, G, 1e30)
-    S_ref = {}
-    for s, h in zip(used, start):
-        # live state: a checkpoint and h records; positions h.. stay poisoned with NaN, which
-        # any read the kernel should not make would carry into the outputs
-        C0 = 0.1 * torch.randn(HV, V, K, generator=g)
-        inp = make_inputs(p, h, V, K, G, generator=g)
-        pr = p.prepare(inp["x"], inp["dt"], inp["B"], inp["C"])
-        ld, w, k = pr["ld"].float(), pr["w"].float(), pr["k"].float()
-        pool["ckpt"][s] = C0.to(DEV)
-        pool["buf_ld"][s] = float("nan")
-        pool["buf_w"][s] = float("nan")
-        pool["buf_k"][s] = float("nan")
-        pool["buf_ld"][s, :h] = ld.to(DEV)
-        pool["buf_w"][s, :h] = w.to(DEV)
-        pool["buf_k"][s, :h] = k.to(DEV)
-        # beyond the window the buffer is never touched in standard decode: a sentinel
-        pool["buf_ld"][s, L:] = 1e30
-        pool["buf_w"][s, L:] = 1e30
-        pool["buf_k"][s, L:] = 1e30
-        pool["cursor"][s] = h
-        pool["epoch"][s] = 10 * s
-        S_ref[s] = replay(C0.double(), ld.double(), w.double(), k.double())
+    # beyond the window the buffer is never touched in standard decode: a sentinel from L on
+    p, (A, dt_bias, D), ref, pool, S_ref, g = _live_pool(shape, N, Lb, used, start, seed=3, sentinel_from=L)
     unused = [s for s in range(N) if s not in used]
     frozen = {name: t[unused].clone() for name, t in pool.items()}
     tail = {name: pool[name][used, L:].clone() for name in ("buf_ld", "buf_w", "buf_k")}
@@ -268,25 +271,7 @@ def test_eager_step_folds_pending_records(shape, config):
     HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
     N, Lb = 5, 6
     used, start = [0, 1, 3], [0, 3, 2]
-    g = torch.Generator().manual_seed(5)
-    p = make_params("mamba2", HV, K, seed=5)
-    A, dt_bias, D = (t.float() for t in (p.A, p.dt_bias, p.D))
-    ref = Mamba2Params(A=A.double(), dt_bias=dt_bias.double(), D=D.double())
-    A, dt_bias, D = (t.to(DEV) for t in (A, dt_bias, D))
-    pool = _pool(N, Lb, HV, V, K, G, 1e30)
-    S_ref = {}
-    for s, h in zip(used, start):
-        C0 = 0.1 * torch.randn(HV, V, K, generator=g)
-        inp = make_inputs(p, h, V, K, G, generator=g)
-        pr = p.prepare(inp["x"], inp["dt"], inp["B"], inp["C"])
-        ld, w, k = pr["ld"].float(), pr["w"].float(), pr["k"].float()
-        pool["ckpt"][s] = C0.to(DEV)
-        for name in ("buf_ld", "buf_w", "buf_k"):
-            pool[name][s] = float("nan")        # positions past the cursor: never read
-        pool["buf_ld"][s, :h], pool["buf_w"][s, :h], pool["buf_k"][s, :h] = (t.to(DEV) for t in (ld, w, k))
-        pool["cursor"][s] = h
-        pool["epoch"][s] = 10 * s
-        S_ref[s] = replay(C0.double(), ld.double(), w.double(), k.double())
+    p, (A, dt_bias, D), ref, pool, S_ref, g = _live_pool(shape, N, Lb, used, start, seed=5)
     unused = [s for s in range(N) if s not in used]
     frozen = {name: t[unused].clone() for name, t in pool.items()}
     records = {name: pool[name].clone() for name in ("buf_ld", "buf_w", "buf_k")}
