@@ -39,3 +39,12 @@ def table_entry(table: dict, key, batch=None):
     if entry is None or isinstance(entry, dict):
         return entry
     return next((cfg for max_batch, cfg in entry if batch is None or batch <= max_batch), entry[-1][1])
+
+
+def eager_launch_overrides(entry, config) -> dict:
+    """The eager step's overrides of the conventional launch config: its table's `entry`
+    (or none), then the `BV`, `num_warps`, `num_stages` of the caller's `config` (the other
+    keys of a replay config do not apply to it)."""
+    over = dict(entry or {})
+    over.update({key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")})
+    return over

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..common import eager_launch_overrides
 from ..cursor import eager_bookkeeping, fold_pending
 from .decode import eager_config
 from .decode import (_for_store, _interpreting, _load_token, _resolve_config, _scale, check_devices,
@@ -188,8 +189,7 @@ def run_eager(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w,
     batch (else the conventional table's; the `BV`, `num_warps`, `num_stages` of `config`
     override it), after folding each row's pending records; every row flushes."""
     V, K = v.shape[-1], q.shape[-1]
-    over = eager_config(family, v.shape[1], V, K, q.shape[0])
-    over.update({key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")})
+    over = eager_launch_overrides(eager_config(family, v.shape[1], V, K, q.shape[0]), config)
     cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, over, batch=q.shape[0])
     _EAGER_OPS[family](q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
                        epoch, arrive, slot_ids, out, bool(use_qk_l2norm), cfg["BV"],

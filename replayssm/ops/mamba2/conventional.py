@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..cursor import eager_bookkeeping, fold_pending
-from ..common import table_entry
+from ..common import eager_launch_overrides, table_entry
 from .decode import EAGER_CONFIGS, check_slots, check_tensor, check_token_inputs, resolve_config, softplus
 
 __all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVENTIONAL_CONFIGS"]
@@ -207,8 +207,7 @@ def eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
     (else the conventional table's; the `BV`, `num_warps`, `num_stages` of `config` override
     it), after folding each row's pending records; every row flushes."""
     HV, V, G, K = x.shape[1], x.shape[2], B.shape[1], B.shape[2]
-    over = dict(table_entry(EAGER_CONFIGS, (HV, V, K, G), x.shape[0]) or {})
-    over.update({key: val for key, val in (config or {}).items() if key in ("BV", "num_warps", "num_stages")})
+    over = eager_launch_overrides(table_entry(EAGER_CONFIGS, (HV, V, K, G), x.shape[0]), config)
     cfg = conventional_config(HV, V, K, G, over, batch=x.shape[0])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w,
