@@ -4,16 +4,19 @@
 # kernel's Python lines) and the details page, plus the Triton IR of every kernel compiled.
 # Run on the GPU machine from the repository root:
 #   OUT=/some/dir bash benchmarks/ncu_source.sh qwen3.5-4b 256 replay
+# KREGEX overrides the kernel-name regex (default `_<kind>_decode_kernel`; GDN's materialising
+# kernel is `_replay_decode_mat_kernel`); REP is where the .ncu-rep goes (default $OUT).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp}"
 shape="$1"; batch="$2"; kind="${3:-replay}"
 tag="${shape}_${batch}_${kind}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton_cache_ncu}"
-ncu --clock-control none -k "regex:_${kind}_decode_kernel" --launch-skip 16 --launch-count 1 \
-    --set full --import-source yes -f -o "$OUT/ncu_$tag" \
+REP="${REP:-$OUT}"
+ncu --clock-control none -k "regex:${KREGEX:-_${kind}_decode_kernel}" --launch-skip 16 --launch-count 1 \
+    --set full --import-source yes -f -o "$REP/ncu_$tag" \
     python3 benchmarks/profile_decode.py "$shape" "$batch" > "$OUT/ncu_${tag}_run.txt" 2>&1
-ncu -i "$OUT/ncu_$tag.ncu-rep" --page details > "$OUT/ncu_${tag}_details.txt" 2>&1
-ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${tag}_sass.csv" 2>&1
+ncu -i "$REP/ncu_$tag.ncu-rep" --page details > "$OUT/ncu_${tag}_details.txt" 2>&1
+ncu -i "$REP/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${tag}_sass.csv" 2>&1
 grep -E "Duration|Registers Per|Achieved Occupancy|DRAM Throughput|L1/TEX Cache|Executed Ipc|Issue Slots Busy" \
     "$OUT/ncu_${tag}_details.txt" | head -12

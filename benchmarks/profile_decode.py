@@ -1,8 +1,10 @@
-"""Run one window of the replay and conventional kernels for a shape, for a profiler (ncu).
+"""Run one window of the replay and conventional kernels for a shape, for a profiler (ncu);
+an optional third argument is a JSON replay config (overrides of the table's).
 
     ncu --clock-control none -k regex:decode_kernel --launch-skip 8 --launch-count 2 \
-        python benchmarks/profile_decode.py nemotron3-super 256
+        python benchmarks/profile_decode.py nemotron3-super 256 '{"warpsum": true}'
 """
+import json
 import sys
 
 import torch
@@ -11,9 +13,10 @@ from replayssm.bench.decode import Case
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "nemotron3-super"
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 256
+config = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
 case = Case(shape, batch, 16)
 for _ in range(2):
-    case.replay_window()
+    case.replay_window(config)
     case.conventional_window()
 torch.cuda.synchronize()
 print("ok", shape, batch)

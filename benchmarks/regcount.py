@@ -41,10 +41,14 @@ def compile_kernel(fn, signature, constexprs, num_warps):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or (signature[n] == "i32" and (n.startswith("stride") or n == "window"))}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps}
+    if os.environ.get("REGCOUNT_MAXNREG"):
+        opts["maxnreg"] = int(os.environ["REGCOUNT_MAXNREG"])
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     if os.environ.get("REGCOUNT_DUMP"):
         for ext in ("ttgir", "ptx"):
             open(f"{os.environ['REGCOUNT_DUMP']}.{ext}", "w").write(k.asm[ext])
+        open(f"{os.environ['REGCOUNT_DUMP']}.cubin", "wb").write(k.asm["cubin"])
     return k.asm["cubin"]
 
 
@@ -80,7 +84,7 @@ def mamba2(cfg):
                 BL=max(16, triton.next_power_of_2(min(L, LB))), HPP=c["HPP"], NVB=triton.cdiv(V, c["BV"]),
                 FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
                 RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EVEN=bool(c.get("even", 1)),
-                RC=min(16, c["BV"]), KS=c.get("KS", 1))
+                RC=min(16, c["BV"]), KS=c.get("KS", 1), WS=c["num_warps"] if c.get("warpsum") else 0)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
@@ -98,7 +102,7 @@ def mamba2_rows(cfg):
     LB = L + 1
     vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
                 BL=max(16, triton.next_power_of_2(min(L, LB))), HAS_D=True, HAS_Z=True,
-                RECMASK=bool(c["recmask"]), RC=min(16, c["BV"]))
+                RECMASK=bool(c["recmask"]), RC=min(16, c["BV"]), WS=c["num_warps"] if c.get("warpsum") else 0)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 rows {c}")
 

@@ -83,12 +83,26 @@ EDGE_CASES = [
                  marks=[pytest.mark.gpu, gpu], id="super-whole-group"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, dict(BV=32),
                  marks=[pytest.mark.gpu, gpu], id="nano4b-BV32-masked"),
+    # records summed inside each warp: [L, warps, rows] tiles, masked rows (V = 24, BV = 16)
+    pytest.param(dict(HV=4, G=2, V=24, K=20), 5, dict(BV=16, num_warps=2, warpsum=True), id="warpsum-odd"),
+    pytest.param(SMALL, 4, dict(BV=16, num_warps=4, warpsum=True, recmask=False), id="warpsum-unmasked"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
+                 dict(BV=64, num_warps=4, HPP=1, KS=1, recmask=True, warpsum=True),
+                 marks=[pytest.mark.gpu, gpu], id="super-warpsum"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
+                 dict(BV=64, num_warps=4, HPP=1, KS=1, recmask=True, warpsum=True, flush="tf32x3"),
+                 marks=[pytest.mark.gpu, gpu], id="super-warpsum-tf32x3"),
     # row blocks of [HV * V, K] spanning two heads (V = 24 is no multiple of 16)
     pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=2), id="rows-spanning"),
     pytest.param(dict(HV=4, G=2, V=24, K=32), 5, dict(BV=8, rows=True, recmask=False), id="rows-unmasked"),
+    pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=2, warpsum=True),
+                 id="rows-spanning-warpsum"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16,
                  dict(BV=32, rows=True, num_warps=1, HPP=1, prefetch=False, KS=1), marks=[pytest.mark.gpu, gpu],
                  id="nano4b-rows32"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16,
+                 dict(BV=64, rows=True, num_warps=4, HPP=1, prefetch=False, KS=1, warpsum=True),
+                 marks=[pytest.mark.gpu, gpu], id="nano4b-rows64-warpsum"),
 ]
 
 
@@ -195,6 +209,10 @@ def _live_pool(shape, N, Lb, used, start, *, seed, sentinel_from=None):
 POISON_CASES = [
     pytest.param(SMALL, 4, None, id="small"),
     pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True), id="rows-spanning"),
+    pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, num_warps=2, warpsum=True, recmask=False),
+                 id="warpsum-unmasked"),
+    pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=2, warpsum=True, recmask=False),
+                 id="rows-warpsum-unmasked"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, None,
                  marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b"),
 ]
@@ -547,6 +565,8 @@ REPLAY_ERRORS = [
     ("config", dict(block=16), "unknown"),
     ("config", dict(rows=True, BV=32), "rows=True needs BV=32 <= V=16"),
     ("config", dict(rows=True, BV=16, HPP=2), "rows=True takes HPP=1"),
+    ("config", dict(warpsum=True, BV=2, num_warps=4), "warpsum=True needs"),
+    ("config", dict(warpsum=True, KS=2), "warpsum=True needs"),
 ]
 
 

@@ -51,6 +51,8 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #               record, exact fp32) or "tf32x3" (tl.dot on tensor cores, three tf32 passes)
 #   KS          replay only: the checkpoint tile held as KS slices of K per thread (ops/tiles.py;
 #               1: a plain [BV, K] tile); KS > 1 needs flush="fma"
+#   warpsum     replay only: the records' sum over positions inside each warp (`_records_dot`),
+#               not across warps through shared memory
 #   rows        replay only: a program owns BV consecutive rows of the checkpoint seen as
 #               [HV * V, K] (BV <= V, dividing a group's rows), which may span two heads,
 #               instead of a BV-row block of one head (`_replay_decode_rows_kernel`)
@@ -65,10 +67,12 @@ _TINY = (2, dict(BV=16, num_warps=1, HPP=1, recmask=False, prefetch=False, flush
 _SMALL = (8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flush="fma", KS=4))
 # Super at batch 16: one-warp row blocks of 32 (rows=True), 1.18x against 1.02x for the
 # large-batch entry (variants_v14_b8.json); at batch 64 the two tie, at 256 the per-head
-# blocks of 64 win (variants_v12_rows.json).
+# blocks of 64 win (variants_v12_rows.json), with the records summed inside each warp
+# (warpsum): 1.57-1.58x against 1.50-1.51x at 256, 1.62x against 1.54-1.55x at 512, 1.40x
+# against 1.35x at 64 (variants_v16_warpsum.json, variants_v17_warpsum.json).
 _SUPER = [_TINY, _SMALL,
           (16, dict(BV=32, num_warps=1, HPP=1, recmask=False, prefetch=False, KS=1, rows=True)),
-          (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=True, prefetch=False))]
+          (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=True, prefetch=False, warpsum=True))]
 REPLAY_CONFIGS = {
     (128, 64, 128, 8): _SUPER,                                                  # Nemotron-3-Super
     # Nano-4B: one-warp programs of 32 rows of [HV * V, K] across its 80-row heads (rows=True):
@@ -113,7 +117,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     `config`; raises ValueError for unknown keys or values."""
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if with_flush:
-        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False)
+        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False, warpsum=False)
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
         # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
         cfg.update(sync=1, maxnreg=0)
@@ -147,6 +151,8 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
                                  "state rows of a group")
             if cfg["HPP"] != 1 or cfg["KS"] != 1 or cfg["flush"] != "fma" or cfg["prefetch"] or cfg["sync"] != 1:
                 raise ValueError("config: rows=True takes HPP=1, KS=1, flush='fma', prefetch=False, sync=1")
+        if cfg["warpsum"] and (bv % nw or cfg["KS"] != 1):
+            raise ValueError(f"config: warpsum=True needs KS=1 and num_warps={nw} dividing BV={bv}")
         if cfg["sync"] not in (0, 1, 2):
             raise ValueError(f"config: sync must be 0, 1 or 2, got {cfg['sync']!r}")
         if isinstance(cfg["maxnreg"], bool) or not isinstance(cfg["maxnreg"], int) or cfg["maxnreg"] < 0:
@@ -216,6 +222,28 @@ def _group_keys(p_K, stride_K, p_kc, p_q, o_l, o_k, m_k, m_j, m_lj):
 
 
 @triton.jit
+def _records_dot(p_W, stride_l, b_cw, b_cw_b, r_b, v0, h, n_pos, NR: tl.constexpr, BV: tl.constexpr,
+                 BL: tl.constexpr, WS: tl.constexpr, RECMASK: tl.constexpr):
+    """`sum_j cw_j W[j, r]` for the rows `r = v0 .. v0 + BV - 1` (`[BV]`) over the records
+    j < h: `b_cw` the weights of rows below `r_b`, `b_cw_b` those of rows from `r_b` on (the
+    row-block kernel's second head); `p_W` points at position 0 of row 0, positions `stride_l`
+    apart, rows from `NR` on are masked. The records are read as `[BL, WS, BV // WS]`, WS the
+    program's warps: Triton 3.6 lays the positions across lanes and the WS blocks of rows
+    across warps, so the sum over positions stays inside each warp. A plain `[BL, BV]` tile
+    puts positions across warps too, and its reduction goes through shared memory with bank
+    conflicts (Nsight Compute on Nemotron-3-Super at batch 256: half of the kernel's
+    shared-memory wavefronts)."""
+    RW: tl.constexpr = BV // WS
+    o_r = v0 + tl.arange(0, WS)[None, :, None] * RW + tl.arange(0, RW)[None, None, :]    # [1, WS, RW]
+    o_l = tl.arange(0, BL)[:, None, None]                                               # [BL, 1, 1]
+    m_l = o_l < h if RECMASK else o_l < n_pos
+    b_W = tl.load(p_W + o_l * stride_l + o_r, mask=m_l & (o_r < NR), other=0.0)
+    b_W = tl.where(o_l < h, b_W.to(tl.float32), 0.0)
+    b_c = tl.where(o_r < r_b, b_cw[:, None, None], b_cw_b[:, None, None])               # [BL, WS, RW]
+    return tl.reshape(tl.sum(b_W * b_c, axis=0), [BV])
+
+
+@triton.jit
 def _head_weights(p_ld, stride_l, b_ld, h, o_l, m_j, m_j1, m_lj1):
     """Weights of one head at cursor h: record j (lane j < h) enters with
     g_{j+1:h} = exp(ld_{j+1} + ... + ld_h), the checkpoint with g_{0:h}; `p_ld` points at the
@@ -245,6 +273,7 @@ def _replay_decode_kernel(
     HPP: tl.constexpr, NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr, SYNC: tl.constexpr, RECMASK: tl.constexpr,
     PREFETCH: tl.constexpr, EVEN: tl.constexpr, RC: tl.constexpr, KS: tl.constexpr,
+    WS: tl.constexpr,
 ):
     # grid (HV // HPP * NVB, Bt): a program owns V-block i_v of HPP consecutive heads of one
     # group, so the group's buffered keys are read, and their products with the query formed,
@@ -299,9 +328,11 @@ def _replay_decode_kernel(
                                eviction_policy="evict_first")
         else:
             b_S = _load_tile(p_S0 + i_h * (V * K) + o_S, m_S, EVEN)
-        b_W = tl.load(buf_w + slot * (LB * HV * V) + i_h * V + (o_l[:, None] * (HV * V) + o_v[None, :]),
-                      mask=m_lj[:, None] & m_v[None, :], other=0.0)
-        b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                           # [BL, BV]
+        p_Wh = buf_w + slot * (LB * HV * V) + i_h * V
+        if WS == 0 or FLUSH == 1:
+            b_W = tl.load(p_Wh + (o_l[:, None] * (HV * V) + o_v[None, :]),
+                          mask=m_lj[:, None] & m_v[None, :], other=0.0)
+            b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                       # [BL, BV]
 
         # the current token's record, in registers
         b_dt, b_ld = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, i_h)
@@ -310,7 +341,12 @@ def _replay_decode_kernel(
         b_coef, b_g = _head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, h, o_l, m_j, m_j1, m_lj1)
 
         b_y = b_g * tile_dot(b_S, b_q, BK, KS)                                          # [BV]
-        b_y += tl.sum(b_W * (b_coef * b_kq)[:, None], axis=0)
+        if WS == 0:
+            b_y += tl.sum(b_W * (b_coef * b_kq)[:, None], axis=0)
+        else:
+            b_cw = b_coef * b_kq
+            b_y += _records_dot(p_Wh, HV * V, b_cw, b_cw, V, i_v * BV, h, WINDOW if WINDOW < LB else LB,
+                                V, BV, BL, WS, RECMASK)
         b_y += b_kcq * b_w
         if HAS_D:
             b_y += tl.load(D + i_h).to(tl.float32) * b_x
@@ -394,6 +430,7 @@ def _replay_decode_rows_kernel(
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
     WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, RECMASK: tl.constexpr, RC: tl.constexpr,
+    WS: tl.constexpr,
 ):
     # grid (HV * V // BV, Bt): a program owns BV consecutive rows of the slot's checkpoint seen
     # as [HV * V, K], as the conventional kernel's programs do, within one group. With V not a
@@ -433,27 +470,31 @@ def _replay_decode_rows_kernel(
                                                C + i_b * stride_C_b + i_g * stride_C_g,
                                                o_l, o_k, m_k, m_j, m_lj)
     p_W = buf_w + slot * (LB * HV * V) + r0
-    b_W = tl.load(p_W + (o_l[:, None] * (HV * V) + tl.arange(0, BV)[None, :]), mask=m_lj[:, None], other=0.0)
-    b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                               # [BL, BV]
+    if WS == 0:
+        b_W = tl.load(p_W + (o_l[:, None] * (HV * V) + tl.arange(0, BV)[None, :]), mask=m_lj[:, None], other=0.0)
+        b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                           # [BL, BV]
 
-    # the current token: per-row dt (its head's), per-head log decays for the weights
-    b_dt = softplus(tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32))
-    b_ldr = b_dt * tl.load(A + o_h).to(tl.float32)                                      # [BV]
+    # the current token: dt and log decay of the block's two heads (scalars), selected per row
+    dt_a, b_ld_a = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_a)
+    dt_b, b_ld_b = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_b)
+    b_dt = tl.where(in_b, dt_b, dt_a)                                                   # [BV]
+    b_ldr = tl.where(in_b, b_ld_b, b_ld_a)
     b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + (o_r - o_h * V)).to(tl.float32)
     b_w = b_dt * b_x
-    _, b_ld_a = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_a)
-    _, b_ld_b = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_b)
     p_ld = buf_ld + slot * (LB * HV)
     c_a, g_a = _head_weights(p_ld + h_a, HV, b_ld_a, h, o_l, m_j, m_j1, m_lj1)
     c_b, g_b = _head_weights(p_ld + h_b, HV, b_ld_b, h, o_l, m_j, m_j1, m_lj1)
 
     b_g = tl.where(in_b, g_b, g_a)                                                      # [BV]
-    b_cw = tl.where(in_b[None, :], (c_b * b_kq)[:, None], (c_a * b_kq)[:, None])        # [BL, BV]
     b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)
-    b_y += tl.sum(b_W * b_cw, axis=0)
+    if WS == 0:
+        b_y += tl.sum(b_W * tl.where(in_b[None, :], (c_b * b_kq)[:, None], (c_a * b_kq)[:, None]), axis=0)
+    else:
+        b_y += _records_dot(p_W - r0, HV * V, c_a * b_kq, c_b * b_kq, (h_a + 1) * V, r0, h,
+                            WINDOW if WINDOW < LB else LB, HV * V, BV, BL, WS, RECMASK)
     b_y += b_kcq * b_w
     if HAS_D:
-        b_y += tl.load(D + o_h).to(tl.float32) * b_x
+        b_y += tl.where(in_b, tl.load(D + h_b).to(tl.float32), tl.load(D + h_a).to(tl.float32)) * b_x
     if HAS_Z:
         b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + (o_r - o_h * V)).to(tl.float32)
         b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
@@ -470,8 +511,7 @@ def _replay_decode_rows_kernel(
             in_bc = o_hc != h_a
             p_Sc = p_S + (c0 + o_c)[:, None] * K + o_k[None, :]
             b_Sc = tl.load(p_Sc, mask=m_k[None, :], other=0.0)                         # [RC, BK]
-            b_dtc = softplus(tl.load(dt + i_b * stride_dt_b + o_hc).to(tl.float32)
-                             + tl.load(dt_bias + o_hc).to(tl.float32))
+            b_dtc = tl.where(in_bc, dt_b, dt_a)
             b_xc = tl.load(x + i_b * stride_x_b + o_hc * stride_x_h + (o_rc - o_hc * V)).to(tl.float32)
             b_Sc = tl.where(in_bc, g_b, g_a)[:, None] * b_Sc + (b_dtc * b_xc)[:, None] * b_kc[None, :]
             for j in range(0, h):
@@ -559,7 +599,7 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP=1,
-                   recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1, rows=False):
+                   recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1, rows=False, warpsum=False):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -577,7 +617,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
             out.stride(0), out.stride(1),
             HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K), BL=BL,
             HAS_D=D is not None, HAS_Z=z is not None, RECMASK=bool(recmask), RC=min(16, BV),
-            num_warps=num_warps, num_stages=num_stages, **extra)
+            WS=num_warps if warpsum else 0, num_warps=num_warps, num_stages=num_stages, **extra)
         return
     nvb = triton.cdiv(V, BV)
     grid = (HV // HPP * nvb, Bt)
@@ -591,7 +631,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         BL=BL, HPP=HPP, NVB=nvb, FLUSH=_FLUSH_MODES[flush], HAS_D=D is not None,
         HAS_Z=z is not None, SYNC=sync, RECMASK=bool(recmask), PREFETCH=bool(prefetch),
         EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(16, BV), KS=KS,
-        num_warps=num_warps, num_stages=num_stages, **extra,
+        WS=num_warps if warpsum else 0, num_warps=num_warps, num_stages=num_stages, **extra,
     )
 
 
@@ -604,16 +644,16 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
                       num_stages: int, flush: str, HPP: int, recmask: bool, prefetch: bool,
-                      sync: int, maxnreg: int, KS: int, rows: bool) -> None:
+                      sync: int, maxnreg: int, KS: int, rows: bool, warpsum: bool) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask,
-                   prefetch, sync, maxnreg, KS, rows)
+                   prefetch, sync, maxnreg, KS, rows, warpsum)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
       slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask, prefetch, sync,
-      maxnreg, KS, rows) -> None:
+      maxnreg, KS, rows, warpsum) -> None:
     return None
 
 
@@ -682,7 +722,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"],
             cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"],
-            cfg["KS"], bool(cfg["rows"]))
+            cfg["KS"], bool(cfg["rows"]), bool(cfg["warpsum"]))
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:
