@@ -86,6 +86,8 @@ EDGE_CASES = [
     # records summed inside each warp: [L, warps, rows] tiles, masked rows (V = 24, BV = 16)
     pytest.param(dict(HV=4, G=2, V=24, K=20), 5, dict(BV=16, num_warps=2, warpsum=True), id="warpsum-odd"),
     pytest.param(SMALL, 4, dict(BV=16, num_warps=4, warpsum=True, recmask=False), id="warpsum-unmasked"),
+    # window 20: record tiles of 32 positions, summed the plain way even with warpsum
+    pytest.param(dict(HV=4, G=2, V=24, K=20), 20, dict(BV=16, num_warps=2, warpsum=True), id="warpsum-L20"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
                  dict(BV=64, num_warps=4, HPP=1, KS=1, recmask=True, warpsum=True),
                  marks=[pytest.mark.gpu, gpu], id="super-warpsum"),

@@ -52,7 +52,9 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #   KS          replay only: the checkpoint tile held as KS slices of K per thread (ops/tiles.py;
 #               1: a plain [BV, K] tile); KS > 1 needs flush="fma"
 #   warpsum     replay only: the records' sum over positions inside each warp (`_records_dot`),
-#               not across warps through shared memory
+#               not across warps through shared memory; for record tiles of up to 16 positions
+#               (windows up to 16): at window 32 it measured slower (Super, batch 256: 1.22x
+#               against 1.36x, variants_v22_L32_super.json), so wider tiles take the plain sum
 #   rows        replay only: a program owns BV consecutive rows of the checkpoint seen as
 #               [HV * V, K] (BV <= V, dividing a group's rows), which may span two heads,
 #               instead of a BV-row block of one head (`_replay_decode_rows_kernel`)
@@ -607,6 +609,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         return
     # record tiles cover positions 0..min(window, Lb) - 1 (cursors never pass the window)
     BL = max(16, triton.next_power_of_2(min(window, LB)))
+    WS = num_warps if warpsum and BL <= 16 else 0
     extra = {"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}
     if rows:
         _replay_decode_rows_kernel[(HV * V // BV, Bt)](
@@ -617,7 +620,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
             out.stride(0), out.stride(1),
             HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K), BL=BL,
             HAS_D=D is not None, HAS_Z=z is not None, RECMASK=bool(recmask), RC=min(16, BV),
-            WS=num_warps if warpsum else 0, num_warps=num_warps, num_stages=num_stages, **extra)
+            WS=WS, num_warps=num_warps, num_stages=num_stages, **extra)
         return
     nvb = triton.cdiv(V, BV)
     grid = (HV // HPP * nvb, Bt)
@@ -631,7 +634,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         BL=BL, HPP=HPP, NVB=nvb, FLUSH=_FLUSH_MODES[flush], HAS_D=D is not None,
         HAS_Z=z is not None, SYNC=sync, RECMASK=bool(recmask), PREFETCH=bool(prefetch),
         EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(16, BV), KS=KS,
-        WS=num_warps if warpsum else 0, num_warps=num_warps, num_stages=num_stages, **extra,
+        WS=WS, num_warps=num_warps, num_stages=num_stages, **extra,
     )
 
 
