@@ -63,6 +63,25 @@ def conventional_config(HV: int, V: int, K: int, G: int, config: Optional[dict] 
 
 
 @triton.jit
+def _head_decays(r_a, r_b, A_a, A_b, in_b):
+    """`dt = softplus(raw)` and the decay `exp(dt A)` of two heads (scalars), selected per row
+    (`in_b`: the row belongs to the second head)."""
+    dt_a = softplus(r_a)
+    dt_b = softplus(r_b)
+    return tl.where(in_b, dt_b, dt_a), tl.where(in_b, tl.exp(dt_b * A_b), tl.exp(dt_a * A_a))
+
+
+@triton.jit
+def _head_values(p, o_h, h_a, h_b, in_b, TWO: tl.constexpr):
+    """A per-head parameter `p[head]` for each row: two scalar loads selected per row (TWO), else
+    one gather per row."""
+    if TWO:
+        return tl.where(in_b, tl.load(p + h_b).to(tl.float32), tl.load(p + h_a).to(tl.float32))
+    else:
+        return tl.load(p + o_h).to(tl.float32)
+
+
+@triton.jit
 def _conventional_decode_kernel(
     x, dt, B, C, A, dt_bias, D, z, out, state, slot_ids,
     buf_ld, buf_w, buf_k, cursor, epoch, arrive,
@@ -104,19 +123,34 @@ def _conventional_decode_kernel(
     else:
         b_S = tl.load(p_S, mask=m_k[None, :], other=0.0, eviction_policy="evict_first")
 
-    b_dt = tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32)
-    if not FOLD:
-        b_dt = softplus(b_dt)                                                           # [BV]
-        b_a = tl.exp(b_dt * tl.load(A + o_h).to(tl.float32))
+    # the token's dt (raw), A and D: per head. BV <= V: the block spans at most two heads,
+    # h_a and h_b, whose scalars are selected per row (the softplus and exp then run twice per
+    # thread, not once per row the thread holds); BV > V: per row
+    TWO: tl.constexpr = BV <= V
+    h_a = (i_r * BV) // V
+    h_b = tl.minimum(h_a + 1, HV - 1)
+    in_b = o_h != h_a
+    if TWO:
+        r_a = tl.load(dt + i_b * stride_dt_b + h_a).to(tl.float32) + tl.load(dt_bias + h_a).to(tl.float32)
+        r_b = tl.load(dt + i_b * stride_dt_b + h_b).to(tl.float32) + tl.load(dt_bias + h_b).to(tl.float32)
+        A_a = tl.load(A + h_a).to(tl.float32)
+        A_b = tl.load(A + h_b).to(tl.float32)
+        if not FOLD:
+            b_dt, b_a = _head_decays(r_a, r_b, A_a, A_b, in_b)
     else:
-        b_A = tl.load(A + o_h).to(tl.float32)
+        b_dt = tl.load(dt + i_b * stride_dt_b + o_h).to(tl.float32) + tl.load(dt_bias + o_h).to(tl.float32)
+        if not FOLD:
+            b_dt = softplus(b_dt)                                                       # [BV]
+            b_a = tl.exp(b_dt * tl.load(A + o_h).to(tl.float32))
+        else:
+            b_A = tl.load(A + o_h).to(tl.float32)
     b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + o_v).to(tl.float32)
     b_k = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
     if FOLD:
         # every load issued before the branch, which waits for them all at once
         if HAS_D:
-            b_d = tl.load(D + o_h).to(tl.float32)
+            b_d = _head_values(D, o_h, h_a, h_b, in_b, TWO)
         if HAS_Z:
             b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
         if h > 0:
@@ -125,8 +159,11 @@ def _conventional_decode_kernel(
                                buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
                                buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
                                o_r >= 0, m_k, 1)
-        b_dt = softplus(b_dt)
-        b_a = tl.exp(b_dt * b_A)
+        if TWO:
+            b_dt, b_a = _head_decays(r_a, r_b, A_a, A_b, in_b)
+        else:
+            b_dt = softplus(b_dt)
+            b_a = tl.exp(b_dt * b_A)
 
     b_S = b_a[:, None] * b_S + (b_dt * b_x)[:, None] * b_k[None, :]
     if BK == K:
@@ -137,7 +174,7 @@ def _conventional_decode_kernel(
     b_y = tl.sum(b_S * b_q[None, :], axis=1)                                            # [BV]
     if HAS_D:
         if not FOLD:
-            b_d = tl.load(D + o_h).to(tl.float32)
+            b_d = _head_values(D, o_h, h_a, h_b, in_b, TWO)
         b_y += b_d * b_x
     if HAS_Z:
         if not FOLD:
