@@ -366,6 +366,40 @@ def test_conventional_poison(shape):
     assert torch.equal(state[[0, 2, 4]], S0[[0, 2, 4]])
 
 
+@pytest.mark.parametrize("shape, BV, num_warps", [
+    pytest.param(dict(HV=4, G=2, V=24, K=32), 16, 2, id="spanning"),    # blocks across two heads
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 64, 8,
+                 marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b")])
+def test_conventional_perhead_equals_per_row(shape, BV, num_warps):
+    """perhead (dt, decay and D formed once per head, selected per row) computes the same
+    arithmetic as the per-row path: outputs and states equal bit for bit, for the conventional
+    step and for the eager step folding pending records (FOLD)."""
+    from replayssm.ops.mamba2.conventional import _launch_conventional
+    HV, G, V, K = shape["HV"], shape["G"], shape["V"], shape["K"]
+    N, Lb = 5, 6
+    used, start = [0, 1, 3], [0, 3, 2]
+    p, (A, dt_bias, D), _, pool, _, g = _live_pool(shape, N, Lb, used, start, seed=7, sentinel_from=4)
+    for s in used:                                     # no NaN: the fold reads positions < cursor
+        for name in ("buf_ld", "buf_w", "buf_k"):
+            pool[name][s, start[used.index(s)]:] = 0.0
+    inp = {k: v.to(DEV) for k, v in make_inputs(p, 4, V, K, G, generator=g, dtype=torch.float32).items()}
+    slot_ids = torch.tensor([1, -1, 0, 3], dtype=torch.int32, device=DEV)
+    tok = (inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"])
+    res = {}
+    for perhead in (False, True):
+        for fold in (False, True):
+            st = {k: v.clone() for k, v in pool.items()}
+            out = torch.full((4, HV, V), float("nan"), device=DEV)
+            arrive = torch.zeros(N, dtype=torch.int32, device=DEV)
+            pending = (st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], arrive) if fold else None
+            _launch_conventional(*tok, st["ckpt"], slot_ids, out, BV, num_warps, 1, perhead, pending=pending)
+            res[perhead, fold] = (out, st["ckpt"], st["cursor"], st["epoch"])
+    for fold in (False, True):
+        for a, b in zip(res[False, fold], res[True, fold]):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"fold={fold}"
+    assert (res[True, True][2][used] == 0).all()              # the eager step flushed every row
+
+
 @pytest.mark.parametrize("variant", ["no-D-no-z-strided", "bf16-inputs"])
 def test_optional_inputs_and_dtypes(variant):
     """D and z absent (HAS_D / HAS_Z off) with token inputs that are strided views, as a fused
@@ -484,15 +518,16 @@ def test_custom_op_registration():
                          torch.tensor([0, 3], dtype=torch.int32, device=DEV),
                          torch.zeros(N, dtype=torch.int64, device=DEV),
                          torch.zeros(N, dtype=torch.int32, device=DEV), slot_ids,
-                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0, 1, False)
+                         torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0, 1, False,
+                         False)
     conv_args = tok + (torch.randn(N, HV, V, K, device=DEV), slot_ids,
-                       torch.empty(Bt, HV, V, device=DEV), 16, 4, 1)
+                       torch.empty(Bt, HV, V, device=DEV), 16, 4, 1, True)
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.replayssm.mamba2_replay_decode.default, replay_args, test_utils=tests)
     torch.library.opcheck(torch.ops.replayssm.mamba2_conventional_decode.default, conv_args, test_utils=tests)
     # the eager step (window 1): the replay state, the conventional launch config; cursor 3
     # makes it fold records and hand the cursor back
-    eager_args = replay_args[:17] + (32, 2, 1)
+    eager_args = replay_args[:17] + (32, 2, 1, False)
     torch.library.opcheck(torch.ops.replayssm.mamba2_eager_decode.default, eager_args, test_utils=tests)
 
 
@@ -604,6 +639,7 @@ CONV_ERRORS = [
     ("out", _t(3, 4, 16, dtype=torch.float16), "dtype"),
     ("config", dict(flush="ieee"), "unknown"),
     ("config", dict(BV=64), "must divide"),
+    ("config", dict(perhead=1), "perhead must be a bool"),
 ]
 
 

@@ -26,7 +26,8 @@ from .decode import EAGER_CONFIGS, check_slots, check_tensor, check_token_inputs
 __all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVENTIONAL_CONFIGS"]
 
 # Fixed per shape `(HV, V, K, G)`; keys BV, num_warps, num_stages as in decode.REPLAY_CONFIGS,
-# except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
+# and perhead (BV <= V: dt, the decay and D formed once for each of the block's at most two
+# heads and selected per row, rather than once per row), except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
 # in one program) and must divide the `HV // G * V` rows of a group.
 # An entry may be a list of `(max_batch, config)` as in decode.REPLAY_CONFIGS: small batches
 # are latency-bound and prefer small programs (H200, benchmarks/results/eager_sweep_v13.json,
@@ -35,8 +36,11 @@ _LARGE = dict(BV=64, num_warps=8, num_stages=1)
 CONVENTIONAL_CONFIGS = {
     (128, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),      # Super
                         (4, dict(BV=16, num_warps=2)), (8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],
-    (96, 80, 128, 8): [(2, dict(BV=32, num_warps=4)), (8, dict(BV=32, num_warps=1)),        # Nano-4B
-                       (1 << 30, _LARGE)],
+    # Nano-4B: per-head scalars at large batch, 522 us against 542 us per step at batch 256
+    # (3.86 against 3.71 TB/s, decode_h200_2a515f7.json against decode_h200.json); for Super
+    # they measured slower (562 against 550 us), so its entries keep the per-row path
+    (96, 80, 128, 8): [(2, dict(BV=32, num_warps=4)), (8, dict(BV=32, num_warps=1)),
+                       (1 << 30, dict(_LARGE, perhead=True))],
     (64, 64, 128, 8): _LARGE,                                     # Nemotron-3-Nano-30B
 }
 
@@ -89,7 +93,7 @@ def _conventional_decode_kernel(
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
     HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    FOLD: tl.constexpr, LB: tl.constexpr,
+    FOLD: tl.constexpr, LB: tl.constexpr, PERHEAD: tl.constexpr,
 ):
     # FOLD: the eager step of ReplaySSM state (window 1, see decode.replay_decode): `state` is
     # the checkpoint, records still pending behind the slot's cursor are folded into the tile
@@ -123,10 +127,10 @@ def _conventional_decode_kernel(
     else:
         b_S = tl.load(p_S, mask=m_k[None, :], other=0.0, eviction_policy="evict_first")
 
-    # the token's dt (raw), A and D: per head. BV <= V: the block spans at most two heads,
-    # h_a and h_b, whose scalars are selected per row (the softplus and exp then run twice per
-    # thread, not once per row the thread holds); BV > V: per row
-    TWO: tl.constexpr = BV <= V
+    # the token's dt (raw), A and D. PERHEAD (BV <= V): the block spans at most two heads, h_a
+    # and h_b, whose scalars are selected per row (the softplus and exp then run twice per
+    # thread, not once per row the thread holds); else per row
+    TWO: tl.constexpr = PERHEAD and BV <= V
     h_a = (i_r * BV) // V
     h_b = tl.minimum(h_a + 1, HV - 1)
     in_b = o_h != h_a
@@ -186,7 +190,7 @@ def _conventional_decode_kernel(
 
 
 def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps,
-                         num_stages, pending=None):
+                         num_stages, perhead=False, pending=None):
     """The conventional step on `state`; with `pending` = `(buf_ld, buf_w, buf_k, cursor,
     epoch, arrive)` the eager step on ReplaySSM state (`state` is then the checkpoint)."""
     Bt, HV, V = x.shape
@@ -203,7 +207,7 @@ def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV
         out.stride(0), out.stride(1),
         HV=HV, G=G, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
         HAS_D=D is not None, HAS_Z=z is not None, FOLD=fold, LB=pending[0].shape[1] if fold else 1,
-        num_warps=num_warps, num_stages=num_stages,
+        PERHEAD=bool(perhead), num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -211,13 +215,13 @@ def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV
 def _conventional_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor,
                             dt_bias: Tensor, D: Optional[Tensor], z: Optional[Tensor],
                             state: Tensor, slot_ids: Tensor, out: Tensor, BV: int,
-                            num_warps: int, num_stages: int) -> None:
+                            num_warps: int, num_stages: int, perhead: bool) -> None:
     _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps,
-                         num_stages)
+                         num_stages, perhead)
 
 
 @_conventional_decode_op.register_fake
-def _(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps, num_stages) -> None:
+def _(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps, num_stages, perhead) -> None:
     return None
 
 
@@ -226,14 +230,15 @@ def _(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV, num_warps, num_st
 def _eager_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
                      D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
                      buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
-                     slot_ids: Tensor, out: Tensor, BV: int, num_warps: int, num_stages: int) -> None:
+                     slot_ids: Tensor, out: Tensor, BV: int, num_warps: int, num_stages: int,
+                     perhead: bool) -> None:
     _launch_conventional(x, dt, B, C, A, dt_bias, D, z, ckpt, slot_ids, out, BV, num_warps,
-                         num_stages, pending=(buf_ld, buf_w, buf_k, cursor, epoch, arrive))
+                         num_stages, perhead, pending=(buf_ld, buf_w, buf_k, cursor, epoch, arrive))
 
 
 @_eager_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
-      out, BV, num_warps, num_stages) -> None:
+      out, BV, num_warps, num_stages, perhead) -> None:
     return None
 
 
@@ -249,10 +254,11 @@ def eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w,
                                                 buf_k, cursor, epoch, arrive, slot_ids, out,
-                                                cfg["BV"], cfg["num_warps"], cfg["num_stages"])
+                                                cfg["BV"], cfg["num_warps"], cfg["num_stages"],
+                                                bool(cfg["perhead"]))
     else:
         _launch_conventional(x, dt, B, C, A, dt_bias, D, z, ckpt, slot_ids, out, cfg["BV"],
-                             cfg["num_warps"], cfg["num_stages"],
+                             cfg["num_warps"], cfg["num_stages"], cfg["perhead"],
                              pending=(buf_ld, buf_w, buf_k, cursor, epoch, arrive))
     return out
 
@@ -266,7 +272,8 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
     Inputs as in `replay_decode`; `state` `[N, HV, V, K]` fp32, contiguous. `slot_ids` `[Bt]`
     (negative: padding row, `y[b] = 0`, state untouched). `out` `[Bt, HV, V]` of x's dtype.
     `config`: overrides of CONVENTIONAL_CONFIGS (`BV` rows of `[HV * V, K]` per program, a
-    power of two dividing a group's `HV // G * V` rows; `num_warps`; `num_stages`).
+    power of two dividing a group's `HV // G * V` rows; `num_warps`; `num_stages`; `perhead`:
+    dt, decay and D formed once per head for blocks of at most one head's rows, BV <= V).
     """
     if validate:
         Bt, HV, V, G, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
@@ -283,7 +290,7 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
     if out is None:
         out = torch.empty_like(x)
     args = (x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, cfg["BV"], cfg["num_warps"],
-            cfg["num_stages"])
+            cfg["num_stages"], bool(cfg["perhead"]))
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_conventional_decode(*args)
     else:

@@ -118,6 +118,8 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     """The launch config for a shape and batch: the table's entry (or a default), updated by
     `config`; raises ValueError for unknown keys or values."""
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
+    if not with_flush:
+        cfg.update(perhead=False)
     if with_flush:
         cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False, warpsum=False)
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
@@ -136,6 +138,8 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
         raise ValueError(f"config: num_warps must be a power of two, got {nw!r}")
     if not (isinstance(ns, int) and ns >= 1):
         raise ValueError(f"config: num_stages must be a positive int, got {ns!r}")
+    if not with_flush and not isinstance(cfg["perhead"], bool):
+        raise ValueError(f"config: perhead must be a bool, got {cfg['perhead']!r}")
     if with_flush:
         if cfg["flush"] not in _FLUSH_MODES:
             raise ValueError(f"config: flush must be one of {sorted(_FLUSH_MODES)}, got {cfg['flush']!r}")
