@@ -599,9 +599,10 @@ _BF16_RECORDS_TABLE = {
 # conventional table's). Small batches are latency-bound: a window only lengthens each
 # program's chain there (batch 8: eager 1.02-1.03x, window 0.88x; at batch 16 the window wins
 # for both GDN shapes, Qwen3.5-4B 1.22x against 1.12x eager, variants_v21_small.json; an
-# earlier run had Qwen3.5-4B's eager step ahead there, 1.12x against 0.94x). KDA's windowed kernel lost at every batch
-# measured (0.32-0.74x: its per-program decay weights), so KDA takes the eager step at every
-# batch (one-warp programs of 8 rows: 1.00x at batch 64, 0.99x at 256). Chosen on the H200
+# earlier run had Qwen3.5-4B's eager step ahead there, 1.12x against 0.94x). KDA's windowed
+# kernel lost at every batch measured (0.32-0.74x: its per-program decay weights), so KDA
+# takes the eager step at every batch (one-warp programs of 8 rows: 1.00x at batch 64, 0.99x
+# at 256). Chosen on the H200
 # (benchmarks/results/eager_sweep_v13.json, eager_sweep_v15_*.json: every candidate config
 # timed for the eager step and for the conventional kernel in one run).
 _EAGER_CONFIGS = {

@@ -26,9 +26,10 @@ from .decode import EAGER_CONFIGS, check_slots, check_tensor, check_token_inputs
 __all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVENTIONAL_CONFIGS"]
 
 # Fixed per shape `(HV, V, K, G)`; keys BV, num_warps, num_stages as in decode.REPLAY_CONFIGS,
-# and perhead (BV <= V: dt, the decay and D formed once for each of the block's at most two
-# heads and selected per row, rather than once per row), except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
-# in one program) and must divide the `HV // G * V` rows of a group.
+# except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
+# in one program) and must divide the `HV // G * V` rows of a group; and perhead (BV <= V:
+# dt, the decay and D formed once for each of the block's at most two heads and selected per
+# row, rather than once for every row a thread holds).
 # An entry may be a list of `(max_batch, config)` as in decode.REPLAY_CONFIGS: small batches
 # are latency-bound and prefer small programs (H200, benchmarks/results/eager_sweep_v13.json,
 # which times every candidate for this kernel and for the eager step that shares it).
@@ -273,7 +274,7 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
     (negative: padding row, `y[b] = 0`, state untouched). `out` `[Bt, HV, V]` of x's dtype.
     `config`: overrides of CONVENTIONAL_CONFIGS (`BV` rows of `[HV * V, K]` per program, a
     power of two dividing a group's `HV // G * V` rows; `num_warps`; `num_stages`; `perhead`:
-    dt, decay and D formed once per head for blocks of at most one head's rows, BV <= V).
+    with BV <= V, dt, decay and D formed once for each of the block's at most two heads).
     """
     if validate:
         Bt, HV, V, G, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
