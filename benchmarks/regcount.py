@@ -84,7 +84,8 @@ def mamba2(cfg):
                 BL=max(16, triton.next_power_of_2(min(L, LB))), HPP=c["HPP"], NVB=triton.cdiv(V, c["BV"]),
                 FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
                 RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EVEN=bool(c.get("even", 1)),
-                RC=min(16, c["BV"]), KS=c.get("KS", 1), WS=c["num_warps"] if c.get("warpsum") else 0)
+                RC=min(c.get("flushrows", 16), c["BV"]), KS=c.get("KS", 1),
+                WS=c["num_warps"] if c.get("warpsum") else 0)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
@@ -102,7 +103,7 @@ def mamba2_rows(cfg):
     LB = L + 1
     vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
                 BL=max(16, triton.next_power_of_2(min(L, LB))), HAS_D=True, HAS_Z=True,
-                RECMASK=bool(c["recmask"]), RC=min(16, c["BV"]), WS=c["num_warps"] if c.get("warpsum") else 0)
+                RECMASK=bool(c["recmask"]), RC=min(c.get("flushrows", 16), c["BV"]), WS=c["num_warps"] if c.get("warpsum") else 0)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 rows {c}")
 

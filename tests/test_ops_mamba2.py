@@ -99,6 +99,10 @@ EDGE_CASES = [
     pytest.param(dict(HV=4, G=2, V=24, K=32), 5, dict(BV=8, rows=True, recmask=False), id="rows-unmasked"),
     pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=2, warpsum=True),
                  id="rows-spanning-warpsum"),
+    # the flush's fold in chunks of 4 rows (row-block and per-head kernels)
+    pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=1, flushrows=4),
+                 id="rows-flushrows4"),
+    pytest.param(dict(HV=4, G=2, V=24, K=20), 5, dict(BV=16, num_warps=2, flushrows=4), id="flushrows4"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16,
                  dict(BV=32, rows=True, num_warps=1, HPP=1, prefetch=False, KS=1), marks=[pytest.mark.gpu, gpu],
                  id="nano4b-rows32"),
@@ -519,7 +523,7 @@ def test_custom_op_registration():
                          torch.zeros(N, dtype=torch.int64, device=DEV),
                          torch.zeros(N, dtype=torch.int32, device=DEV), slot_ids,
                          torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0, 1, False,
-                         False)
+                         False, 16)
     conv_args = tok + (torch.randn(N, HV, V, K, device=DEV), slot_ids,
                        torch.empty(Bt, HV, V, device=DEV), 16, 4, 1, True)
     tests = ("test_schema", "test_faketensor")
@@ -604,6 +608,7 @@ REPLAY_ERRORS = [
     ("config", dict(rows=True, BV=16, HPP=2), "rows=True takes HPP=1"),
     ("config", dict(warpsum=True, BV=2, num_warps=4), "warpsum=True needs"),
     ("config", dict(warpsum=True, KS=2), "warpsum=True needs"),
+    ("config", dict(flushrows=3), "flushrows must be a power of two"),
 ]
 
 

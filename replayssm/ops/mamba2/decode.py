@@ -51,6 +51,11 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #               record, exact fp32) or "tf32x3" (tl.dot on tensor cores, three tf32 passes)
 #   KS          replay only: the checkpoint tile held as KS slices of K per thread (ops/tiles.py;
 #               1: a plain [BV, K] tile); KS > 1 needs flush="fma"
+#   flushrows   replay only: rows per chunk of the FMA flush's fold (the tile re-read in chunks
+#               of min(flushrows, BV) rows; 16 by default). Fewer rows cut the registers of this
+#               rare path, which every program is allocated: Nano-4B's row-block table config
+#               compiles to 152 registers with 16, 115 with 4 (offline, triton 3.6), not yet
+#               measured on the GPU
 #   warpsum     replay only: the records' sum over positions inside each warp (`_records_dot`),
 #               not across warps through shared memory; for record tiles of up to 16 positions
 #               (windows up to 16): at window 32 it measured slower (Super, batch 256: 1.22x
@@ -121,7 +126,8 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     if not with_flush:
         cfg.update(perhead=False)
     if with_flush:
-        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False, warpsum=False)
+        cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False, warpsum=False,
+                   flushrows=16)
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
         # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
         cfg.update(sync=1, maxnreg=0)
@@ -157,6 +163,9 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
                                  "state rows of a group")
             if cfg["HPP"] != 1 or cfg["KS"] != 1 or cfg["flush"] != "fma" or cfg["prefetch"] or cfg["sync"] != 1:
                 raise ValueError("config: rows=True takes HPP=1, KS=1, flush='fma', prefetch=False, sync=1")
+        fr = cfg["flushrows"]
+        if isinstance(fr, bool) or not isinstance(fr, int) or fr < 1 or fr & (fr - 1):
+            raise ValueError(f"config: flushrows must be a power of two, got {fr!r}")
         if cfg["warpsum"] and (bv % nw or cfg["KS"] != 1):
             raise ValueError(f"config: warpsum=True needs KS=1 and num_warps={nw} dividing BV={bv}")
         if cfg["sync"] not in (0, 1, 2):
@@ -605,7 +614,8 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP=1,
-                   recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1, rows=False, warpsum=False):
+                   recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1, rows=False, warpsum=False,
+                   flushrows=16):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -623,7 +633,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
             z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
             out.stride(0), out.stride(1),
             HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K), BL=BL,
-            HAS_D=D is not None, HAS_Z=z is not None, RECMASK=bool(recmask), RC=min(16, BV),
+            HAS_D=D is not None, HAS_Z=z is not None, RECMASK=bool(recmask), RC=min(flushrows, BV),
             WS=WS, num_warps=num_warps, num_stages=num_stages, **extra)
         return
     nvb = triton.cdiv(V, BV)
@@ -637,7 +647,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K),
         BL=BL, HPP=HPP, NVB=nvb, FLUSH=_FLUSH_MODES[flush], HAS_D=D is not None,
         HAS_Z=z is not None, SYNC=sync, RECMASK=bool(recmask), PREFETCH=bool(prefetch),
-        EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(16, BV), KS=KS,
+        EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(flushrows, BV), KS=KS,
         WS=WS, num_warps=num_warps, num_stages=num_stages, **extra,
     )
 
@@ -651,16 +661,17 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
                       num_stages: int, flush: str, HPP: int, recmask: bool, prefetch: bool,
-                      sync: int, maxnreg: int, KS: int, rows: bool, warpsum: bool) -> None:
+                      sync: int, maxnreg: int, KS: int, rows: bool, warpsum: bool,
+                      flushrows: int) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask,
-                   prefetch, sync, maxnreg, KS, rows, warpsum)
+                   prefetch, sync, maxnreg, KS, rows, warpsum, flushrows)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
       slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask, prefetch, sync,
-      maxnreg, KS, rows, warpsum) -> None:
+      maxnreg, KS, rows, warpsum, flushrows) -> None:
     return None
 
 
@@ -729,7 +740,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"],
             cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"],
-            cfg["KS"], bool(cfg["rows"]), bool(cfg["warpsum"]))
+            cfg["KS"], bool(cfg["rows"]), bool(cfg["warpsum"]), int(cfg["flushrows"]))
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:
