@@ -182,6 +182,14 @@ def _pool(N, Lb, HV, V, K, G, fill):
     )
 
 
+def _reference_step(ref, S_ref, s, inp, i):
+    """Advance slot s's float64 state `S_ref[s]` by row i of the token inputs `inp`; returns
+    the reference output `[1, HV, V]`."""
+    y_ref, S_new = ref.step(S_ref[s][None], *(inp[k][i:i + 1].double() for k in ("x", "dt", "B", "C", "z")))
+    S_ref[s] = S_new[0]
+    return y_ref
+
+
 def _live_pool(shape, N, Lb, used, start, *, seed, sentinel_from=None):
     """A pool of sentinel-filled slots (`_pool`) whose slots `used` hold a random checkpoint
     and `start[i]` records each (positions past the cursor NaN: any read the kernel should not
@@ -254,9 +262,7 @@ def test_poison_and_cursors(shape, L, config):
             if s < 0:
                 assert (y[i] == 0).all(), f"step {t}: padding row {i} not zero"
                 continue
-            y_ref, S_new = ref.step(S_ref[s][None], *(inp[k][i:i + 1].double()
-                                                      for k in ("x", "dt", "B", "C", "z")))
-            S_ref[s] = S_new[0]
+            y_ref = _reference_step(ref, S_ref, s, inp, i)
             err = (y[i].double() - y_ref[0]).norm() / y_ref.norm()
             assert err < 1e-5, f"step {t}, slot {s} (cursor {h_model[s]}): rel err {err:.2e}"
             h = h_model[s]
@@ -314,9 +320,7 @@ def test_eager_step_folds_pending_records(shape, config):
             if s < 0:
                 assert (y[i] == 0).all(), f"step {t}: padding row not zero"
                 continue
-            y_ref, S_new = ref.step(S_ref[s][None], *(inp[k][i:i + 1].double()
-                                                      for k in ("x", "dt", "B", "C", "z")))
-            S_ref[s] = S_new[0]
+            y_ref = _reference_step(ref, S_ref, s, inp, i)
             err = (y[i].double() - y_ref[0]).norm() / y_ref.norm()
             assert err < 1e-5, f"step {t}, slot {s}: output rel err {err:.2e}"
             err = (pool["ckpt"][s].cpu().double() - S_ref[s]).norm() / S_ref[s].norm()

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from ..cursor import eager_bookkeeping, fold_pending
 from ..common import eager_launch_overrides, table_entry
-from .decode import EAGER_CONFIGS, check_slots, check_tensor, check_token_inputs, resolve_config, softplus
+from .decode import (EAGER_CONFIGS, _head_values, check_slots, check_tensor, check_token_inputs,
+                     resolve_config, softplus)
 
 __all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVENTIONAL_CONFIGS"]
 
@@ -74,16 +75,6 @@ def _head_decays(r_a, r_b, A_a, A_b, in_b):
     dt_a = softplus(r_a)
     dt_b = softplus(r_b)
     return tl.where(in_b, dt_b, dt_a), tl.where(in_b, tl.exp(dt_b * A_b), tl.exp(dt_a * A_a))
-
-
-@triton.jit
-def _head_values(p, o_h, h_a, h_b, in_b, TWO: tl.constexpr):
-    """A per-head parameter `p[head]` for each row: two scalar loads selected per row (TWO), else
-    one gather per row."""
-    if TWO:
-        return tl.where(in_b, tl.load(p + h_b).to(tl.float32), tl.load(p + h_a).to(tl.float32))
-    else:
-        return tl.load(p + o_h).to(tl.float32)
 
 
 @triton.jit

@@ -125,7 +125,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if not with_flush:
         cfg.update(perhead=False)
-    if with_flush:
+    else:
         cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False, warpsum=False,
                    flushrows=16)
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
@@ -256,6 +256,17 @@ def _records_dot(p_W, stride_l, b_cw, b_cw_b, r_b, v0, h, n_pos, NR: tl.constexp
     b_W = tl.where(o_l < h, b_W.to(tl.float32), 0.0)
     b_c = tl.where(o_r < r_b, b_cw[:, None, None], b_cw_b[:, None, None])               # [BL, WS, RW]
     return tl.reshape(tl.sum(b_W * b_c, axis=0), [BV])
+
+
+@triton.jit
+def _head_values(p, o_h, h_a, h_b, in_b, TWO: tl.constexpr):
+    """A per-head parameter `p[head]` for each row (`o_h` its head): TWO, the block spans heads
+    h_a and h_b only and `in_b` marks h_b's rows, two scalar loads selected per row; else one
+    gather per row."""
+    if TWO:
+        return tl.where(in_b, tl.load(p + h_b).to(tl.float32), tl.load(p + h_a).to(tl.float32))
+    else:
+        return tl.load(p + o_h).to(tl.float32)
 
 
 @triton.jit
@@ -412,28 +423,9 @@ def _replay_decode_kernel(
                     p_kh = buf_k + slot * (LB * G * K) + h * (G * K) + i_g * K + o_k
                     tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
 
-    # Cursor hand-off: the HV // HPP * NVB programs of a slot all read cursor[s], which may
-    # change only after the last of them has. Each bumps the slot's arrival counter at its end;
-    # the one that sees all others arrived writes cursor and epoch and re-arms the counter.
-    # SYNC 1 (default): a relaxed atomic whose operand depends on the loaded cursor (so it
-    # cannot be performed before the read), after a barrier over the program's threads;
-    # SYNC 0: acq_rel; SYNC 2: no counter (ablation only: races on the cursor).
-    NPROG: tl.constexpr = HV // HPP * NVB
-    if SYNC == 0:
-        tl.debug_barrier()
-        n_before = tl.atomic_add(arrive + slot, 1, sem="acq_rel")
-    elif SYNC == 1:
-        tl.debug_barrier()
-        n_before = tl.atomic_add(arrive + slot, (h >= 0).to(tl.int32), sem="relaxed")
-    else:
-        n_before = NPROG - 1 + h * 0
-    if n_before == NPROG - 1:
-        if is_flush:
-            tl.store(cursor + slot, h * 0)
-            tl.store(epoch + slot, tl.load(epoch + slot) + 1)
-        else:
-            tl.store(cursor + slot, h + 1)
-        tl.store(arrive + slot, n_before * 0)
+    # the cursor moves once all HV // HPP * NVB programs of the slot have read it
+    # (ops/cursor.py; SYNC 0 and 2 are ablations of the arrival counter)
+    hand_off(arrive, cursor, epoch, slot, h, is_flush, HV // HPP * NVB, SYNC)
 
 
 @triton.jit
@@ -509,7 +501,7 @@ def _replay_decode_rows_kernel(
                             WINDOW if WINDOW < LB else LB, HV * V, BV, BL, WS, RECMASK)
     b_y += b_kcq * b_w
     if HAS_D:
-        b_y += tl.where(in_b, tl.load(D + h_b).to(tl.float32), tl.load(D + h_a).to(tl.float32)) * b_x
+        b_y += _head_values(D, o_h, h_a, h_b, in_b, True) * b_x
     if HAS_Z:
         b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + (o_r - o_h * V)).to(tl.float32)
         b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
