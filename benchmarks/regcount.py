@@ -49,6 +49,7 @@ def compile_kernel(fn, signature, constexprs, num_warps):
         for ext in ("ttgir", "ptx"):
             open(f"{os.environ['REGCOUNT_DUMP']}.{ext}", "w").write(k.asm[ext])
         open(f"{os.environ['REGCOUNT_DUMP']}.cubin", "wb").write(k.asm["cubin"])
+    print(f"shared memory: {k.metadata.shared} bytes")
     return k.asm["cubin"]
 
 
@@ -85,7 +86,7 @@ def mamba2(cfg):
                 FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
                 RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EVEN=bool(c.get("even", 1)),
                 RC=min(c.get("flushrows", 16), c["BV"]), KS=c.get("KS", 1),
-                WS=c["num_warps"] if c.get("warpsum") else 0)
+                WS=c["num_warps"] if c.get("warpsum") else 0, ABLATE=c.get("ablate", 0))
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 

@@ -1,6 +1,7 @@
 """Small-batch sweep: the eager step (window 1) against the window, and the launch configs of
 the conventional kernel that the eager step shares, all against the conventional kernel timed
-in the same run (window 16, staggered rows, bf16 records, CUDA graphs of whole windows).
+in the same run (window 16, staggered rows, bf16 records, token inputs of `--input-dtype`
+(default bf16), CUDA graphs of whole windows).
 
     python benchmarks/sweep_eager.py --shapes a,b --batches 1,2,4,8,16 --conv-batches 1,8 \
         --out $OUT/eager_sweep.json
@@ -39,9 +40,13 @@ def main(argv=None):
     ap.add_argument("--conv-batches", default="1,8")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--input-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the token inputs and outputs of both kernels")
     ap.add_argument("--out", default="benchmarks/results/eager_sweep.json")
     args = ap.parse_args(argv)
     doc = header("eager_sweep")
+    doc["record_dtype"], doc["input_dtype"] = "bfloat16", args.input_dtype
+    idt = getattr(torch, args.input_dtype)
     doc["rows"] = []
     conv_batches = {int(b) for b in args.conv_batches.split(",") if b}
     W = args.window
@@ -55,7 +60,7 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         fam, _, _, V, _ = traffic.MODEL_SHAPES[shape]
         for batch in map(int, args.batches.split(",")):
-            case = Case(shape, batch, W)
+            case = Case(shape, batch, W, input_dtype=idt)
             t_conv = timed(case.conventional_window)
             rows = [("conventional", None, t_conv), ("windowed", None, timed(lambda: case.replay_window({"eager": False}))),
                     ("eager", None, timed(lambda: case.replay_window({"eager": True})))]
@@ -66,6 +71,7 @@ def main(argv=None):
             for kind, cfg, t in rows:
                 ok = isinstance(t, float)
                 doc["rows"].append(dict(shape=shape, batch=batch, window=W, kind=kind, config=cfg,
+                                        input_dtype=args.input_dtype,
                                         us_per_step=t if ok else None, error=None if ok else t,
                                         ratio_vs_conventional_table=t_conv / t if ok and isinstance(t_conv, float) else None))
             case = None      # free this point's tensors before the next one is allocated

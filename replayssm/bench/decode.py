@@ -4,7 +4,11 @@ Whole windows (`L` steps, the flush included) are captured in one CUDA graph and
 the time per step is the median replay over `L`. Rows are either staggered (slot `s` starts
 at cursor `s mod L`: every step some rows flush) or in lock-step (all flush together).
 Bytes are the state and record traffic each scheme must move (SPEC section 6, keys once per
-key head); TB/s = those bytes over the measured time.
+key head); TB/s = those bytes over the measured time. The token inputs (x, dt, B, C, z; q, k,
+v, a, b), which both schemes read alike, and the outputs are not counted.
+
+Token inputs and outputs have `--input-dtype` (default bf16, as the models hand them over);
+layer parameters (A, dt_bias, D; A_log) and the state stay fp32, records `--record-dtype`.
 
 The replay scheme runs what the slot pool runs at each batch: batches up to the shape's
 `eager_max_batch` take the eager step (window 1, the conventional kernel on the checkpoint,
@@ -44,17 +48,20 @@ def _call(fn, kwargs):
 class Case:
     """Inputs for `window` steps and the state of both schemes for one benchmark point."""
 
-    def __init__(self, shape, batch, window, cursors="staggered", record_dtype=torch.bfloat16, seed=0):
+    def __init__(self, shape, batch, window, cursors="staggered", record_dtype=torch.bfloat16, seed=0, *,
+                 input_dtype=torch.bfloat16, device="cuda"):
+        """`input_dtype`: token inputs and outputs of both schemes (the same tensors for both);
+        layer parameters and state fp32. `device`: "cuda" (the CPU only for tests)."""
         fam, HV, Hk, V, K = traffic.MODEL_SHAPES[shape]
         self.shape, self.family, self.batch, self.window = shape, fam, batch, window
         self.HV, self.Hk, self.V, self.K = HV, Hk, V, K
-        self.record_dtype = record_dtype
-        dev = "cuda"
+        self.record_dtype, self.input_dtype = record_dtype, input_dtype
+        dev = device
         self.params = make_params(fam, HV, K, dtype=torch.float32, device=dev, seed=seed)
         g = torch.Generator(device=dev).manual_seed(seed)
         N, Lb = batch, window + 1
         self.slot_ids = torch.randperm(N, generator=g, device=dev)
-        self.steps = [make_inputs(self.params, batch, V, K, Hk, dtype=torch.float32, device=dev, generator=g)
+        self.steps = [make_inputs(self.params, batch, V, K, Hk, dtype=input_dtype, device=dev, generator=g)
                       for _ in range(window)]
         # keep raw gates moderate so that replaying the same window many times stays finite
         init = 0.1 * torch.randn(N, HV, V, K, device=dev)
@@ -71,7 +78,7 @@ class Case:
             self.cursor = torch.zeros(N, dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(N, dtype=torch.int64, device=dev)
         self.arrive = torch.zeros(N, dtype=torch.int32, device=dev)
-        self.out = torch.empty(window, batch, HV, V, device=dev)
+        self.out = torch.empty(window, batch, HV, V, device=dev, dtype=input_dtype)
         self.ops = _ops(fam)
 
     def _common(self, i):
@@ -116,15 +123,20 @@ class Case:
         return conv, per_window / self.window * self.batch
 
 
-def measure(shape, batch, window, cursors, record_dtype, reps, replay_cfg=None, conv_cfg=None):
-    case = Case(shape, batch, window, cursors, record_dtype)
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def measure(shape, batch, window, cursors, record_dtype, reps, replay_cfg=None, conv_cfg=None, *,
+            input_dtype=torch.bfloat16, device="cuda"):
+    case = Case(shape, batch, window, cursors, record_dtype, input_dtype=input_dtype, device=device)
     t_conv = graph_time_us(lambda: case.conventional_window(conv_cfg), reps=reps) / window
     t_rep = graph_time_us(lambda: case.replay_window(replay_cfg), reps=reps) / window
     b_conv, b_rep = case.bytes_per_step(replay_cfg)
     finite = bool(torch.isfinite(case.ckpt).all() and torch.isfinite(case.state).all())
     path = "eager" if case.eager(replay_cfg) else "windowed"
     base = dict(shape=shape, family=case.family, batch=batch, window=window, cursors=cursors,
-                record_dtype=str(record_dtype).replace("torch.", ""), finite=finite)
+                record_dtype=_name(record_dtype), input_dtype=_name(input_dtype), finite=finite)
     case = None       # free this point's tensors before the next one is allocated
     torch.cuda.empty_cache()
     return [dict(base, scheme="conventional", us_per_step=t_conv, tb_per_s=b_conv / t_conv / 1e6,
@@ -133,12 +145,13 @@ def measure(shape, batch, window, cursors, record_dtype, reps, replay_cfg=None, 
                  bytes_per_step=b_rep, ratio_vs_conventional=t_conv / t_rep)]
 
 
-def sweep_configs(shape, candidates_conv, candidates_rep, batch=256, window=16, reps=10):
+def sweep_configs(shape, candidates_conv, candidates_rep, batch=256, window=16, reps=10, *,
+                  record_dtype=torch.bfloat16, input_dtype=torch.bfloat16):
     """Time each launch config at one point; returns the best of each kernel and all rows."""
     rows, best = [], {}
     for kind, cands in (("conventional", candidates_conv), ("replay", candidates_rep)):
         for cfg in cands:
-            case = Case(shape, batch, window)
+            case = Case(shape, batch, window, record_dtype=record_dtype, input_dtype=input_dtype)
             fn = case.conventional_window if kind == "conventional" else case.replay_window
             try:
                 t = graph_time_us(lambda: fn(cfg), reps=reps) / window
@@ -184,7 +197,11 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,64,256,512")
     ap.add_argument("--windows", default="8,16,32")
     ap.add_argument("--cursors", default="staggered,lockstep")
-    ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the buffered records (values and keys)")
+    ap.add_argument("--input-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the token inputs and outputs of both kernels (layer parameters "
+                         "and state stay fp32)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--sweep", action="store_true", help="first pick launch configs per shape at batch 256")
     ap.add_argument("--sweep-replay-only", action="store_true", help="with --sweep: keep the conventional tables")
@@ -195,10 +212,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the decode benchmark needs a CUDA device")
-    rdt = getattr(torch, args.record_dtype)
+    rdt, idt = getattr(torch, args.record_dtype), getattr(torch, args.input_dtype)
     doc = header("decode")
+    doc["record_dtype"], doc["input_dtype"] = args.record_dtype, args.input_dtype
     doc["copy_tb_per_s"] = copy_bandwidth_tbs()
-    print(f"{doc['device']}: device-to-device copy {doc['copy_tb_per_s']:.2f} TB/s", flush=True)
+    print(f"{doc['device']}: device-to-device copy {doc['copy_tb_per_s']:.2f} TB/s; "
+          f"records {args.record_dtype}, token inputs {args.input_dtype}", flush=True)
     shapes = args.shapes.split(",")
     chosen = {}
     if args.sweep:
@@ -212,7 +231,7 @@ def main(argv=None):
             conv = [] if args.sweep_replay_only else [
                 dict(BV=bv, num_warps=w) for bv in ((32, 64, 128, 256) if fam == "mamba2" else (8, 16, 32, 64))
                 for w in (4, 8)]
-            best, rows = sweep_configs(shape, conv, rep)
+            best, rows = sweep_configs(shape, conv, rep, record_dtype=rdt, input_dtype=idt)
             doc["sweep"] += rows
             chosen[shape] = {k: v[0] for k, v in best.items()}
             print(f"sweep {shape}: " + ", ".join(f"{k} {v[0]} {v[1]:.1f} us" for k, v in best.items()), flush=True)
@@ -223,7 +242,7 @@ def main(argv=None):
         doc["variants"] = []
         for shape, batch in itertools.product(shapes, map(int, args.batches.split(","))):
             window = int(args.windows.split(",")[0])
-            case = Case(shape, batch, window)
+            case = Case(shape, batch, window, record_dtype=rdt, input_dtype=idt)
             t_conv = graph_time_us(case.conventional_window, reps=args.reps) / window
             for cfg in json.loads(args.variants):
                 try:
@@ -232,6 +251,7 @@ def main(argv=None):
                     print(f"{shape} B={batch} {cfg}: failed {e!r}"[:300])
                     continue
                 doc["variants"].append(dict(shape=shape, batch=batch, window=window, config=cfg,
+                                            record_dtype=args.record_dtype, input_dtype=args.input_dtype,
                                             us_conv=t_conv, us_replay=t, ratio=t_conv / t))
                 print(f"{shape:18} B={batch:3d} conv {t_conv:7.1f} us  replay {t:7.1f} us  {t_conv / t:5.2f}x  {cfg}",
                       flush=True)
@@ -243,7 +263,8 @@ def main(argv=None):
     for shape, window, batch, cur in itertools.product(shapes, map(int, args.windows.split(",")),
                                                        map(int, args.batches.split(",")), args.cursors.split(",")):
         cfg = chosen.get(shape, {})
-        r = measure(shape, batch, window, cur, rdt, args.reps, cfg.get("replay"), cfg.get("conventional"))
+        r = measure(shape, batch, window, cur, rdt, args.reps, cfg.get("replay"), cfg.get("conventional"),
+                    input_dtype=idt)
         rows += r
         doc["rows"] = rows
         write_results(args.out, doc)      # after every point: a run cut short keeps what it measured

@@ -63,6 +63,11 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #   rows        replay only: a program owns BV consecutive rows of the checkpoint seen as
 #               [HV * V, K] (BV <= V, dividing a group's rows), which may span two heads,
 #               instead of a BV-row block of one head (`_replay_decode_rows_kernel`)
+#   ablate      replay only (per-head kernel): timing ablations that compute wrong results,
+#               never for use (docs/decode-kernels.md, "What limits them"): bit 0 leaves out the
+#               flush's fold of the buffered records, bit 1 the records' reads (log decays,
+#               values, keys) for the outputs and the weights (loads predicated off,
+#               arithmetic kept)
 #   sync, maxnreg  see resolve_config
 # chosen by H200 sweeps at batch 1, 8 and 256, window 16 (benchmarks/sweep_programs.sh;
 # benchmarks/results/variants_*.json). Small batches are latency-bound: small programs (one
@@ -127,7 +132,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
         cfg.update(perhead=False)
     else:
         cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False, warpsum=False,
-                   flushrows=16)
+                   flushrows=16, ablate=0)
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
         # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
         cfg.update(sync=1, maxnreg=0)
@@ -168,6 +173,11 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
             raise ValueError(f"config: flushrows must be a power of two, got {fr!r}")
         if cfg["warpsum"] and (bv % nw or cfg["KS"] != 1):
             raise ValueError(f"config: warpsum=True needs KS=1 and num_warps={nw} dividing BV={bv}")
+        ab = cfg["ablate"]
+        if isinstance(ab, bool) or ab not in (0, 1, 2, 3):
+            raise ValueError(f"config: ablate must be 0, 1, 2 or 3, got {ab!r}")
+        if ab and cfg["rows"]:
+            raise ValueError("config: ablate applies to the per-head kernel (rows=False)")
         if cfg["sync"] not in (0, 1, 2):
             raise ValueError(f"config: sync must be 0, 1 or 2, got {cfg['sync']!r}")
         if isinstance(cfg["maxnreg"], bool) or not isinstance(cfg["maxnreg"], int) or cfg["maxnreg"] < 0:
@@ -299,7 +309,7 @@ def _replay_decode_kernel(
     HPP: tl.constexpr, NVB: tl.constexpr, FLUSH: tl.constexpr, HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr, SYNC: tl.constexpr, RECMASK: tl.constexpr,
     PREFETCH: tl.constexpr, EVEN: tl.constexpr, RC: tl.constexpr, KS: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, ABLATE: tl.constexpr,
 ):
     # grid (HV // HPP * NVB, Bt): a program owns V-block i_v of HPP consecutive heads of one
     # group, so the group's buffered keys are read, and their products with the query formed,
@@ -325,7 +335,11 @@ def _replay_decode_kernel(
         return
 
     h = tl.load(cursor + slot)
-    m_j, m_j1, m_lj, m_lj1 = _record_masks(o_l, h, WINDOW if WINDOW < LB else LB, RECMASK)
+    if ABLATE % 4 >= 2:
+        hr = h * 0          # timing ablation: the outputs read no records (see REPLAY_CONFIGS)
+    else:
+        hr = h
+    m_j, m_j1, m_lj, m_lj1 = _record_masks(o_l, hr, WINDOW if WINDOW < LB else LB, RECMASK)
 
     # tile offsets in int32 (a slot's checkpoint is far below 2^31 elements), added to a
     # scalar 64-bit base per head: a tile of 64-bit addresses would hold twice the registers
@@ -364,14 +378,14 @@ def _replay_decode_kernel(
         b_dt, b_ld = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, i_h)
         b_x = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_w = b_dt * b_x                                                                # [BV]
-        b_coef, b_g = _head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, h, o_l, m_j, m_j1, m_lj1)
+        b_coef, b_g = _head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, hr, o_l, m_j, m_j1, m_lj1)
 
         b_y = b_g * tile_dot(b_S, b_q, BK, KS)                                          # [BV]
         if WS == 0:
             b_y += tl.sum(b_W * (b_coef * b_kq)[:, None], axis=0)
         else:
             b_cw = b_coef * b_kq
-            b_y += _records_dot(p_Wh, HV * V, b_cw, b_cw, V, i_v * BV, h, WINDOW if WINDOW < LB else LB,
+            b_y += _records_dot(p_Wh, HV * V, b_cw, b_cw, V, i_v * BV, hr, WINDOW if WINDOW < LB else LB,
                                 V, BV, BL, WS, RECMASK)
         b_y += b_kcq * b_w
         if HAS_D:
@@ -398,7 +412,7 @@ def _replay_decode_kernel(
                     b_xr = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_r, mask=m_r, other=0.0)
                     b_Sr = b_g * b_Sr + (b_dt * b_xr.to(tl.float32))[:, None] * b_kc[None, :]
                     p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_r
-                    for j in range(0, h):
+                    for j in range(0, h if ABLATE % 2 == 0 else 0):
                         c_j = tl.sum(tl.where(o_l == j, b_coef, 0.0), axis=0)
                         w_j = tl.load(p_wj + j * (HV * V), mask=m_r, other=0.0).to(tl.float32)
                         k_j = tl.load(p_kj + j * (G * K), mask=m_k, other=0.0).to(tl.float32)
@@ -607,7 +621,7 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP=1,
                    recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1, rows=False, warpsum=False,
-                   flushrows=16):
+                   flushrows=16, ablate=0):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -640,7 +654,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         BL=BL, HPP=HPP, NVB=nvb, FLUSH=_FLUSH_MODES[flush], HAS_D=D is not None,
         HAS_Z=z is not None, SYNC=sync, RECMASK=bool(recmask), PREFETCH=bool(prefetch),
         EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, RC=min(flushrows, BV), KS=KS,
-        WS=WS, num_warps=num_warps, num_stages=num_stages, **extra,
+        WS=WS, ABLATE=ablate, num_warps=num_warps, num_stages=num_stages, **extra,
     )
 
 
@@ -654,16 +668,16 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
                       num_stages: int, flush: str, HPP: int, recmask: bool, prefetch: bool,
                       sync: int, maxnreg: int, KS: int, rows: bool, warpsum: bool,
-                      flushrows: int) -> None:
+                      flushrows: int, ablate: int) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask,
-                   prefetch, sync, maxnreg, KS, rows, warpsum, flushrows)
+                   prefetch, sync, maxnreg, KS, rows, warpsum, flushrows, ablate)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
       slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask, prefetch, sync,
-      maxnreg, KS, rows, warpsum, flushrows) -> None:
+      maxnreg, KS, rows, warpsum, flushrows, ablate) -> None:
     return None
 
 
@@ -732,7 +746,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"],
             cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"],
-            cfg["KS"], bool(cfg["rows"]), bool(cfg["warpsum"]), int(cfg["flushrows"]))
+            cfg["KS"], bool(cfg["rows"]), bool(cfg["warpsum"]), int(cfg["flushrows"]), int(cfg["ablate"]))
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:
