@@ -96,12 +96,14 @@ def _conventional_decode_kernel(
 # (family, V, K) -> config, or a list of (max_batch, config) as in decode._REPLAY_TABLE: small
 # batches are latency-bound and prefer small programs (H200, benchmarks/results/
 # eager_sweep_v13.json, which times every candidate for this kernel and for the eager step
-# that shares it); at large batch BV=32 with 4 warps moves 3.9 TB/s.
+# that shares it). Large batches: one-warp programs of 32 rows. With bf16 token inputs (as
+# the models pass them) they move 3.9-4.0 TB/s at batch 256 where the 4-warp programs chosen
+# with fp32 inputs (3.9 TB/s there) fell to 3.7-3.9 (eager_sweep_v16_bf16_256.json).
 _CONVENTIONAL_TABLE = {
     ("gdn", 128, 128): [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
-                        (1 << 30, {"BV": 32, "num_warps": 4, "num_stages": 1})],
+                        (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
     ("kda", 128, 128): [(1, {"BV": 16, "num_warps": 4}), (4, {"BV": 8, "num_warps": 1}),
-                        (8, {"BV": 32, "num_warps": 1}), (1 << 30, {"BV": 32, "num_warps": 4, "num_stages": 1})],
+                        (8, {"BV": 32, "num_warps": 1}), (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
 }
 
 
