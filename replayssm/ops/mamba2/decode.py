@@ -53,9 +53,10 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #               1: a plain [BV, K] tile); KS > 1 needs flush="fma"
 #   flushrows   replay only: rows per chunk of the FMA flush's fold (the tile re-read in chunks
 #               of min(flushrows, BV) rows; 16 by default). Fewer rows cut the registers of this
-#               rare path, which every program is allocated: Nano-4B's row-block table config
-#               compiles to 152 registers with 16, 115 with 4 (offline, triton 3.6), not yet
-#               measured on the GPU
+#               rare path, which every program is allocated (Nano-4B's row-block table config:
+#               152 registers with 16, 115 with 4, offline triton 3.6), but lengthen the fold:
+#               at batch 256, Super 1.60x / 1.40x with 8 / 4 against 1.58x with 16, Nano-4B
+#               1.42x / 1.38x against 1.51x (variants_v24_flushrows.json); the tables keep 16
 #   warpsum     replay only: the records' sum over positions inside each warp (`_records_dot`),
 #               not across warps through shared memory; for record tiles of up to 16 positions
 #               (windows up to 16): at window 32 it measured slower (Super, batch 256: 1.22x
