@@ -102,11 +102,17 @@ REPLAY_CONFIGS = {
 # the conventional table's). Small batches are latency-bound: a window only lengthens each
 # program's chain there. Chosen on the H200 (benchmarks/results/eager_sweep_v13.json: every
 # candidate config timed for the eager step and for the conventional kernel in one run).
+# Batches 5-8 with bf16 token inputs: one-warp programs of 16 rows, 15.76 us (Super) and
+# 14.73 us (Nano-4B) against 16.34 and 15.41 for the earlier entries and 15.60 and 14.75 for
+# the conventional kernel's best configs (eager_sweep_v17_mamba2_b8.json); with them batch 8
+# measured 1.00-1.03x (Super) and 1.05x (Nano-4B), decode_h200_b8.json. Nano-4B's batches 3-4
+# keep the conventional kernel's config: with the 16-row programs batch 4 measured 0.89x
+# there (7.53 against 7.50 us, 1.00x, with the conventional config in the sweep).
 EAGER_CONFIGS = {
     (128, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),     # Super
-                        (4, dict(BV=32, num_warps=1)), (8, dict(BV=16, num_warps=2))],
+                        (4, dict(BV=32, num_warps=1)), (8, dict(BV=16, num_warps=1))],
     (96, 80, 128, 8): [(1, dict(BV=16, num_warps=2)), (2, dict(BV=32, num_warps=4)),      # Nano-4B
-                       (8, {})],
+                       (4, {}), (8, dict(BV=16, num_warps=1))],
 }
 
 
