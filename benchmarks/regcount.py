@@ -3,6 +3,8 @@ registers and stack (cuobjdump on the cubin; Triton's 3.9 toolchain, so figures 
 a little from triton 3.6's), for register-pressure checks between GPU sessions.
 
     python benchmarks/regcount.py [mamba2|mamba2-rows|gdn|kda|gdn-mat] [key=value config overrides]
+
+(mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs; fp32 by default.)
 """
 import os
 import re
@@ -80,6 +82,7 @@ def mamba2(cfg):
            "D": "*fp32", "z": "*fp32", "out": "*fp32", "ckpt": "*fp32", "buf_ld": "*fp32",
            "buf_w": "*bf16", "buf_k": "*bf16", "cursor": "*i32", "epoch": "*i64", "arrive": "*i32",
            "slot_ids": "*i64"}
+    ptr.update({n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")})
     LB = L + 1
     vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
                 BL=max(16, triton.next_power_of_2(min(L, LB))), HPP=c["HPP"], NVB=triton.cdiv(V, c["BV"]),
