@@ -4,7 +4,8 @@ a little from triton 3.6's), for register-pressure checks between GPU sessions.
 
     python benchmarks/regcount.py [mamba2|mamba2-rows|gdn|kda|gdn-mat] [key=value config overrides]
 
-(mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs; fp32 by default.)
+(mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
+for fp32 key records, bf16 by default.)
 """
 import os
 import re
@@ -80,8 +81,8 @@ def mamba2(cfg):
     fn = m._replay_decode_kernel
     ptr = {"x": "*fp32", "dt": "*fp32", "B": "*fp32", "C": "*fp32", "A": "*fp32", "dt_bias": "*fp32",
            "D": "*fp32", "z": "*fp32", "out": "*fp32", "ckpt": "*fp32", "buf_ld": "*fp32",
-           "buf_w": "*bf16", "buf_k": "*bf16", "cursor": "*i32", "epoch": "*i64", "arrive": "*i32",
-           "slot_ids": "*i64"}
+           "buf_w": "*bf16", "buf_k": "*" + c.get("keys", "bf16"), "cursor": "*i32", "epoch": "*i64",
+           "arrive": "*i32", "slot_ids": "*i64"}
     ptr.update({n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")})
     LB = L + 1
     vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,

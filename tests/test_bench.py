@@ -39,3 +39,21 @@ def test_input_dtype_option_defaults_to_bf16():
     with pytest.raises(SystemExit):         # only bfloat16 and float32
         decode.main(["--input-dtype", "float16"])
     assert decode.Case.__init__.__kwdefaults__["input_dtype"] is torch.bfloat16
+
+
+def test_sass_stalls_sums_the_committed_profile(capsys, monkeypatch):
+    """`benchmarks/sass_stalls.py` on the committed source-level profile reproduces the totals
+    docs/decode-kernels.md quotes (42,575 samples; the four stretches add up to them)."""
+    import pathlib
+    import runpy
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    prof = root / "benchmarks/results/ncu/ncu_nemotron3-super_256_replay_s7_sass.csv"
+    monkeypatch.setattr(sys, "argv", ["sass_stalls.py", str(prof), "--top", "3", "--split", "352,590,1098"])
+    runpy.run_path(str(root / "benchmarks/sass_stalls.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.startswith("1824 instructions, 42575 samples")
+    parts = [int(line.split("samples")[1].split("(")[0]) for line in out.splitlines() if line.startswith("[")]
+    assert len(parts) == 4 and sum(parts) == 42575
+    assert "(21.5%)" in out and "(34.6%)" in out and "(25.1%)" in out and "(18.8%)" in out
