@@ -2,7 +2,7 @@
 registers and stack (cuobjdump on the cubin; Triton's 3.9 toolchain, so figures may differ
 a little from triton 3.6's), for register-pressure checks between GPU sessions.
 
-    python benchmarks/regcount.py [mamba2|mamba2-rows|gdn|kda|gdn-mat] [key=value config overrides]
+    python benchmarks/regcount.py [mamba2|mamba2-rows|mamba2-gluon|gdn|kda|gdn-mat|gdn-gluon] [key=value config overrides]
 
 (mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
 for fp32 key records, bf16 by default.)
@@ -38,12 +38,12 @@ def report(cubin: bytes, name: str) -> str:
     return f"{name}: registers {regs[-1] if regs else '?'}, stack {stack[-1] if stack else '?'} bytes"
 
 
-def compile_kernel(fn, signature, constexprs, num_warps):
+def compile_kernel(fn, signature, constexprs, num_warps, source=ASTSource):
     # the JIT specialises 16-byte aligned pointers and integers divisible by 16 (strides, the
     # window): without these hints the offline compile cannot vectorise the loads
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or (signature[n] == "i32" and (n.startswith("stride") or n == "window"))}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps}
     if os.environ.get("REGCOUNT_MAXNREG"):
         opts["maxnreg"] = int(os.environ["REGCOUNT_MAXNREG"])
@@ -93,6 +93,43 @@ def mamba2(cfg):
                 WS=c["num_warps"] if c.get("warpsum") else 0, ABLATE=c.get("ablate", 0))
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
+
+
+def mamba2_gluon(cfg):
+    """Mamba-2's Gluon kernel (ops/mamba2/gluon_decode.py) at Super's shape."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from replayssm.ops.mamba2 import gluon_decode as m
+
+    HV, G, V, K, L = 128, 8, 64, 128, 16
+    c = dict(BV=64, num_warps=4)
+    c.update(cfg)
+    fn = m._gluon_replay_kernel
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
+    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "ckpt", "buf_ld")})
+    ptr.update(buf_w="*bf16", buf_k="*" + c.get("keys", "bf16"), cursor="*i32", epoch="*i64", arrive="*i32",
+               slot_ids="*i64")
+    vals = dict(HV=HV, G=G, V=V, K=K, LB=L + 1, WINDOW=L, BV=c["BV"], BL=16, RC=c.get("RC", 4 * c["num_warps"]), HAS_D=True, HAS_Z=True,
+                NW=c["num_warps"], RECMASK=bool(c.get("recmask", 1)))
+    sig, const = signature(fn, ptr, vals)
+    return report(compile_kernel(fn, sig, const, c["num_warps"], GluonASTSource), f"mamba2 gluon {c}")
+
+
+def gdn_gluon(cfg):
+    """GDN's Gluon kernel (ops/gdn/gluon_decode.py) at Qwen3.5-4B's shape."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from replayssm.ops.gdn import gluon_decode as m
+
+    HV, HK, V, K, L = 32, 16, 128, 128, 16
+    c = dict(BV=64, num_warps=4)
+    c.update(cfg)
+    fn = m._gluon_gdn_kernel
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
+    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias", "ckpt", "buf_ld")})
+    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+    vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=L + 1, BV=c["BV"], BL=16, RC=c.get("RC", 4 * c["num_warps"]), USE_QK_L2NORM=True,
+                NW=c["num_warps"], RECMASK=bool(c.get("recmask", 1)))
+    sig, const = signature(fn, ptr, vals, floats=("scale",))
+    return report(compile_kernel(fn, sig, const, c["num_warps"], GluonASTSource), f"gdn gluon {c}")
 
 
 def mamba2_rows(cfg):
@@ -158,4 +195,5 @@ if __name__ == "__main__":
         k, v = kv.split("=")
         cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
     print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat,
-           "mamba2-rows": mamba2_rows}[fam](cfg))
+           "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon,
+           "gdn-gluon": gdn_gluon}[fam](cfg))

@@ -297,7 +297,7 @@ def test_custom_ops_schema_and_fake():
     arrive = torch.zeros(st["ckpt"].shape[0], dtype=torch.int32, device=DEV)
     args = (x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV), p.dt_bias.to(DEV), 0.2,
             st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], arrive,
-            ids, 4, o, True, 16, 2, 1, 0, 1, True, True, 0, 2, "fma", False, 64, "tf32x3")
+            ids, 4, o, True, 16, 2, 1, 0, 1, True, True, 0, 2, "fma", False, 64, "tf32x3", False)
     torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_replay_decode").default, args,
                           test_utils=("test_schema", "test_faketensor"))
     S = st["ckpt"].clone()
@@ -404,6 +404,7 @@ def _bad_cases():
         ("config flush BV", lambda kw: kw.__setitem__("config", {"BV": 8, "flush": "tf32x3"}),
          "needs BV >= 16"),
         ("config BKT", lambda kw: kw.__setitem__("config", {"BV": 16, "mat": True, "BKT": 8}), "BKT=8"),
+        ("config gluon", lambda kw: kw.__setitem__("config", {"gluon": 1}), "gluon=1 must be a bool"),
         ("device", set_("v", lambda t: t.to("meta")), "v is on meta"),
     ]
 
@@ -463,6 +464,23 @@ def test_gpu_accuracy_real_shapes(which):
                        record_dtypes=(torch.float32, torch.bfloat16), device="cuda")
     _check_accuracy(res, FLOOR)
     assert res["replay_out"]["bfloat16"] < 1e-2, res
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("recmask", [False, True])
+def test_gpu_gluon_kernel_real_shapes(recmask):
+    # the Gluon kernel (GDN only): both GDN shapes, fp32 and bf16 records, padding rows, unused
+    # slots, spare capacity, 64 windows
+    if FAMILY != "gdn":
+        pytest.skip("the Gluon kernel is GDN only")
+    for shape in OPS.SHAPES:
+        res = OPS.simulate(**OPS.SHAPES[shape], window=16, windows=64, live_slots=6, pad_rows=2,
+                           unused_slots=1, extra_capacity=2,
+                           record_dtypes=(torch.float32, torch.bfloat16), device="cuda",
+                           config={"gluon": True, "BV": 64, "num_warps": 4, "recmask": recmask})
+        _check_accuracy(res, FLOOR)
+        assert res["replay_out"]["bfloat16"] < 1e-2, res
 
 
 @gpu

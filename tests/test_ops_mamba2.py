@@ -94,6 +94,15 @@ EDGE_CASES = [
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
                  dict(BV=64, num_warps=4, HPP=1, KS=1, recmask=True, warpsum=True, flush="tf32x3"),
                  marks=[pytest.mark.gpu, gpu], id="super-warpsum-tf32x3"),
+    # the Gluon kernel (GPU only): the tile copied to shared memory, folded there on a flush
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(BV=64, num_warps=4, HPP=1, KS=1, flush="fma", gluon=True),
+                 marks=[pytest.mark.gpu, gpu], id="super-gluon"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 5,
+                 dict(BV=64, num_warps=4, HPP=1, KS=1, flush="fma", recmask=True, gluon=True),
+                 marks=[pytest.mark.gpu, gpu], id="super-gluon-L5"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
+                 dict(BV=32, num_warps=2, HPP=1, KS=1, flush="fma", gluon=True),
+                 marks=[pytest.mark.gpu, gpu], id="super-gluon-BV32"),
     # row blocks of [HV * V, K] spanning two heads (V = 24 is no multiple of 16)
     pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=2), id="rows-spanning"),
     pytest.param(dict(HV=4, G=2, V=24, K=32), 5, dict(BV=8, rows=True, recmask=False), id="rows-unmasked"),
@@ -252,6 +261,8 @@ POISON_CASES = [
                  id="rows-warpsum-unmasked"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, None,
                  marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(BV=64, num_warps=4, HPP=1, KS=1, flush="fma", gluon=True),
+                 marks=[pytest.mark.gpu, gpu], id="super-gluon"),
 ]
 
 
@@ -576,7 +587,7 @@ def test_custom_op_registration():
                          torch.zeros(N, dtype=torch.int64, device=DEV),
                          torch.zeros(N, dtype=torch.int32, device=DEV), slot_ids,
                          torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, "tf32x3", 2, True, True, 1, 0, 1, False,
-                         False, 16, 0)
+                         False, 16, 0, False)
     conv_args = tok + (torch.randn(N, HV, V, K, device=DEV), slot_ids,
                        torch.empty(Bt, HV, V, device=DEV), 16, 4, 1, True)
     tests = ("test_schema", "test_faketensor")
@@ -665,6 +676,8 @@ REPLAY_ERRORS = [
     ("config", dict(ablate=4), "ablate must be 0, 1, 2 or 3"),
     ("config", dict(ablate=True), "ablate must be 0, 1, 2 or 3"),
     ("config", dict(ablate=1, rows=True, BV=16), "ablate applies to the per-head kernel"),
+    ("config", dict(gluon=1), "gluon must be a bool"),
+    ("config", dict(gluon=True, HPP=2), "gluon=True takes HPP=1"),
 ]
 
 

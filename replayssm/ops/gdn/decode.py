@@ -33,6 +33,7 @@ import triton.language as tl
 from ..common import arrive_counter, capturing, table_entry
 from ..cursor import hand_off
 from ..tiles import check_slices, tile_dot, tile_offsets
+from .gluon_decode import gluon_supported, launch_gluon
 from torch import Tensor
 
 __all__ = ["replay_decode", "replay_config", "eager_max_batch"]
@@ -560,8 +561,13 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # `_replay_decode_mat_kernel`, the state tile rebuilt per chunk of BKT key columns by one
 # tensor-core product; HPP, recmask, prefetch, BC, KS and flush then do not apply), matprec
 # (its product: "tf32x3", or for bf16 records "bf16x2": exact keys, the weighted u in two
-# bf16 terms, about 16 bits, or "bf16": one term, the weighted u rounded to bf16 once more)
-_REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC", "KS", "flush", "mat", "BKT", "matprec")
+# bf16 terms, about 16 bits, or "bf16": one term, the weighted u rounded to bf16 once more),
+# gluon (GDN, GPU only: the Gluon kernel of gluon_decode.py, the record-contracting program with
+# the checkpoint tile copied asynchronously into shared memory while the records are read;
+# recmask and maxnreg apply, the other replay keys do not; where `gluon_supported` says no (K
+# other than 128, BV other than 16 * num_warps, windows above 16) and on the CPU interpreter the
+# Triton kernels run with the other keys)
+_REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC", "KS", "flush", "mat", "BKT", "matprec", "gluon")
 _MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1, "bf16": 2}
 _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 
@@ -588,8 +594,14 @@ _REPLAY_TABLE = {
 # warp per 64-row program, K in two chunks, the chunk loads pipelined (num_stages 3).
 _BF16_RECORDS_TABLE = {
     ("gdn", 128, 128): [(8, {}),
-                        (1 << 30, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
-                                   "num_stages": 3})],
+                        (64, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
+                              "num_stages": 3}),
+                        # the Gluon kernel (gluon_decode.py, GPU only), registers capped at 80 (six
+                        # programs per SM, as many as its shared memory allows): batch 256 1.59x
+                        # (Qwen3.5-4B) and 1.63x (Qwen3.5-122B) against 1.47x and 1.51x for the
+                        # materialising kernel (variants_v38_gdn.json, variants_v40_gdn.json); at 64
+                        # it measured 1.33x and 1.49x against 1.39x and 1.45x
+                        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": False, "maxnreg": 80})],
 }
 
 
@@ -646,7 +658,7 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
     if G is not None:
         keys = _CONFIG_KEYS + _REPLAY_KEYS
         cfg = dict({"HPP": 1, "recmask": True, "prefetch": False, "BC": 0, "KS": 1, "flush": "fma",
-                    "mat": False, "BKT": 64, "matprec": "tf32x3"}, **cfg)
+                    "mat": False, "BKT": 64, "matprec": "tf32x3", "gluon": False}, **cfg)
         hpp = cfg["HPP"]
         while G % hpp:          # a table entry for a larger group: the largest divisor below
             hpp -= 1
@@ -689,6 +701,10 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
                 raise ValueError(f"config mat=True needs BV >= 16 (the smallest tl.dot tile), got {BV}")
             if cfg["matprec"] not in _MAT_PRECISIONS:
                 raise ValueError(f"config matprec={cfg['matprec']!r} must be one of {sorted(_MAT_PRECISIONS)}")
+        if not isinstance(cfg["gluon"], bool):
+            raise ValueError(f"config gluon={cfg['gluon']!r} must be a bool")
+        if cfg["gluon"] and family != "gdn":
+            raise ValueError("config gluon=True: the Gluon kernel is implemented for GDN only")
         if cfg["flush"] == "tf32x3" and min(BV, triton.next_power_of_2(V)) < 16:
             raise ValueError(f"config flush='tf32x3' needs BV >= 16 (the smallest tl.dot tile), got {BV}")
     return cfg
@@ -870,7 +886,7 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
                   BV: int, num_warps: int, num_stages: int, maxnreg: int = 0, HPP: int = 1,
                   recmask: bool = True, prefetch: bool = False, BC: int = 0, KS: int = 1,
                   flush: str = "fma", mat: bool = False, BKT: int = 64,
-                  matprec: str = "tf32x3") -> None:
+                  matprec: str = "tf32x3", gluon: bool = False) -> None:
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     Lb = buf_w.shape[1]
@@ -883,6 +899,10 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
     extra = {"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}
+    if gluon and not _interpreting() and not gluon_supported(family, HV, Hk, V, K, window, Lb, BV, num_warps):
+        launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
+                     arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask, maxnreg)
+        return
     if mat:
         _replay_decode_mat_kernel[(HV * NV, Bt)](
             q, k, v, a, b, A_log, dt_bias, o,
@@ -923,16 +943,16 @@ def _register_replay_op(family: str):
            buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor, slot_ids: Tensor,
            window: int, o: Tensor, use_qk_l2norm: bool, BV: int, num_warps: int,
            num_stages: int, maxnreg: int, HPP: int, recmask: bool, prefetch: bool, BC: int,
-           KS: int, flush: str, mat: bool, BKT: int, matprec: str) -> None:
+           KS: int, flush: str, mat: bool, BKT: int, matprec: str, gluon: bool) -> None:
         launch_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, epoch, arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps,
                       num_stages, maxnreg, HPP, recmask, prefetch, BC, KS, flush, mat, BKT,
-                      matprec)
+                      matprec, gluon)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
           arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, num_stages, maxnreg, HPP,
-          recmask, prefetch, BC, KS, flush, mat, BKT, matprec) -> None:
+          recmask, prefetch, BC, KS, flush, mat, BKT, matprec, gluon) -> None:
         return None
 
     return op
@@ -1021,5 +1041,6 @@ def run_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
         q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         slot_ids, int(window), out, bool(use_qk_l2norm), cfg["BV"], cfg["num_warps"],
         cfg["num_stages"], cfg["maxnreg"], cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]),
-        cfg["BC"], cfg["KS"], cfg["flush"], bool(cfg["mat"]), cfg["BKT"], cfg["matprec"])
+        cfg["BC"], cfg["KS"], cfg["flush"], bool(cfg["mat"]), cfg["BKT"], cfg["matprec"],
+        bool(cfg["gluon"]))
     return out

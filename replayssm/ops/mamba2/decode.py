@@ -28,6 +28,7 @@ import triton.language as tl
 from ..common import arrive_counter, capturing, table_entry
 from ..cursor import hand_off
 from ..tiles import check_slices, tile_dot, tile_offsets
+from .gluon_decode import gluon_supported, launch_gluon
 from torch import Tensor
 
 __all__ = ["replay_decode", "REPLAY_CONFIGS", "resolve_config", "eager_max_batch", "EAGER_CONFIGS"]
@@ -69,6 +70,11 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #               flush's fold of the buffered records, bit 1 the records' reads (log decays,
 #               values, keys) for the outputs and the weights (loads predicated off,
 #               arithmetic kept)
+#   gluon       replay only, GPU only: the Gluon kernel (gluon_decode.py): the per-head program
+#               with the checkpoint tile copied asynchronously into shared memory while the
+#               records are read and formed. Where `gluon_decode.gluon_supported` says no (K other
+#               than 128, BV other than 16 * num_warps, windows above 16), and on the CPU
+#               interpreter, the Triton per-head kernel runs with the same keys
 #   sync, maxnreg  see resolve_config
 # chosen by H200 sweeps at batch 1, 8 and 256, window 16 (benchmarks/sweep_programs.sh;
 # benchmarks/results/variants_*.json). Small batches are latency-bound: small programs (one
@@ -83,15 +89,22 @@ _SMALL = (8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flus
 # blocks of 64 win (variants_v12_rows.json), with the records summed inside each warp
 # (warpsum): 1.57-1.58x against 1.50-1.51x at 256, 1.62x against 1.54-1.55x at 512, 1.40x
 # against 1.35x at 64 (variants_v16_warpsum.json, variants_v17_warpsum.json).
+# From batch 17 on, the Gluon kernel (gluon_decode.py; the GPU only, the interpreter runs the
+# Triton per-head kernel with the same keys): Super 1.79x at batch 256 against 1.55x for the
+# Triton kernel's entry (BV=64, 4 warps, recmask=True, warpsum=True), 1.59x against 1.38x at 64,
+# 1.76x against 1.57x at 512 (variants_v38_super.json, variants_v40_super.json). Windows
+# above 16 (record tiles of 32 positions) fall back to the Triton kernel with these keys.
 _SUPER = [_TINY, _SMALL,
           (16, dict(BV=32, num_warps=1, HPP=1, recmask=False, prefetch=False, KS=1, rows=True)),
-          (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=True, prefetch=False, warpsum=True))]
+          (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=False, prefetch=False, warpsum=True, gluon=True))]
 REPLAY_CONFIGS = {
     (128, 64, 128, 8): _SUPER,                                                  # Nemotron-3-Super
-    # Nano-4B: one-warp programs of 32 rows of [HV * V, K] across its 80-row heads (rows=True):
-    # batch 256 1.53x against 1.34-1.38x for 16-row blocks of six heads (variants_v12_rows.json)
+    # Nano-4B from batch 9 on: the Gluon kernel in one-warp programs of 16 rows of one head
+    # (80 = 5 x 16), 1.73x at batch 256 against 1.44x for the Triton row-block kernel
+    # (one-warp programs of 32 rows of [HV * V, K], rows=True; variants_v40_nano.json)
     (96, 80, 128, 8): [_TINY, _SMALL,
-                       (1 << 30, dict(BV=32, num_warps=1, HPP=1, recmask=True, prefetch=False, rows=True))],
+                       (1 << 30, dict(BV=16, num_warps=1, HPP=1, recmask=False, prefetch=False, rows=False,
+                                      gluon=True))],
     (64, 64, 128, 8): _SUPER,                                                   # Nemotron-3-Nano-30B
 }
 
@@ -139,7 +152,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
         cfg.update(perhead=False)
     else:
         cfg.update(flush="fma", HPP=1, recmask=True, prefetch=False, KS=1, rows=False, warpsum=False,
-                   flushrows=16, ablate=0)
+                   flushrows=16, ablate=0, gluon=False)
         # sync 0 acq_rel arrival counter, 1 relaxed (default), 2 none (ablation: races on
         # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
         cfg.update(sync=1, maxnreg=0)
@@ -180,6 +193,11 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
             raise ValueError(f"config: flushrows must be a power of two, got {fr!r}")
         if cfg["warpsum"] and (bv % nw or cfg["KS"] != 1):
             raise ValueError(f"config: warpsum=True needs KS=1 and num_warps={nw} dividing BV={bv}")
+        if not isinstance(cfg["gluon"], bool):
+            raise ValueError(f"config: gluon must be a bool, got {cfg['gluon']!r}")
+        if cfg["gluon"] and (cfg["HPP"] != 1 or cfg["rows"] or cfg["KS"] != 1 or cfg["flush"] != "fma"
+                             or cfg["ablate"] or cfg["sync"] != 1):
+            raise ValueError("config: gluon=True takes HPP=1, rows=False, KS=1, flush='fma', ablate=0, sync=1")
         ab = cfg["ablate"]
         if isinstance(ab, bool) or ab not in (0, 1, 2, 3):
             raise ValueError(f"config: ablate must be 0, 1, 2 or 3, got {ab!r}")
@@ -628,11 +646,16 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP=1,
                    recmask=True, prefetch=False, sync=1, maxnreg=0, KS=1, rows=False, warpsum=False,
-                   flushrows=16, ablate=0):
+                   flushrows=16, ablate=0, gluon=False):
     Bt, HV, V = x.shape
     G, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
     if Bt == 0:
+        return
+    if gluon and os.environ.get("TRITON_INTERPRET") != "1" and not gluon_supported(
+            HV, V, K, G, window, LB, BV, num_warps):
+        launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+                     slot_ids, out, window, BV, num_warps, maxnreg, recmask)
         return
     # record tiles cover positions 0..min(window, Lb) - 1 (cursors never pass the window)
     BL = max(16, triton.next_power_of_2(min(window, LB)))
@@ -675,16 +698,16 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
                       num_stages: int, flush: str, HPP: int, recmask: bool, prefetch: bool,
                       sync: int, maxnreg: int, KS: int, rows: bool, warpsum: bool,
-                      flushrows: int, ablate: int) -> None:
+                      flushrows: int, ablate: int, gluon: bool) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask,
-                   prefetch, sync, maxnreg, KS, rows, warpsum, flushrows, ablate)
+                   prefetch, sync, maxnreg, KS, rows, warpsum, flushrows, ablate, gluon)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
       slot_ids, out, window, BV, num_warps, num_stages, flush, HPP, recmask, prefetch, sync,
-      maxnreg, KS, rows, warpsum, flushrows, ablate) -> None:
+      maxnreg, KS, rows, warpsum, flushrows, ablate, gluon) -> None:
     return None
 
 
@@ -753,7 +776,8 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["flush"],
             cfg["HPP"], bool(cfg["recmask"]), bool(cfg["prefetch"]), cfg["sync"], cfg["maxnreg"],
-            cfg["KS"], bool(cfg["rows"]), bool(cfg["warpsum"]), int(cfg["flushrows"]), int(cfg["ablate"]))
+            cfg["KS"], bool(cfg["rows"]), bool(cfg["warpsum"]), int(cfg["flushrows"]), int(cfg["ablate"]),
+            bool(cfg["gluon"]))
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:

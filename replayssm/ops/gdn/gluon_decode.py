@@ -1,0 +1,243 @@
+"""Gated DeltaNet standard decode on ReplaySSM state in Gluon, for the GPU only: the program of
+`decode._replay_decode_kernel` (one `(row, value head, V-block)` tile, HPP=1) organised as the
+Mamba-2 Gluon kernel is (ops/mamba2/gluon_decode.py: the checkpoint tile copied into shared
+memory while every other load is in flight, each layout chosen, the slot's arrival early, the
+flush folding in shared memory). The mathematics is that of `decode.py`:
+
+    P k = G(0) C k + sum_{j<h} G(j+1) (k_j . k) u_j       u_t = beta (v - P k)
+    P q = G(0) C q + sum_{j<h} G(j+1) (k_j . q) u_j       o   = P q + (k . q) u_t
+    flush: C <- G(0) C + sum_{j<h} G(j+1) u_j k_j^T + u_t k^T
+
+with `k`, `q` L2-normalised (and `q` scaled) in the kernel. The CPU interpreter cannot run
+Gluon: `decode.replay_decode` runs the Triton kernels there, and the GPU tests compare this one
+with the float64 reference.
+"""
+from __future__ import annotations
+
+from ..mamba2.gluon_decode import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+__all__ = ["gluon_supported", "launch_gluon"]
+
+
+def gluon_supported(family: str, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
+                    num_warps: int) -> str:
+    """'' when the Gluon kernel covers this family, shape and launch config, else why not."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon"
+    if family != "gdn":
+        return f"family {family!r} (GDN only)"
+    if K != 128:
+        return f"K={K} (the layouts are written for K=128)"
+    if BV != 16 * num_warps or V % BV:
+        return f"BV={BV} must be 16 * num_warps={16 * num_warps} and divide V={V}"
+    if min(window, Lb) > 16:
+        return f"window {window}: record tiles of up to 16 positions"
+    return ""
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _softplus(x):
+        e = gl.exp(-gl.abs(x))
+        p = 1.0 + e
+        den = gl.where(p == 1.0, 1.0, p - 1.0)
+        l1p = gl.where(p == 1.0, e, gl.log(p) * (e / den))
+        return gl.maximum(x, 0.0) + l1p
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _gluon_gdn_kernel(
+        q, k, v, a, b, A_log, dt_bias, o,
+        ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        scale, window,
+        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+        stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+        HV: gl.constexpr, HK: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr,
+        BV: gl.constexpr, BL: gl.constexpr, RC: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
+        NW: gl.constexpr, RECMASK: gl.constexpr,
+    ):
+        # layouts as in the Mamba-2 kernel: LT tile rows over warps, 4 columns per lane; LW value
+        # records, positions over 16 lanes; LK key records, 8 columns per thread; LA1 [BL] vectors,
+        # one position per lane; LP [BL] held whole by every thread; LY one row per thread
+        LT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        LR: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])      # C k, C q reads
+        LW: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [1, NW], [1, 0])
+        LK: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+        LA1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        LP: gl.constexpr = gl.BlockedLayout([BL], [32], [NW], [0])
+        LY: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        NVB: gl.constexpr = V // BV
+        G: gl.constexpr = HV // HK
+
+        pid = gl.program_id(0)
+        i_b = gl.program_id(1).to(gl.int64)
+        i_v = pid % NVB
+        i_hv = pid // NVB
+        i_hk = i_hv // G
+        v0 = i_v * BV
+
+        o_y = gl.arange(0, BV, layout=LY)
+        p_o = o + (i_b * HV + i_hv) * V + v0 + o_y
+        slot = gl.load(slot_ids + i_b).to(gl.int64)
+        if slot < 0:
+            gl.store(p_o, gl.zeros([BV], gl.float32, LY).to(o.dtype.element_ty))
+            return
+
+        # the tile, to shared memory (each thread reads back the pieces it copied)
+        p_C = ckpt + (slot * HV + i_hv) * (V * K) + v0 * K
+        o_tr = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
+        o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
+        s_C = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
+        cp.async_copy_global_to_shared(s_C, p_C + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
+        cp.commit_group()
+        gl.thread_barrier()     # keeps the assembler from scheduling the copies after the cursor's wait
+
+        # every other load
+        h = gl.load(cursor + slot).to(gl.int32)
+        npos = gl.minimum(window, LBCAP)
+        o_kK = gl.arange(0, K, layout=gl.SliceLayout(0, LK))
+        p_qt = q + i_b * stride_q_b + i_hk * stride_q_h
+        p_kt = k + i_b * stride_k_b + i_hk * stride_k_h
+        b_qK = gl.load(p_qt + o_kK).to(gl.float32)
+        b_kK = gl.load(p_kt + o_kK).to(gl.float32)
+        b_v = gl.load(v + i_b * stride_v_b + i_hv * stride_v_h + v0 + o_y).to(gl.float32)
+        b_braw = gl.load(b + i_b * stride_b_b + i_hv * stride_b_h).to(gl.float32)
+        b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(gl.float32)
+        b_Alog = gl.load(A_log + i_hv).to(gl.float32)
+        b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
+
+        o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
+        m_lK = (o_lK < h)[:, None]
+        p_Kg = buf_k + slot * (LBCAP * HK * K) + i_hk * K
+        b_Kr = gl.load(p_Kg + o_lK[:, None] * (HK * K) + o_kK[None, :],
+                       mask=m_lK if RECMASK else (o_lK < npos)[:, None], other=0.0)
+        o_lW = gl.arange(0, BL, layout=gl.SliceLayout(1, LW))
+        o_rW = gl.arange(0, BV, layout=gl.SliceLayout(0, LW))
+        m_lW = (o_lW < h)[:, None]
+        p_Uh = buf_w + slot * (LBCAP * HV * V) + i_hv * V + v0
+        b_Ur = gl.load(p_Uh + o_lW[:, None] * (HV * V) + o_rW[None, :],
+                       mask=m_lW if RECMASK else (o_lW < npos)[:, None], other=0.0)
+        o_l = gl.arange(0, BL, layout=LA1)
+        p_ldh = buf_ld + slot * (LBCAP * HV) + i_hv
+        b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < npos), other=0.0)
+        b_ld0 = gl.load(p_ldh)
+
+        # arrive now (see the Mamba-2 kernel): the cursor each thread read goes to shared memory
+        # before the barrier, the atomic's reply is awaited at the end
+        s_h = gl.allocate_shared_memory(gl.int32, [1], S1)
+        s_h.store(gl.zeros([1], gl.int32, LA1) + h)
+        gl.thread_barrier()
+        n_arrived = gl.atomic_add(arrive + slot, (h >= 0).to(gl.int32), sem="relaxed")
+
+        # the token: normalised key and query, decay, beta
+        if USE_QK_L2NORM:
+            r_q = scale * gl.rsqrt(gl.sum(b_qK * b_qK, axis=0) + 1e-6)
+            r_k = gl.rsqrt(gl.sum(b_kK * b_kK, axis=0) + 1e-6)
+        else:
+            r_q = scale
+            r_k = 1.0
+        b_beta = 1.0 / (1.0 + gl.exp(-b_braw))
+        b_ld = -gl.exp(b_Alog) * _softplus(b_araw + b_dtb)
+
+        # weights G(j+1) (suffix sums of same-signed log decays) and G(0)
+        b_lds = gl.where(o_l + 1 < h, b_ld1, gl.where(o_l + 1 == h, b_ld, 0.0))
+        b_sfx = gl.associative_scan(b_lds, 0, _add, reverse=True)
+        b_coef = gl.where(o_l < h, gl.exp(b_sfx), 0.0)
+        b_g = gl.exp(gl.where(h > 0, b_ld0, b_ld) + gl.sum(b_lds, axis=0))
+
+        # the records' products with the token's key and query, their sums over the records
+        b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
+        b_kk = gl.sum(b_Kb * b_kK[None, :], axis=1) * r_k
+        b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1) * r_q
+        b_ktq = gl.sum(b_kK * b_qK, axis=0) * (r_k * r_q)
+        b_cW = gl.convert_layout(b_coef, gl.SliceLayout(1, LW))
+        b_U = gl.where(m_lW, b_Ur.to(gl.float32), 0.0)
+        b_rk = gl.sum(b_U * (b_cW * gl.convert_layout(b_kk, gl.SliceLayout(1, LW)))[:, None], axis=0)
+        b_rq = gl.sum(b_U * (b_cW * gl.convert_layout(b_kq, gl.SliceLayout(1, LW)))[:, None], axis=0)
+
+        # the tile, once every thread's copies have landed: C k and C q, RC rows at a time, the
+        # rows' sums mostly in-thread (LR), through shared memory to the rows' layout
+        b_qR = gl.convert_layout(b_qK, gl.SliceLayout(0, LR))
+        b_kR = gl.convert_layout(b_kK, gl.SliceLayout(0, LR))
+        cp.wait_group(0)
+        gl.thread_barrier()
+        s_yk = gl.allocate_shared_memory(gl.float32, [BV], S1)
+        s_yq = gl.allocate_shared_memory(gl.float32, [BV], S1)
+        for r0 in gl.static_range(0, BV, RC):
+            b_Cm = s_C.slice(r0, RC, dim=0).load(LR)
+            s_yk.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_kR[None, :], axis=1))
+            s_yq.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_qR[None, :], axis=1))
+        gl.thread_barrier()
+        b_Pk = b_g * (s_yk.load(LY) * r_k) + gl.convert_layout(b_rk, LY)
+        b_Pq = b_g * (s_yq.load(LY) * r_q) + gl.convert_layout(b_rq, LY)
+        b_u = b_beta * (b_v - b_Pk)
+        gl.store(p_o, (b_Pq + b_ktq * b_u).to(o.dtype.element_ty))
+
+        # the record at position h (written on a flush too, dead then; h < LBCAP guards the
+        # buffer against a bad cursor)
+        in_buf = h < LBCAP
+        p_ut = p_Uh + h * (HV * V) + o_y
+        gl.store(p_ut, b_u.to(p_ut.dtype.element_ty), mask=(o_y >= 0) & in_buf)
+        if i_v == 0:
+            gl.store(p_ldh + h * HV, b_ld, mask=in_buf)
+            if i_hv % G == 0:
+                p_kh = p_Kg + h * (HK * K) + o_kK
+                gl.store(p_kh, (b_kK * r_k).to(p_kh.dtype.element_ty), mask=(o_kK >= 0) & in_buf)
+
+        is_flush = h + 1 >= window
+        if is_flush:
+            # C <- G(0) C + sum_{j<h} G(j+1) u_j k_j^T + u_t k^T, row chunks of the tile in shared
+            # memory, one rank-1 update per record, no conversions in the loop
+            s_u = gl.allocate_shared_memory(gl.float32, [BV], S1)
+            s_u.store(b_u)
+            gl.thread_barrier()
+            b_kn = gl.load(p_kt + o_tk).to(gl.float32) * r_k
+            o_lP = gl.arange(0, BL, layout=LP)
+            b_coefP = gl.convert_layout(b_coef, LP)
+            p_kj = p_Kg + o_tk
+            for r0 in gl.static_range(0, BV, RC):
+                o_rc = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LT))
+                b_Cc = s_C.slice(r0, RC, dim=0).load(LT)
+                b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LT))
+                b_Cc = b_g * b_Cc + b_uc[:, None] * b_kn[None, :]
+                for j in gl.static_range(BL):
+                    m_j = j < h
+                    c_j = gl.sum(gl.where(o_lP == j, b_coefP, 0.0), axis=0)
+                    u_j = gl.load(p_Uh + j * (HV * V) + o_rc, mask=(o_rc >= 0) & m_j, other=0.0).to(gl.float32)
+                    k_j = gl.load(p_kj + j * (HK * K), mask=(o_tk >= 0) & m_j, other=0.0).to(gl.float32)
+                    b_Cc += (c_j * u_j)[:, None] * k_j[None, :]
+                gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+
+        if n_arrived == HV * NVB - 1:
+            if is_flush:
+                gl.store(cursor + slot, 0)
+                gl.store(epoch + slot, gl.load(epoch + slot) + 1)
+            else:
+                gl.store(cursor + slot, h + 1)
+            gl.store(arrive + slot, 0)
+
+
+def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
+                 arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask=True, maxnreg=0):
+    """Launch `_gluon_gdn_kernel` (grid `(HV * V / BV, Bt)`); the caller checked `gluon_supported`."""
+    Bt, Hk, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    _gluon_gdn_kernel[(HV * (V // BV), Bt)](
+        q, k, v, a, b, A_log, dt_bias, o, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        scale, window,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=16, RC=4 * num_warps,
+        USE_QK_L2NORM=bool(use_qk_l2norm), NW=num_warps, RECMASK=bool(recmask), num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
