@@ -597,10 +597,11 @@ _BF16_RECORDS_TABLE = {
                         (64, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
                               "num_stages": 3}),
                         # the Gluon kernel (gluon_decode.py, GPU only), registers capped at 80 (six
-                        # programs per SM, as many as its shared memory allows): batch 256 1.59x
-                        # (Qwen3.5-4B) and 1.63x (Qwen3.5-122B) against 1.47x and 1.51x for the
-                        # materialising kernel (variants_v38_gdn.json, variants_v40_gdn.json); at 64
-                        # it measured 1.33x and 1.49x against 1.39x and 1.45x
+                        # programs per SM, as many as its shared memory allows): batch 256 1.64x
+                        # (Qwen3.5-4B) and 1.69x (Qwen3.5-122B), 512 1.70x and 1.69x
+                        # (variants_v41_rs1.json), against 1.47x and 1.51x at 256 for the
+                        # materialising kernel; at 64 an earlier version measured 1.33x and 1.49x
+                        # against 1.39x and 1.45x (variants_v38_gdn.json), so 64 keeps the latter
                         (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": False, "maxnreg": 80})],
 }
 
