@@ -22,7 +22,7 @@ the GPU tests compare this kernel with the float64 reference.
 """
 from __future__ import annotations
 
-try:  # Gluon ships with Triton >= 3.5; without it the `gluon` config key is refused
+try:  # Gluon ships with recent Triton (3.6 on the H200 machine); without it the Triton kernels run
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -78,7 +78,9 @@ if HAVE_GLUON:
         # LK  key records [BL, K]: 8 columns per thread over 16 lanes, positions over 2 lanes and
         #     the warps
         # LP  [BL] vectors held whole by every thread: the fold picks its coefficients in-thread
-        # LY  [BV] outputs, one row per thread
+        # LY  [BV] outputs, one row per thread; LA1 the same for [BL] vectors, one position per
+        #     lane (the log decays and their suffix sums, a scan across lanes)
+        # RC  rows per chunk of the tile's reads and of the fold (4 * NW)
         LT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         # LR  the tile's rows read back for C q: 4 rows per warp, 16 columns per thread in four
         #     16-byte pieces (conflict-free), a row's sum mostly in-thread (3 shuffles, not 5)
@@ -106,7 +108,7 @@ if HAVE_GLUON:
             gl.store(p_o, gl.zeros([BV], gl.float32, LY).to(out.dtype.element_ty))
             return
 
-        # 1. the tile, to shared memory; each thread copies 16-byte pieces it reads back itself
+        # 1. the tile, to shared memory, in 16-byte pieces
         p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + v0 * K
         o_tr = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
         o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
