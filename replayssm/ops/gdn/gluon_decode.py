@@ -21,6 +21,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
+    from ..mamba2.gluon_decode import _add, _softplus
+
 __all__ = ["gluon_supported", "launch_gluon"]
 
 
@@ -41,18 +43,6 @@ def gluon_supported(family: str, HV: int, Hk: int, V: int, K: int, window: int, 
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _softplus(x):
-        e = gl.exp(-gl.abs(x))
-        p = 1.0 + e
-        den = gl.where(p == 1.0, 1.0, p - 1.0)
-        l1p = gl.where(p == 1.0, e, gl.log(p) * (e / den))
-        return gl.maximum(x, 0.0) + l1p
-
-    @gluon.jit
-    def _add(a, b):
-        return a + b
 
     @gluon.jit
     def _gluon_gdn_kernel(
