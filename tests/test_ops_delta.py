@@ -152,17 +152,18 @@ def test_poison_bookkeeping_multi_block_and_spare_capacity():
     {"BV": 16, "num_warps": 1, "HPP": 1, "flush": "tf32x3", "recmask": False},
     {"BV": 16, "num_warps": 1, "mat": True, "BKT": 16},
     {"BV": 16, "num_warps": 2, "mat": True, "BKT": 32},
+    {"BV": 16, "num_warps": 1, "recmask": False, "gluon": True},
 ], ids=["hpp2-prefetch", "hpp2-unmasked", "hpp1-unmasked-prefetch", "record-chunks-of-2",
         "k-slices-4-record-chunks", "k-slices-2-tensor-core-flush", "tensor-core-flush-unmasked",
-        "materialise-chunks-of-16", "materialise-one-chunk"])
+        "materialise-chunks-of-16", "materialise-one-chunk", "gluon-key-runs-triton-here"])
 def test_program_variants(cfg):
     # two value heads per program sharing their key head's records; the next head's tile
     # prefetched; record loads issued before the cursor is known. KDA (one value head per key
     # head here) runs HPP=1 only.
     Hk = 2 if FAMILY == "gdn" else 4
     if FAMILY == "kda":
-        if cfg.get("mat"):
-            pytest.skip("the materialising kernel is GDN only")
+        if cfg.get("mat") or cfg.get("gluon"):
+            pytest.skip("the materialising and Gluon kernels are GDN only")
         cfg = {k: v for k, v in dict(cfg, HPP=1).items() if k != "BC"}
     res = OPS.simulate(HV=4, Hk=Hk, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=1,
                        unused_slots=1, extra_capacity=1, config=cfg, conv_config={"BV": 8},

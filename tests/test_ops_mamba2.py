@@ -163,11 +163,14 @@ def test_bf16_records(shape, window, n_slots, windows):
     dict(BV=8, HPP=1, recmask=False, prefetch=True, flush="fma"),
     dict(BV=16, HPP=2, recmask=True, prefetch=True, flush="fma", KS=4),
     dict(BV=8, HPP=1, recmask=False, prefetch=False, flush="fma", KS=2),
+    dict(BV=16, num_warps=1, HPP=1, recmask=False, gluon=True),
 ], ids=["hpp2-prefetch", "hpp2-unmasked-dot", "hpp1-unmasked-prefetch", "k-slices-4-prefetch",
-        "k-slices-2-unmasked"])
+        "k-slices-2-unmasked", "gluon-key-runs-triton-here"])
 def test_program_variants(cfg):
     """Several heads per program (shared group keys), the next head's tile prefetched, record
-    loads issued before the cursor is known, both flush paths: each against the reference."""
+    loads issued before the cursor is known, both flush paths: each against the reference. A
+    `gluon` entry runs the Triton kernel with its other keys where Gluon cannot run (the CPU
+    interpreter; on a GPU, shapes other than K = 128)."""
     shape = dict(HV=4, G=2, V=16, K=32)
     r = compare_with_reference(shape["HV"], shape["G"], shape["V"], shape["K"], window=5,
                                n_slots=3, windows=4, device=DEV, config=cfg)
