@@ -21,7 +21,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..mamba2.gluon_decode import _add, _softplus
+    from ..mamba2.gluon_decode import _add, _async_load, _barrier, _softplus
 
 __all__ = ["gluon_supported", "launch_gluon"]
 
@@ -93,9 +93,9 @@ if HAVE_GLUON:
         o_tr = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
         o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
         s_C = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
-        cp.async_copy_global_to_shared(s_C, p_C + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
+        _async_load(s_C, p_C + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
         cp.commit_group()
-        gl.thread_barrier()     # keeps the assembler from scheduling the copies after the cursor's wait
+        _barrier()     # keeps the assembler from scheduling the copies after the cursor's wait
 
         # every other load
         h = gl.load(cursor + slot).to(gl.int32)
@@ -131,7 +131,7 @@ if HAVE_GLUON:
         # before the barrier, the atomic's reply is awaited at the end
         s_h = gl.allocate_shared_memory(gl.int32, [1], S1)
         s_h.store(gl.zeros([1], gl.int32, LA1) + h)
-        gl.thread_barrier()
+        _barrier()
         n_arrived = gl.atomic_add(arrive + slot, (h >= 0).to(gl.int32), sem="relaxed")
 
         # the token: normalised key and query, decay, beta
@@ -165,14 +165,14 @@ if HAVE_GLUON:
         b_qR = gl.convert_layout(b_qK, gl.SliceLayout(0, LR))
         b_kR = gl.convert_layout(b_kK, gl.SliceLayout(0, LR))
         cp.wait_group(0)
-        gl.thread_barrier()
+        _barrier()
         s_yk = gl.allocate_shared_memory(gl.float32, [BV], S1)
         s_yq = gl.allocate_shared_memory(gl.float32, [BV], S1)
         for r0 in gl.static_range(0, BV, RC):
             b_Cm = s_C.slice(r0, RC, dim=0).load(LR)
             s_yk.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_kR[None, :], axis=1))
             s_yq.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_qR[None, :], axis=1))
-        gl.thread_barrier()
+        _barrier()
         b_Pk = b_g * (s_yk.load(LY) * r_k) + gl.convert_layout(b_rk, LY)
         b_Pq = b_g * (s_yq.load(LY) * r_q) + gl.convert_layout(b_rq, LY)
         b_u = b_beta * (b_v - b_Pk)
@@ -195,7 +195,7 @@ if HAVE_GLUON:
             # memory, one rank-1 update per record, no conversions in the loop
             s_u = gl.allocate_shared_memory(gl.float32, [BV], S1)
             s_u.store(b_u)
-            gl.thread_barrier()
+            _barrier()
             b_kn = gl.load(p_kt + o_tk).to(gl.float32) * r_k
             o_lP = gl.arange(0, BL, layout=LP)
             b_coefP = gl.convert_layout(b_coef, LP)

@@ -26,6 +26,11 @@ try:  # Gluon ships with recent Triton (3.6 on the H200 machine); without it the
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    # the copy to shared memory: `async_copy_global_to_shared` in Triton 3.6 (the H200
+    # machine's), renamed `async_load` later (the old name then raises)
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    # the program's barrier: `thread_barrier` in Triton 3.6, `barrier` later
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
@@ -113,9 +118,9 @@ if HAVE_GLUON:
         o_tr = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
         o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
         s_S = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
-        cp.async_copy_global_to_shared(s_S, p_S + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
+        _async_load(s_S, p_S + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
         cp.commit_group()
-        gl.thread_barrier()     # keeps the assembler from scheduling the copies after the cursor's wait
+        _barrier()     # keeps the assembler from scheduling the copies after the cursor's wait
 
         # 2. every other load: the cursor, the token's inputs, the records. RECMASK predicates the
         # record loads on the cursor (no traffic for empty positions, but they wait for it);
@@ -159,7 +164,7 @@ if HAVE_GLUON:
         # program (Super, batch 256: 312 against 318 us with the arrival at the end)
         s_h = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         s_h.store(gl.zeros([1], gl.int32, LA1) + h)
-        gl.thread_barrier()
+        _barrier()
         n_arrived = gl.atomic_add(arrive + slot, (h >= 0).to(gl.int32), sem="relaxed")
 
         # 3. weights, key products, the records' sum
@@ -181,12 +186,12 @@ if HAVE_GLUON:
         # sums go through shared memory to the outputs' layout
         b_qR = gl.convert_layout(b_qK, gl.SliceLayout(0, LR))
         cp.wait_group(0)
-        gl.thread_barrier()
+        _barrier()
         s_y = gl.allocate_shared_memory(gl.float32, [BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for r0 in gl.static_range(0, BV, RC):
             b_Sm = s_S.slice(r0, RC, dim=0).load(LR)
             s_y.slice(r0, RC, dim=0).store(gl.sum(b_Sm * b_qR[None, :], axis=1))
-        gl.thread_barrier()
+        _barrier()
         b_y = b_g * s_y.load(LY) + gl.convert_layout(b_rec, LY) + b_kcq * b_w
         if HAS_D:
             b_y += b_D * b_x
