@@ -95,41 +95,42 @@ def mamba2(cfg):
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
 
-def mamba2_gluon(cfg):
-    """Mamba-2's Gluon kernel (ops/mamba2/gluon_decode.py) at Super's shape."""
+def _gluon(kernel, label, ptr, vals, c):
+    """Compile a Gluon kernel (ops/*/gluon_decode.py) with its token inputs of dtype `inputs`,
+    records bf16 (keys `keys`), the tile read and folded in chunks of 4 * num_warps rows."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    from replayssm.ops.mamba2 import gluon_decode as m
 
-    HV, G, V, K, L = 128, 8, 64, 128, 16
-    c = dict(BV=64, num_warps=4)
-    c.update(cfg)
-    fn = m._gluon_replay_kernel
-    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
-    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "ckpt", "buf_ld")})
+    ptr = dict(ptr, **{n: "*fp32" for n in ("ckpt", "buf_ld")})
     ptr.update(buf_w="*bf16", buf_k="*" + c.get("keys", "bf16"), cursor="*i32", epoch="*i64", arrive="*i32",
                slot_ids="*i64")
-    vals = dict(HV=HV, G=G, V=V, K=K, LB=L + 1, WINDOW=L, BV=c["BV"], BL=16, RC=c.get("RC", 4 * c["num_warps"]), HAS_D=True, HAS_Z=True,
-                NW=c["num_warps"], RECMASK=bool(c.get("recmask", 1)))
-    sig, const = signature(fn, ptr, vals)
-    return report(compile_kernel(fn, sig, const, c["num_warps"], GluonASTSource), f"mamba2 gluon {c}")
+    vals = dict(vals, BV=c["BV"], BL=16, RC=c.get("RC", 4 * c["num_warps"]), NW=c["num_warps"],
+                RECMASK=bool(c.get("recmask", 1)))
+    sig, const = signature(kernel, ptr, vals, floats=("scale",))
+    return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource), f"{label} {c}")
+
+
+def mamba2_gluon(cfg):
+    """Mamba-2's Gluon kernel (ops/mamba2/gluon_decode.py) at Super's shape."""
+    from replayssm.ops.mamba2 import gluon_decode as m
+
+    c = dict(BV=64, num_warps=4)
+    c.update(cfg)
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
+    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D")})
+    vals = dict(HV=128, G=8, V=64, K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True)
+    return _gluon(m._gluon_replay_kernel, "mamba2 gluon", ptr, vals, c)
 
 
 def gdn_gluon(cfg):
     """GDN's Gluon kernel (ops/gdn/gluon_decode.py) at Qwen3.5-4B's shape."""
-    from triton.experimental.gluon._runtime import GluonASTSource
     from replayssm.ops.gdn import gluon_decode as m
 
-    HV, HK, V, K, L = 32, 16, 128, 128, 16
     c = dict(BV=64, num_warps=4)
     c.update(cfg)
-    fn = m._gluon_gdn_kernel
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
-    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias", "ckpt", "buf_ld")})
-    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
-    vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=L + 1, BV=c["BV"], BL=16, RC=c.get("RC", 4 * c["num_warps"]), USE_QK_L2NORM=True,
-                NW=c["num_warps"], RECMASK=bool(c.get("recmask", 1)))
-    sig, const = signature(fn, ptr, vals, floats=("scale",))
-    return report(compile_kernel(fn, sig, const, c["num_warps"], GluonASTSource), f"gdn gluon {c}")
+    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias")})
+    vals = dict(HV=32, HK=16, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True)
+    return _gluon(m._gluon_gdn_kernel, "gdn gluon", ptr, vals, c)
 
 
 def mamba2_rows(cfg):

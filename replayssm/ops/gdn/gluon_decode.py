@@ -14,14 +14,15 @@ with the float64 reference.
 """
 from __future__ import annotations
 
-from ..mamba2.gluon_decode import HAVE_GLUON
+from ..gluon_common import HAVE_GLUON, gluon_shape_supported
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..mamba2.gluon_decode import _add, _async_load, _barrier, _softplus
+    from ..gluon_common import (_arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
+                                _softplus, _tile_to_shared)
 
 __all__ = ["gluon_supported", "launch_gluon"]
 
@@ -29,17 +30,9 @@ __all__ = ["gluon_supported", "launch_gluon"]
 def gluon_supported(family: str, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                     num_warps: int) -> str:
     """'' when the Gluon kernel covers this family, shape and launch config, else why not."""
-    if not HAVE_GLUON:
-        return "this Triton has no Gluon"
     if family != "gdn":
         return f"family {family!r} (GDN only)"
-    if K != 128:
-        return f"K={K} (the layouts are written for K=128)"
-    if BV != 16 * num_warps or V % BV:
-        return f"BV={BV} must be 16 * num_warps={16 * num_warps} and divide V={V}"
-    if min(window, Lb) > 16:
-        return f"window {window}: record tiles of up to 16 positions"
-    return ""
+    return gluon_shape_supported(V, K, window, Lb, BV, num_warps)
 
 
 if HAVE_GLUON:
@@ -88,14 +81,10 @@ if HAVE_GLUON:
             gl.store(p_o, gl.zeros([BV], gl.float32, LY).to(o.dtype.element_ty))
             return
 
-        # the tile, to shared memory (each thread reads back the pieces it copied)
+        # the tile, to shared memory
         p_C = ckpt + (slot * HV + i_hv) * (V * K) + v0 * K
-        o_tr = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
+        s_C = _tile_to_shared(p_C, BV, K, LT, SM)
         o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
-        s_C = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
-        _async_load(s_C, p_C + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
-        cp.commit_group()
-        _barrier()     # keeps the assembler from scheduling the copies after the cursor's wait
 
         # every other load
         h = gl.load(cursor + slot).to(gl.int32)
@@ -127,12 +116,7 @@ if HAVE_GLUON:
         b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < npos), other=0.0)
         b_ld0 = gl.load(p_ldh)
 
-        # arrive now (see the Mamba-2 kernel): the cursor each thread read goes to shared memory
-        # before the barrier, the atomic's reply is awaited at the end
-        s_h = gl.allocate_shared_memory(gl.int32, [1], S1)
-        s_h.store(gl.zeros([1], gl.int32, LA1) + h)
-        _barrier()
-        n_arrived = gl.atomic_add(arrive + slot, (h >= 0).to(gl.int32), sem="relaxed")
+        n_arrived = _arrive_early(arrive, slot, h, LA1)
 
         # the token: normalised key and query, decay, beta
         if USE_QK_L2NORM:
@@ -145,10 +129,7 @@ if HAVE_GLUON:
         b_ld = -gl.exp(b_Alog) * _softplus(b_araw + b_dtb)
 
         # weights G(j+1) (suffix sums of same-signed log decays) and G(0)
-        b_lds = gl.where(o_l + 1 < h, b_ld1, gl.where(o_l + 1 == h, b_ld, 0.0))
-        b_sfx = gl.associative_scan(b_lds, 0, _add, reverse=True)
-        b_coef = gl.where(o_l < h, gl.exp(b_sfx), 0.0)
-        b_g = gl.exp(gl.where(h > 0, b_ld0, b_ld) + gl.sum(b_lds, axis=0))
+        b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)
 
         # the records' products with the token's key and query, their sums over the records
         b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
@@ -205,21 +186,10 @@ if HAVE_GLUON:
                 b_Cc = s_C.slice(r0, RC, dim=0).load(LT)
                 b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LT))
                 b_Cc = b_g * b_Cc + b_uc[:, None] * b_kn[None, :]
-                for j in gl.static_range(BL):
-                    m_j = j < h
-                    c_j = gl.sum(gl.where(o_lP == j, b_coefP, 0.0), axis=0)
-                    u_j = gl.load(p_Uh + j * (HV * V) + o_rc, mask=(o_rc >= 0) & m_j, other=0.0).to(gl.float32)
-                    k_j = gl.load(p_kj + j * (HK * K), mask=(o_tk >= 0) & m_j, other=0.0).to(gl.float32)
-                    b_Cc += (c_j * u_j)[:, None] * k_j[None, :]
+                b_Cc = _fold_records(b_Cc, o_rc, o_tk, o_lP, b_coefP, h, p_Uh, p_kj, HV * V, HK * K, BL)
                 gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
 
-        if n_arrived == HV * NVB - 1:
-            if is_flush:
-                gl.store(cursor + slot, 0)
-                gl.store(epoch + slot, gl.load(epoch + slot) + 1)
-            else:
-                gl.store(cursor + slot, h + 1)
-            gl.store(arrive + slot, 0)
+        _move_cursor(n_arrived, HV * NVB, is_flush, cursor, epoch, arrive, slot, h)
 
 
 def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,

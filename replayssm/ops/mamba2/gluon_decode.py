@@ -22,49 +22,25 @@ the GPU tests compare this kernel with the float64 reference.
 """
 from __future__ import annotations
 
-try:  # Gluon ships with recent Triton (3.6 on the H200 machine); without it the Triton kernels run
+from ..gluon_common import HAVE_GLUON, gluon_shape_supported
+
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    # the copy to shared memory: `async_copy_global_to_shared` in Triton 3.6 (the H200
-    # machine's), renamed `async_load` later (the old name then raises)
-    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-    # the program's barrier: `thread_barrier` in Triton 3.6, `barrier` later
-    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
+
+    from ..gluon_common import (_arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
+                                _softplus, _tile_to_shared)
 
 __all__ = ["HAVE_GLUON", "gluon_supported", "launch_gluon"]
 
 
 def gluon_supported(HV: int, V: int, K: int, G: int, window: int, Lb: int, BV: int, num_warps: int) -> str:
     """'' when the Gluon kernel covers this shape and launch config, else why not."""
-    if not HAVE_GLUON:
-        return "this Triton has no Gluon"
-    if K != 128:
-        return f"K={K} (the layouts are written for K=128)"
-    if BV != 16 * num_warps or V % BV:
-        return f"BV={BV} must be 16 * num_warps={16 * num_warps} and divide V={V}"
-    if min(window, Lb) > 16:
-        return f"window {window}: record tiles of up to 16 positions"
-    return ""
+    return gluon_shape_supported(V, K, window, Lb, BV, num_warps)
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _softplus(x):
-        # as decode.softplus: max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's correction
-        e = gl.exp(-gl.abs(x))
-        p = 1.0 + e
-        den = gl.where(p == 1.0, 1.0, p - 1.0)
-        l1p = gl.where(p == 1.0, e, gl.log(p) * (e / den))
-        return gl.maximum(x, 0.0) + l1p
-
-    @gluon.jit
-    def _add(a, b):
-        return a + b
 
     @gluon.jit
     def _gluon_replay_kernel(
@@ -115,12 +91,8 @@ if HAVE_GLUON:
 
         # 1. the tile, to shared memory, in 16-byte pieces
         p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + v0 * K
-        o_tr = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
+        s_S = _tile_to_shared(p_S, BV, K, LT, SM)
         o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
-        s_S = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
-        _async_load(s_S, p_S + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
-        cp.commit_group()
-        _barrier()     # keeps the assembler from scheduling the copies after the cursor's wait
 
         # 2. every other load: the cursor, the token's inputs, the records. RECMASK predicates the
         # record loads on the cursor (no traffic for empty positions, but they wait for it);
@@ -157,23 +129,12 @@ if HAVE_GLUON:
         p_ldh = buf_ld + slot * (LB * HV) + i_h
         b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < NPOS), other=0.0)
         b_ld0 = gl.load(p_ldh)
-        # arrive on the slot's counter now (the hand-off of ops/cursor.py, SYNC 1): every thread
-        # stores the cursor it read to shared memory before the barrier, so no thread of this
-        # program reads the cursor after the arrival (the last program to arrive rewrites it at
-        # its end); the atomic's reply then overlaps the loads in flight instead of ending the
-        # program (Super, batch 256: 312 against 318 us with the arrival at the end)
-        s_h = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        s_h.store(gl.zeros([1], gl.int32, LA1) + h)
-        _barrier()
-        n_arrived = gl.atomic_add(arrive + slot, (h >= 0).to(gl.int32), sem="relaxed")
+        n_arrived = _arrive_early(arrive, slot, h, LA1)
 
         # 3. weights, key products, the records' sum
         b_dt = _softplus(b_dtr + b_dtb)
         b_ld = b_dt * b_A
-        b_lds = gl.where(o_l + 1 < h, b_ld1, gl.where(o_l + 1 == h, b_ld, 0.0))       # ld_{j+1}
-        b_sfx = gl.associative_scan(b_lds, 0, _add, reverse=True)                      # sum_{i>=j}
-        b_coef = gl.where(o_l < h, gl.exp(b_sfx), 0.0)                                 # g_{j+1:h}
-        b_g = gl.exp(gl.where(h > 0, b_ld0, b_ld) + gl.sum(b_lds, axis=0))              # g_{0:h}
+        b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)                        # g_{j+1:h}, g_{0:h}
         b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
         b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1)                                      # [BL]
         b_kcq = gl.sum(b_kcK * b_qK, axis=0)
@@ -212,12 +173,7 @@ if HAVE_GLUON:
                 b_Sc = s_S.slice(r0, RC, dim=0).load(LT)                                # [RC, K]
                 b_xr = gl.load(x + i_b * stride_x_b + i_h * stride_x_h + v0 + o_rc).to(gl.float32)
                 b_Sc = b_g * b_Sc + (b_dt * b_xr)[:, None] * b_kcT[None, :]
-                for j in gl.static_range(BL):
-                    m_j = j < h
-                    c_j = gl.sum(gl.where(o_lP == j, b_coefP, 0.0), axis=0)
-                    w_j = gl.load(p_Wh + j * (HV * V) + o_rc, mask=(o_rc >= 0) & m_j, other=0.0).to(gl.float32)
-                    k_j = gl.load(p_kj + j * (G * K), mask=(o_tk >= 0) & m_j, other=0.0).to(gl.float32)
-                    b_Sc += (c_j * w_j)[:, None] * k_j[None, :]
+                b_Sc = _fold_records(b_Sc, o_rc, o_tk, o_lP, b_coefP, h, p_Wh, p_kj, HV * V, G * K, BL)
                 gl.store(p_S + o_rc[:, None] * K + o_tk[None, :], b_Sc)
         else:
             # the record: this program's w; the head's log decay and the group's key from the
@@ -230,14 +186,7 @@ if HAVE_GLUON:
                     p_kh = p_Kg + h * (G * K) + o_kK
                     gl.store(p_kh, b_kcK.to(p_kh.dtype.element_ty))
 
-        # the last program of the slot to arrive moves the cursor
-        if n_arrived == HV * NVB - 1:
-            if is_flush:
-                gl.store(cursor + slot, 0)
-                gl.store(epoch + slot, gl.load(epoch + slot) + 1)
-            else:
-                gl.store(cursor + slot, (h + 1).to(gl.int32))
-            gl.store(arrive + slot, 0)
+        _move_cursor(n_arrived, HV * NVB, is_flush, cursor, epoch, arrive, slot, h)
 
 
 def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,

@@ -1,0 +1,117 @@
+"""Pieces the Gluon kernels of every family share (ops/mamba2/gluon_decode.py,
+ops/gdn/gluon_decode.py): the Triton-version shims, where they apply, and the steps of a
+program that do not depend on the family (the tile's copy into shared memory, the early arrival
+on the slot's counter, the records' weights, the fold of one row chunk, the cursor's move).
+Gluon kernels run on the GPU only; see docs/decode-kernels.md ("The Gluon kernels")."""
+from __future__ import annotations
+
+try:  # Gluon ships with recent Triton (3.6 on the H200 machine); without it the Triton kernels run
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    # the copy to shared memory: `async_copy_global_to_shared` in Triton 3.6 (the H200
+    # machine's), renamed `async_load` later (the old name then raises)
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    # the program's barrier: `thread_barrier` in Triton 3.6, `barrier` later
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+__all__ = ["HAVE_GLUON", "gluon_shape_supported"]
+
+
+def gluon_shape_supported(V: int, K: int, window: int, Lb: int, BV: int, num_warps: int) -> str:
+    """'' when the Gluon kernels' layouts cover this shape and launch config, else why not."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon"
+    if K != 128:
+        return f"K={K} (the layouts are written for K=128)"
+    if BV != 16 * num_warps or V % BV:
+        return f"BV={BV} must be 16 * num_warps={16 * num_warps} and divide V={V}"
+    if min(window, Lb) > 16:
+        return f"window {window}: record tiles of up to 16 positions"
+    return ""
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _softplus(x):
+        # as the Triton kernels' softplus (Gluon cannot call Triton functions): max(x, 0) +
+        # log1p(exp(-|x|)), log1p by Goldberg's correction
+        e = gl.exp(-gl.abs(x))
+        p = 1.0 + e
+        den = gl.where(p == 1.0, 1.0, p - 1.0)
+        l1p = gl.where(p == 1.0, e, gl.log(p) * (e / den))
+        return gl.maximum(x, 0.0) + l1p
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _tile_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, LT: gl.constexpr, SM: gl.constexpr):
+        """Start the asynchronous copy of the `[BV, K]` fp32 tile at `p_T` (rows K apart) into
+        shared memory, in the 16-byte pieces of LT; returns the shared tile. The barrier after it
+        keeps the assembler from scheduling the copies after the cursor's wait."""
+        o_tr = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
+        o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
+        s_T = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
+        _async_load(s_T, p_T + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
+        cp.commit_group()
+        _barrier()
+        return s_T
+
+    @gluon.jit
+    def _arrive_early(arrive, slot, h, LA1: gl.constexpr):
+        """Arrive on the slot's counter now (the hand-off of ops/cursor.py, SYNC 1): every thread
+        stores the cursor it read to shared memory before the barrier, so no thread of this
+        program reads the cursor after the arrival (the last program to arrive rewrites it at
+        its end, `_move_cursor`); the atomic's reply then overlaps the loads in flight instead of
+        ending the program (Super, batch 256: 312 against 318 us with the arrival at the end)."""
+        s_h = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        s_h.store(gl.zeros([1], gl.int32, LA1) + h)
+        _barrier()
+        return gl.atomic_add(arrive + slot, (h >= 0).to(gl.int32), sem="relaxed")
+
+    @gluon.jit
+    def _record_weights(b_ld1, b_ld0, b_ld, h, o_l):
+        """The records' weights at cursor h, one position per lane (`o_l`): record j enters with
+        `g_{j+1:h} = exp(ld_{j+1} + ... + ld_h)` (a reverse scan of same-signed log decays, never
+        a difference of prefix sums), the checkpoint with `g_{0:h}`. `b_ld1` holds `ld_{j+1}` as
+        loaded, `b_ld0` the log decay at position 0, `b_ld` the token's. Returns (coef, g)."""
+        b_lds = gl.where(o_l + 1 < h, b_ld1, gl.where(o_l + 1 == h, b_ld, 0.0))
+        b_sfx = gl.associative_scan(b_lds, 0, _add, reverse=True)
+        b_coef = gl.where(o_l < h, gl.exp(b_sfx), 0.0)
+        b_g = gl.exp(gl.where(h > 0, b_ld0, b_ld) + gl.sum(b_lds, axis=0))
+        return b_coef, b_g
+
+    @gluon.jit
+    def _fold_records(b_Tc, o_rc, o_tk, o_lP, b_coefP, h, p_W, p_kj, STRIDE_W: gl.constexpr,
+                      STRIDE_K: gl.constexpr, BL: gl.constexpr):
+        """A flush's records folded into one row chunk `b_Tc` of the tile: one rank-1 update
+        `coef_j w_j k_j^T` per record j < h (exact fp32), unrolled over the BL positions (loads
+        masked past the cursor), no layout conversion: `w_j` (rows `o_rc` at `p_W`, positions
+        STRIDE_W apart) in the chunk's row layout, `k_j` (at `p_kj`, positions STRIDE_K apart)
+        in its column layout, the coefficients held whole by every thread (`b_coefP`)."""
+        for j in gl.static_range(BL):
+            m_j = j < h
+            c_j = gl.sum(gl.where(o_lP == j, b_coefP, 0.0), axis=0)
+            w_j = gl.load(p_W + j * STRIDE_W + o_rc, mask=(o_rc >= 0) & m_j, other=0.0).to(gl.float32)
+            k_j = gl.load(p_kj + j * STRIDE_K, mask=(o_tk >= 0) & m_j, other=0.0).to(gl.float32)
+            b_Tc += (c_j * w_j)[:, None] * k_j[None, :]
+        return b_Tc
+
+    @gluon.jit
+    def _move_cursor(n_arrived, NPROG: gl.constexpr, is_flush, cursor, epoch, arrive, slot, h):
+        """The last of the slot's NPROG programs to arrive moves the cursor: 0 and the next
+        epoch on a flush, else h + 1; and re-arms the counter (the end of ops/cursor.py's
+        `hand_off`, which a Gluon kernel cannot call)."""
+        if n_arrived == NPROG - 1:
+            if is_flush:
+                gl.store(cursor + slot, 0)
+                gl.store(epoch + slot, gl.load(epoch + slot) + 1)
+            else:
+                gl.store(cursor + slot, (h + 1).to(gl.int32))
+            gl.store(arrive + slot, 0)
