@@ -103,8 +103,10 @@ def _gluon(kernel, label, ptr, vals, c):
     ptr = dict(ptr, **{n: "*fp32" for n in ("ckpt", "buf_ld")})
     ptr.update(buf_w="*bf16", buf_k="*" + c.get("keys", "bf16"), cursor="*i32", epoch="*i64", arrive="*i32",
                slot_ids="*i64")
-    vals = dict(vals, BV=c["BV"], BL=16, RC=c.get("RC", 4 * c["num_warps"]), NW=c["num_warps"],
+    vals = dict(vals, BV=c["BV"], BL=c.get("BL", 16), RC=c.get("RC", 4 * c["num_warps"]), NW=c["num_warps"],
                 RECMASK=bool(c.get("recmask", 1)))
+    # any other of the kernel's constexpr parameters, named as in the kernel (e.g. ABLATE=1)
+    vals.update({n: v for n, v in c.items() if n in kernel.arg_names and n not in vals})
     sig, const = signature(kernel, ptr, vals, floats=("scale",))
     return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource), f"{label} {c}")
 

@@ -171,6 +171,29 @@ def test_program_variants(cfg):
     _check_accuracy(res, FLOOR)
 
 
+def test_table_configs_by_records_batch_and_window():
+    # the measured tables' choices at Qwen3.5-4B's head size (K = V = 128, two value heads per
+    # key head): the Gluon kernel from batch 9 with fp32 records and from 33 with bf16 records
+    # (the materialising kernel before, which must not inherit the Gluon keys), registers capped
+    # at 80 up to window 16 and uncapped above (32-position record tiles), unless set explicitly
+    if FAMILY != "gdn":
+        pytest.skip("the Gluon and materialising kernels are GDN only")
+    def cfg(config=None, **kw):
+        return OPS.replay_config(128, 128, config, G=2, **kw)
+
+    assert not cfg(batch=8)["gluon"]
+    for records in (torch.float32, torch.bfloat16):
+        big = cfg(batch=256, records=records, window=16)
+        assert big["gluon"] and big["recmask"] and big["maxnreg"] == 80 and big["BV"] == 64
+        assert cfg(batch=256, records=records)["maxnreg"] == 80
+        assert cfg(batch=256, records=records, window=32)["maxnreg"] == 0
+        assert cfg({"maxnreg": 96}, batch=256, records=records, window=32)["maxnreg"] == 96
+    mat = cfg(batch=32, records=torch.bfloat16)
+    assert mat["mat"] and not mat["gluon"] and mat["maxnreg"] == 0
+    assert cfg(batch=33, records=torch.bfloat16)["gluon"]
+    assert cfg(batch=9, records=torch.float32)["gluon"]
+
+
 @pytest.mark.interpret
 def test_window_one_flushes_every_step_one_key_head_per_value_head():
     res = OPS.simulate(HV=2, Hk=2, V=16, K=32, window=1, windows=6, live_slots=2, pad_rows=1,
@@ -469,14 +492,15 @@ def test_gpu_accuracy_real_shapes(which):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("recmask", [False, True])
-def test_gpu_gluon_kernel_real_shapes(recmask):
+@pytest.mark.parametrize("recmask, window", [(False, 16), (True, 16), (True, 32), (False, 20)])
+def test_gpu_gluon_kernel_real_shapes(recmask, window):
     # the Gluon kernel (GDN only): both GDN shapes, fp32 and bf16 records, padding rows, unused
-    # slots, spare capacity, 64 windows
+    # slots, spare capacity, 64 windows (16 above window 16: record tiles of 32 positions)
     if FAMILY != "gdn":
         pytest.skip("the Gluon kernel is GDN only")
     for shape in OPS.SHAPES:
-        res = OPS.simulate(**OPS.SHAPES[shape], window=16, windows=64, live_slots=6, pad_rows=2,
+        res = OPS.simulate(**OPS.SHAPES[shape], window=window, windows=64 if window <= 16 else 16,
+                           live_slots=6, pad_rows=2,
                            unused_slots=1, extra_capacity=2,
                            record_dtypes=(torch.float32, torch.bfloat16), device="cuda",
                            config={"gluon": True, "BV": 64, "num_warps": 4, "recmask": recmask})

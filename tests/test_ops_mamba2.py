@@ -103,6 +103,13 @@ EDGE_CASES = [
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16,
                  dict(BV=32, num_warps=2, HPP=1, KS=1, flush="fma", gluon=True),
                  marks=[pytest.mark.gpu, gpu], id="super-gluon-BV32"),
+    # windows above 16: record tiles of 32 positions (the tables' configs of both shapes)
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 32,
+                 dict(BV=64, num_warps=4, HPP=1, KS=1, flush="fma", recmask=False, gluon=True),
+                 marks=[pytest.mark.gpu, gpu], id="super-gluon-L32"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 20,
+                 dict(BV=16, num_warps=1, HPP=1, KS=1, flush="fma", rows=False, recmask=True, gluon=True),
+                 marks=[pytest.mark.gpu, gpu], id="nano4b-gluon-L20"),
     # row blocks of [HV * V, K] spanning two heads (V = 24 is no multiple of 16)
     pytest.param(dict(HV=4, G=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=2), id="rows-spanning"),
     pytest.param(dict(HV=4, G=2, V=24, K=32), 5, dict(BV=8, rows=True, recmask=False), id="rows-unmasked"),
@@ -119,6 +126,25 @@ EDGE_CASES = [
                  dict(BV=64, rows=True, num_warps=4, HPP=1, prefetch=False, KS=1, warpsum=True),
                  marks=[pytest.mark.gpu, gpu], id="nano4b-rows64-warpsum"),
 ]
+
+
+def test_long_window_overrides_of_the_gluon_entries():
+    # windows above 16 (32-position record tiles) cap the Gluon entries' registers per shape;
+    # other entries, windows up to 16 and explicit keys are left as they are
+    from replayssm.ops.mamba2.decode import REPLAY_CONFIGS, resolve_config
+
+    def cfg(name, batch, window, config=None):
+        HV, V, K, G = SHAPES[name]
+        return resolve_config(REPLAY_CONFIGS, HV, V, K, G, config, with_flush=True, batch=batch, window=window)
+
+    assert cfg("nemotron3-super", 256, 32)["maxnreg"] == 80
+    assert cfg("nemotron3-nano-4b", 256, 32)["maxnreg"] == 128
+    for name in ("nemotron3-super", "nemotron3-nano-4b"):
+        assert cfg(name, 256, 32)["gluon"]
+        assert cfg(name, 256, 16)["maxnreg"] == 0
+        assert cfg(name, 256, None)["maxnreg"] == 0
+        assert cfg(name, 2, 32)["maxnreg"] == 0 and not cfg(name, 2, 32)["gluon"]
+        assert cfg(name, 256, 32, {"maxnreg": 0})["maxnreg"] == 0
 
 
 @pytest.mark.parametrize("shape, window, config", EDGE_CASES)
@@ -266,6 +292,9 @@ POISON_CASES = [
                  marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, dict(BV=64, num_warps=4, HPP=1, KS=1, flush="fma", gluon=True),
                  marks=[pytest.mark.gpu, gpu], id="super-gluon"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 20,
+                 dict(BV=64, num_warps=4, HPP=1, KS=1, flush="fma", recmask=False, gluon=True),
+                 marks=[pytest.mark.gpu, gpu], id="super-gluon-L20"),
 ]
 
 

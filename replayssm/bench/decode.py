@@ -240,8 +240,8 @@ def main(argv=None):
         import json
 
         doc["variants"] = []
-        for shape, batch in itertools.product(shapes, map(int, args.batches.split(","))):
-            window = int(args.windows.split(",")[0])
+        for shape, window, batch in itertools.product(shapes, map(int, args.windows.split(",")),
+                                                      map(int, args.batches.split(","))):
             case = Case(shape, batch, window, record_dtype=rdt, input_dtype=idt)
             t_conv = graph_time_us(case.conventional_window, reps=args.reps) / window
             for cfg in json.loads(args.variants):
@@ -253,7 +253,8 @@ def main(argv=None):
                 doc["variants"].append(dict(shape=shape, batch=batch, window=window, config=cfg,
                                             record_dtype=args.record_dtype, input_dtype=args.input_dtype,
                                             us_conv=t_conv, us_replay=t, ratio=t_conv / t))
-                print(f"{shape:18} B={batch:3d} conv {t_conv:7.1f} us  replay {t:7.1f} us  {t_conv / t:5.2f}x  {cfg}",
+                print(f"{shape:18} L={window:2d} B={batch:3d} conv {t_conv:7.1f} us  replay {t:7.1f} us  "
+                      f"{t_conv / t:5.2f}x  {cfg}",
                       flush=True)
             del case
             torch.cuda.empty_cache()

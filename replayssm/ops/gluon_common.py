@@ -18,7 +18,12 @@ try:  # Gluon ships with recent Triton (3.6 on the H200 machine); without it the
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "gluon_shape_supported"]
+__all__ = ["HAVE_GLUON", "gluon_record_tile", "gluon_shape_supported"]
+
+
+def gluon_record_tile(window: int, Lb: int) -> int:
+    """Positions in the Gluon kernels' record tiles: 16 for windows up to 16, else 32."""
+    return 16 if min(window, Lb) <= 16 else 32
 
 
 def gluon_shape_supported(V: int, K: int, window: int, Lb: int, BV: int, num_warps: int) -> str:
@@ -27,10 +32,10 @@ def gluon_shape_supported(V: int, K: int, window: int, Lb: int, BV: int, num_war
         return "this Triton has no Gluon"
     if K != 128:
         return f"K={K} (the layouts are written for K=128)"
-    if BV != 16 * num_warps or V % BV:
-        return f"BV={BV} must be 16 * num_warps={16 * num_warps} and divide V={V}"
-    if min(window, Lb) > 16:
-        return f"window {window}: record tiles of up to 16 positions"
+    if BV % (16 * num_warps) or V % BV:
+        return f"BV={BV} must be a multiple of 16 * num_warps={16 * num_warps} and divide V={V}"
+    if min(window, Lb) > 32:
+        return f"window {window}: record tiles of up to 32 positions"
     return ""
 
 

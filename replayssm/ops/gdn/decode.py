@@ -565,8 +565,8 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # gluon (GDN, GPU only: the Gluon kernel of gluon_decode.py, the record-contracting program with
 # the checkpoint tile copied asynchronously into shared memory while the records are read;
 # recmask and maxnreg apply, the other replay keys do not; where `gluon_supported` says no (K
-# other than 128, BV other than 16 * num_warps, windows above 16) and on the CPU interpreter the
-# Triton kernels run with the other keys)
+# other than 128, BV not a multiple of 16 * num_warps, windows above 32) and on the CPU
+# interpreter the Triton kernels run with the other keys)
 _REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC", "KS", "flush", "mat", "BKT", "matprec", "gluon")
 _MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1, "bf16": 2}
 _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
@@ -581,7 +581,14 @@ _REPLAY_TABLE = {
     ("gdn", 128, 128): [(2, {"BV": 16, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": False}),
                         (8, {"BV": 16, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": False, "BC": 8,
                              "KS": 8}),
-                        (1 << 30, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False, "BC": 8})],
+                        # from batch 9 the Gluon kernel (gluon_decode.py; the GPU only, the Triton
+                        # kernel with the same keys elsewhere), record loads predicated on the
+                        # cursor: fp32 records, window 16, 1.63x (Qwen3.5-4B) and 1.69x
+                        # (Qwen3.5-122B) at batch 256 against 1.02x for the Triton entry (BV=32,
+                        # BC=8), 1.37x and 1.52x at 64, 1.22x and 1.38x at 32, 0.93x and 1.22x at 16
+                        # against 0.66-0.98x (variants_v44_gdn16_fp32rec.json, _small_fp32rec.json)
+                        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "HPP": 1, "recmask": True,
+                                   "prefetch": False, "maxnreg": 80})],
     # KDA: one program per head at large batch (its decay weights are computed per program)
     ("kda", 128, 128): [(8, {"BV": 32, "num_warps": 4, "HPP": 1, "recmask": False, "prefetch": False}),
                         (1 << 30, {"BV": 128, "num_warps": 4, "HPP": 1, "recmask": True, "prefetch": False,
@@ -594,15 +601,17 @@ _REPLAY_TABLE = {
 # warp per 64-row program, K in two chunks, the chunk loads pipelined (num_stages 3).
 _BF16_RECORDS_TABLE = {
     ("gdn", 128, 128): [(8, {}),
-                        (64, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
-                              "num_stages": 3}),
+                        (32, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
+                              "num_stages": 3, "gluon": False, "maxnreg": 0}),
                         # the Gluon kernel (gluon_decode.py, GPU only), registers capped at 80 (six
-                        # programs per SM, as many as its shared memory allows): batch 256 1.64x
-                        # (Qwen3.5-4B) and 1.69x (Qwen3.5-122B), 512 1.70x and 1.69x
-                        # (variants_v41_rs1.json), against 1.47x and 1.51x at 256 for the
-                        # materialising kernel; at 64 an earlier version measured 1.33x and 1.49x
-                        # against 1.39x and 1.45x (variants_v38_gdn.json), so 64 keeps the latter
-                        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": False, "maxnreg": 80})],
+                        # programs per SM, as many as its shared memory allows), record loads
+                        # predicated on the cursor (half the record bytes on average): window 16,
+                        # batch 256 1.74x (Qwen3.5-4B) and 1.76x (Qwen3.5-122B), 512 1.80x and
+                        # 1.78x, 64 1.40x and 1.59x against 1.38x and 1.44x for the materialising
+                        # kernel (variants_v44_gdn16.json); unpredicated record loads measured
+                        # 1.65-1.66x and 1.71-1.72x at 256 (variants_v43_base.json). At 32 and 16
+                        # the materialising kernel ties or wins (variants_v44_gdn16_small.json)
+                        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True, "maxnreg": 80})],
 }
 
 
@@ -619,7 +628,9 @@ _BF16_RECORDS_TABLE = {
 # (benchmarks/results/eager_sweep_v13.json, eager_sweep_v15_*.json: every candidate config
 # timed for the eager step and for the conventional kernel in one run).
 _EAGER_CONFIGS = {
-    ("gdn", 32, 128, 128): [(8, {"BV": 8, "num_warps": 1})],            # Qwen3.5-4B, Qwen3-Next
+    # Qwen3.5-4B, Qwen3-Next: batch 16 with the conventional table's config, 1.05x (bf16
+    # records) and 1.04x (fp32) against 0.88x and 0.92x for the window (variants_v45_variants.json)
+    ("gdn", 32, 128, 128): [(8, {"BV": 8, "num_warps": 1}), (16, {})],
     ("gdn", 64, 128, 128): [(8, {"BV": 8, "num_warps": 1})],            # Qwen3.5-122B
     ("kda", 32, 128, 128): [(1 << 30, {"BV": 8, "num_warps": 1})],      # Kimi-Linear-48B
 }
@@ -646,15 +657,23 @@ def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[in
             "num_stages": 1, "maxnreg": 0}
 
 
+# The tables' Gluon entries at windows above 16 (record tiles of 32 positions): their register
+# cap (80, six programs per SM with 16-position tiles) spills there; Qwen3.5-4B, batch 256,
+# window 32: 1.37x capped against 1.47x uncapped (variants_v44_gdn_w.json)
+_GLUON_LONG_WINDOW = {"maxnreg": 0}
+
+
 def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[dict], *,
                     G: Optional[int] = None, batch: Optional[int] = None,
-                    bf16_records: bool = False) -> dict:
+                    bf16_records: bool = False, window: Optional[int] = None) -> dict:
     """Launch config from the table (or defaults) and `config`; `G` (value heads per key head)
     given: a replay config, with the replay-only keys (and, for bf16 records, the overrides
-    of `_BF16_RECORDS_TABLE`)."""
+    of `_BF16_RECORDS_TABLE`; for a Gluon entry at a `window` above 16, `_GLUON_LONG_WINDOW`)."""
     cfg = _default_config(table, family, V, K, batch)
     if G is not None and bf16_records:
         cfg.update(table_entry(_BF16_RECORDS_TABLE, (family, V, K), batch) or {})
+    if G is not None and cfg.get("gluon") and window is not None and window > 16:
+        cfg.update(_GLUON_LONG_WINDOW)
     keys = _CONFIG_KEYS
     if G is not None:
         keys = _CONFIG_KEYS + _REPLAY_KEYS
@@ -713,11 +732,12 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
 
 def replay_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
                   G: int = 1, batch: Optional[int] = None,
-                  records: torch.dtype = torch.float32) -> dict:
+                  records: torch.dtype = torch.float32, window: Optional[int] = None) -> dict:
     """The launch config `replay_decode` uses for value dim `V`, key dim `K`, `G` value heads
-    per key head, a batch of `batch` rows and records of dtype `records` (with overrides)."""
+    per key head, a batch of `batch` rows, records of dtype `records` and window `window`
+    (None: as for windows up to 16), with overrides."""
     return _resolve_config(_REPLAY_TABLE, family, V, K, config, G=G, batch=batch,
-                           bf16_records=records == torch.bfloat16)
+                           bf16_records=records == torch.bfloat16, window=window)
 
 
 def _interpreting() -> bool:
@@ -983,7 +1003,7 @@ def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, b
         if arrive is None:
             arrive = arrive_counter(ckpt.device, ckpt.shape[0])
     cfg = _resolve_config(_REPLAY_TABLE, family, V, K, config, G=v.shape[1] // q.shape[1],
-                          batch=q.shape[0], bf16_records=buf_k.dtype == torch.bfloat16)
+                          batch=q.shape[0], bf16_records=buf_k.dtype == torch.bfloat16, window=window)
     if cfg["mat"] and cfg["matprec"] != "tf32x3" and buf_k.dtype != torch.bfloat16:
         raise ValueError(f"config matprec={cfg['matprec']!r} needs bf16 key records, got {buf_k.dtype}")
     if out is None:

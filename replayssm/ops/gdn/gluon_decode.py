@@ -14,7 +14,7 @@ with the float64 reference.
 """
 from __future__ import annotations
 
-from ..gluon_common import HAVE_GLUON, gluon_shape_supported
+from ..gluon_common import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -202,6 +202,7 @@ def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_
         scale, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=16, RC=4 * num_warps,
+        HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=gluon_record_tile(window, buf_w.shape[1]),
+        RC=4 * num_warps,
         USE_QK_L2NORM=bool(use_qk_l2norm), NW=num_warps, RECMASK=bool(recmask), num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -73,7 +73,7 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #   gluon       replay only, GPU only: the Gluon kernel (gluon_decode.py): the per-head program
 #               with the checkpoint tile copied asynchronously into shared memory while the
 #               records are read and formed. Where `gluon_decode.gluon_supported` says no (K other
-#               than 128, BV other than 16 * num_warps, windows above 16), and on the CPU
+#               than 128, BV not a multiple of 16 * num_warps, windows above 32), and on the CPU
 #               interpreter, the Triton per-head kernel runs with the same keys
 #   sync, maxnreg  see resolve_config
 # chosen by H200 sweeps at batch 1, 8 and 256, window 16 (benchmarks/sweep_programs.sh;
@@ -93,7 +93,7 @@ _SMALL = (8, dict(BV=16, num_warps=2, HPP=1, recmask=False, prefetch=False, flus
 # Triton per-head kernel with the same keys): Super 1.79x at batch 256 against 1.55x for the
 # Triton kernel's entry (BV=64, 4 warps, recmask=True, warpsum=True), 1.59x against 1.38x at 64,
 # 1.76x against 1.57x at 512 (variants_v38_super.json, variants_v40_super.json). Windows
-# above 16 (record tiles of 32 positions) fall back to the Triton kernel with these keys.
+# above 16 (record tiles of 32 positions) take LONG_WINDOW_CONFIGS's overrides.
 _SUPER = [_TINY, _SMALL,
           (16, dict(BV=32, num_warps=1, HPP=1, recmask=False, prefetch=False, KS=1, rows=True)),
           (1 << 30, dict(BV=64, num_warps=4, HPP=1, recmask=False, prefetch=False, warpsum=True, gluon=True))]
@@ -106,6 +106,18 @@ REPLAY_CONFIGS = {
                        (1 << 30, dict(BV=16, num_warps=1, HPP=1, recmask=False, prefetch=False, rows=False,
                                       gluon=True))],
     (64, 64, 128, 8): _SUPER,                                                   # Nemotron-3-Nano-30B
+}
+
+
+# The Gluon entries above at windows above 16 (record tiles of 32 positions, more registers):
+# overrides per shape, batch 256, window 32 (variants_v45_variants.json): Super 1.73x with
+# registers capped at 80 (six programs per SM) against 1.70x uncapped (96), Nano-4B 1.29x
+# capped at 128 against 1.18x uncapped (181); the Triton kernels measured 1.27x and 0.76x there
+# (decode_h200.json, 5750659)
+LONG_WINDOW_CONFIGS = {
+    (128, 64, 128, 8): dict(maxnreg=80),                                        # Super
+    (96, 80, 128, 8): dict(maxnreg=128),                                        # Nano-4B
+    (64, 64, 128, 8): dict(maxnreg=80),                                         # Nano-30B
 }
 
 
@@ -144,9 +156,10 @@ def _default_bv(V: int) -> int:
 
 
 def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optional[dict],
-                   *, with_flush: bool, batch: Optional[int] = None) -> dict:
-    """The launch config for a shape and batch: the table's entry (or a default), updated by
-    `config`; raises ValueError for unknown keys or values."""
+                   *, with_flush: bool, batch: Optional[int] = None, window: Optional[int] = None) -> dict:
+    """The launch config for a shape and batch: the table's entry (or a default; for a Gluon
+    entry at a `window` above 16, with `LONG_WINDOW_CONFIGS`), updated by `config`; raises
+    ValueError for unknown keys or values."""
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if not with_flush:
         cfg.update(perhead=False)
@@ -157,6 +170,8 @@ def resolve_config(table: dict, HV: int, V: int, K: int, G: int, config: Optiona
         # the cursor); maxnreg: register cap (0: none), more programs per SM, maybe spills
         cfg.update(sync=1, maxnreg=0)
     cfg.update(table_entry(table, (HV, V, K, G), batch) or {})
+    if with_flush and cfg["gluon"] and window is not None and window > 16:
+        cfg.update(LONG_WINDOW_CONFIGS.get((HV, V, K, G), {}))
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -764,7 +779,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
             raise ValueError(f"window: must be an int in [1, Lb={Lb}], got {window!r}")
         check_slots(slot_ids, N, check_slots_on_device)
     cfg = resolve_config(REPLAY_CONFIGS, x.shape[1], x.shape[2], B.shape[2], B.shape[1], config,
-                         with_flush=True, batch=x.shape[0])
+                         with_flush=True, batch=x.shape[0], window=window)
     if out is None:
         out = torch.empty_like(x)
     if arrive is None:

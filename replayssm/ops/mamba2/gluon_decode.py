@@ -22,7 +22,7 @@ the GPU tests compare this kernel with the float64 reference.
 """
 from __future__ import annotations
 
-from ..gluon_common import HAVE_GLUON, gluon_shape_supported
+from ..gluon_common import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -202,7 +202,7 @@ def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
-        HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=16, RC=4 * num_warps,
+        HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=gluon_record_tile(window, LB), RC=4 * num_warps,
         HAS_D=D is not None, HAS_Z=z is not None, NW=num_warps, num_warps=num_warps,
         RECMASK=bool(recmask),
         **({"maxnreg": maxnreg} if maxnreg else {}))
