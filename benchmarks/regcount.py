@@ -97,7 +97,8 @@ def mamba2(cfg):
 
 def _gluon(kernel, label, ptr, vals, c):
     """Compile a Gluon kernel (ops/*/gluon_decode.py) with its token inputs of dtype `inputs`,
-    records bf16 (keys `keys`), the tile read and folded in chunks of 4 * num_warps rows."""
+    records bf16 (keys `keys`), record tiles of `BL` positions (16, or 32 for windows above 16),
+    the tile read and folded in chunks of 4 * num_warps rows."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ptr = dict(ptr, **{n: "*fp32" for n in ("ckpt", "buf_ld")})
@@ -105,8 +106,6 @@ def _gluon(kernel, label, ptr, vals, c):
                slot_ids="*i64")
     vals = dict(vals, BV=c["BV"], BL=c.get("BL", 16), RC=c.get("RC", 4 * c["num_warps"]), NW=c["num_warps"],
                 RECMASK=bool(c.get("recmask", 1)))
-    # any other of the kernel's constexpr parameters, named as in the kernel (e.g. ABLATE=1)
-    vals.update({n: v for n, v in c.items() if n in kernel.arg_names and n not in vals})
     sig, const = signature(kernel, ptr, vals, floats=("scale",))
     return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource), f"{label} {c}")
 

@@ -32,8 +32,8 @@ def gluon_shape_supported(V: int, K: int, window: int, Lb: int, BV: int, num_war
         return "this Triton has no Gluon"
     if K != 128:
         return f"K={K} (the layouts are written for K=128)"
-    if BV % (16 * num_warps) or V % BV:
-        return f"BV={BV} must be a multiple of 16 * num_warps={16 * num_warps} and divide V={V}"
+    if BV != 16 * num_warps or V % BV:
+        return f"BV={BV} must be 16 * num_warps={16 * num_warps} and divide V={V}"
     if min(window, Lb) > 32:
         return f"window {window}: record tiles of up to 32 positions"
     return ""

@@ -565,7 +565,7 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # gluon (GDN, GPU only: the Gluon kernel of gluon_decode.py, the record-contracting program with
 # the checkpoint tile copied asynchronously into shared memory while the records are read;
 # recmask and maxnreg apply, the other replay keys do not; where `gluon_supported` says no (K
-# other than 128, BV not a multiple of 16 * num_warps, windows above 32) and on the CPU
+# other than 128, BV other than 16 * num_warps, windows above 32) and on the CPU
 # interpreter the Triton kernels run with the other keys)
 _REPLAY_KEYS = ("HPP", "recmask", "prefetch", "BC", "KS", "flush", "mat", "BKT", "matprec", "gluon")
 _MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1, "bf16": 2}

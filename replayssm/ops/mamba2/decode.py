@@ -73,7 +73,7 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #   gluon       replay only, GPU only: the Gluon kernel (gluon_decode.py): the per-head program
 #               with the checkpoint tile copied asynchronously into shared memory while the
 #               records are read and formed. Where `gluon_decode.gluon_supported` says no (K other
-#               than 128, BV not a multiple of 16 * num_warps, windows above 32), and on the CPU
+#               than 128, BV other than 16 * num_warps, windows above 32), and on the CPU
 #               interpreter, the Triton per-head kernel runs with the same keys
 #   sync, maxnreg  see resolve_config
 # chosen by H200 sweeps at batch 1, 8 and 256, window 16 (benchmarks/sweep_programs.sh;

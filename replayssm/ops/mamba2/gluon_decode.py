@@ -52,7 +52,7 @@ if HAVE_GLUON:
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, RC: gl.constexpr,
         HAS_D: gl.constexpr, HAS_Z: gl.constexpr, NW: gl.constexpr, RECMASK: gl.constexpr,
     ):
-        # Layouts (NW warps, K = 128, BV = 16 NW, BL = 16):
+        # Layouts (NW warps, K = 128, BV = 16 NW, BL = 16 or, for windows above 16, 32):
         # LT  the tile [BV, K]: a row per warp and repetition, 4 columns per lane (16-byte copies)
         # LW  value records [BL, BV]: positions over 16 lanes, 8 rows per thread, so that the sum
         #     over positions stays inside a warp
@@ -202,7 +202,8 @@ def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
-        HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=gluon_record_tile(window, LB), RC=4 * num_warps,
+        HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=gluon_record_tile(window, LB),
+        RC=4 * num_warps,
         HAS_D=D is not None, HAS_Z=z is not None, NW=num_warps, num_warps=num_warps,
         RECMASK=bool(recmask),
         **({"maxnreg": maxnreg} if maxnreg else {}))
