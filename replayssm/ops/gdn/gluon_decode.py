@@ -52,9 +52,9 @@ if HAVE_GLUON:
         # tile read back for the matvecs; LK key records, 8 columns per thread; LA1 [BL] vectors,
         # one position per lane; LP [BL] held whole by every thread; LY one row per thread), but
         # LW, the value records, holds 8 positions per thread (of each 16) over 2 lanes and rows
-        # over 16 lanes and the warps: GDN sums them twice (with k and with q), and in-thread sums (one
-        # shuffle) instead of sums across 16 lanes took batch 256 from 1.56x to 1.64x (Qwen3.5-4B)
-        # and from 1.61x to 1.69x (Qwen3.5-122B), variants_v41_rs*.json
+        # over 16 lanes and the warps: GDN sums them twice (with k and with q), and in-thread
+        # sums (one shuffle) instead of sums across 16 lanes took batch 256 from 1.56x to 1.64x
+        # (Qwen3.5-4B) and from 1.61x to 1.69x (Qwen3.5-122B), variants_v41_rs*.json
         LT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         LR: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])      # C k, C q reads
         LW: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, NW], [0, 1])
