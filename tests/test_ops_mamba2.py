@@ -183,6 +183,36 @@ def test_bf16_records(shape, window, n_slots, windows):
     assert r["out_replay"] > 1e-4 and r["ckpt_replay"] > 1e-4
 
 
+BF16_INPUT_CASES = [
+    pytest.param(SMALL, 4, 3, 64, None, id="small-L4"),
+    pytest.param(SMALL, 3, 3, 64, dict(BV=8, rows=True), id="small-rows-L3"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, 16, 64, None,
+                 marks=[pytest.mark.gpu, gpu], id="nemotron3-super-L16"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, 16, 64, None,
+                 marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b-L16"),
+    pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, 16, 64,
+                 dict(gluon=False, flush="tf32x3", KS=1), marks=[pytest.mark.gpu, gpu], id="super-triton-dot"),
+]
+
+
+@pytest.mark.parametrize("shape, window, n_slots, windows, config", BF16_INPUT_CASES)
+def test_bf16_records_exact_on_bf16_inputs(shape, window, n_slots, windows, config):
+    """The records keep `x` (and `B`) as given, not `dt x`: on inputs that are bf16 values (a
+    bf16 model's activations, passed as fp32 here so that the outputs keep fp32 precision) bf16
+    records are exact copies, and the replay kernel's errors stay within 1.5x the conventional
+    fp32 kernel's, as with fp32 records. Records of `dt x` would round every buffered value:
+    about 2e-3 (test_bf16_records)."""
+    r = compare_with_reference(shape["HV"], shape["G"], shape["V"], shape["K"], window=window,
+                               n_slots=n_slots, windows=windows, device=DEV, config=config,
+                               record_dtype=torch.bfloat16, inputs_on=torch.bfloat16)
+    print(r)
+    _check_bookkeeping(r)
+    for what in ("out", "ckpt"):
+        rep, conv = r[f"{what}_replay"], r[f"{what}_conventional"]
+        assert conv < 1e-5, f"conventional {what} error {conv}: the yardstick itself is broken"
+        assert rep <= 1.5 * conv + FLOOR, f"{what}: replay {rep:.3e} vs conventional {conv:.3e}"
+
+
 @pytest.mark.parametrize("cfg", [
     dict(BV=8, HPP=2, recmask=True, prefetch=True, flush="fma"),
     dict(BV=16, HPP=2, recmask=False, prefetch=False, flush="tf32x3"),
@@ -277,7 +307,8 @@ def _live_pool(shape, N, Lb, used, start, *, seed, sentinel_from=None):
                 pool[name][s, sentinel_from:] = 1e30
         pool["cursor"][s] = h
         pool["epoch"][s] = 10 * s
-        S_ref[s] = replay(C0.double(), ld.double(), w.double(), k.double())
+        # the buffer holds x; the values folded are dt x, dt = ld / A (the kernels' fp32 A)
+        S_ref[s] = replay(C0.double(), ld.double(), ref.record_values(ld.double(), w.double()), k.double())
     return p, tuple(t.to(DEV) for t in (A, dt_bias, D)), ref, pool, S_ref, g
 
 

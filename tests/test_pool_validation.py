@@ -117,3 +117,12 @@ def test_uncommitted_drafts_are_discarded_by_decode():
     x = make_inputs(pool.params, 1, V, K, HK, generator=g)
     assert torch.allclose(pool.decode(torch.tensor([0]), **x), ref.decode(torch.tensor([0]), **x), rtol=1e-12, atol=0)
     assert int(pool.pending[0]) == 0
+
+
+def test_mamba2_params_need_nonzero_A():
+    """Mamba-2 records keep x and recover dt as ld / A: a head with A = 0 is refused up front."""
+    from replayssm.reference import Mamba2Params
+
+    with pytest.raises(ValueError, match="A must be nonzero"):
+        Mamba2Params(A=torch.tensor([-1.0, 0.0]), dt_bias=torch.zeros(2))
+    Mamba2Params(A=torch.tensor([-1.0, -0.5]), dt_bias=torch.zeros(2))

@@ -3,7 +3,8 @@ records over a long decode, measured against the float64 conventional recurrence
 
 For each family at a real shape, `steps` decode steps of the same random inputs run through
 the conventional fp32 kernel, the ReplaySSM kernel with fp32 records and with bf16 records,
-and the float64 reference (on the GPU). Reported per bin of steps: the mean relative error of
+and the float64 reference (on the GPU). `--inputs-on bf16` draws inputs that are bf16 values
+(a bf16 model's activations): Mamba-2's records (`x`, `B`) are then exact in bf16. Reported per bin of steps: the mean relative error of
 the outputs, and at the end the relative error of the state. The replay kernels run with the
 window given (never the eager step, which keeps no records); `--bf16-configs` adds bf16-record
 runs with other launch configs (e.g. GDN's `{"matprec": "bf16"}`).
@@ -23,7 +24,7 @@ from .decode import _call, _ops
 SHAPES = {"mamba2": "nemotron3-nano-4b", "gdn": "qwen3.5-4b", "kda": "kimi-linear-48b"}
 
 
-def run(family, steps, batch, heads, window, bins, seed=0, bf16_configs=()):
+def run(family, steps, batch, heads, window, bins, seed=0, bf16_configs=(), inputs_on=None):
     shape = SHAPES[family]
     _, HV_full, Hk_full, V, K = traffic.MODEL_SHAPES[shape]
     HV = heads or HV_full
@@ -52,8 +53,9 @@ def run(family, steps, batch, heads, window, bins, seed=0, bf16_configs=()):
     per_bin = steps // bins
     g = torch.Generator(device=dev).manual_seed(seed)
     for t in range(steps):
-        inp64 = {k: v for k, v in make_inputs(p64, N, V, K, Hk, dtype=torch.float64, device=dev,
-                                              generator=_CpuGen(g)).items()}
+        inp64 = {k: v if inputs_on is None else v.to(inputs_on).double()
+                 for k, v in make_inputs(p64, N, V, K, Hk, dtype=torch.float64, device=dev,
+                                         generator=_CpuGen(g)).items()}
         y64, S64 = p64.step(S64, **inp64)
         inp = {k: v.float() for k, v in inp64.items()}
         if family == "mamba2":
@@ -68,6 +70,7 @@ def run(family, steps, batch, heads, window, bins, seed=0, bf16_configs=()):
         for n, y in outs.items():
             acc[n][min(t // per_bin, bins - 1)] += (y.double() - y64).norm().item() / den / per_bin
     return {"shape": shape, "family": family, "heads": HV, "batch": batch, "window": window, "steps": steps,
+            "inputs_on": None if inputs_on is None else str(inputs_on).replace("torch.", ""),
             "bin_steps": per_bin, "output_rel_err_by_bin": acc,
             "final_state_rel_err": {"conventional_fp32": ((conv.double() - S64).norm() / S64.norm()).item()}}
 
@@ -89,13 +92,17 @@ def main(argv=None):
     ap.add_argument("--bins", type=int, default=8)
     ap.add_argument("--bf16-configs", default="[]",
                     help="JSON list of launch configs for further bf16-record runs (as replay_decode's config=)")
+    ap.add_argument("--inputs-on", default="", choices=["", "bf16"],
+                    help="round every token input to these values (a bf16 model's activations; "
+                         "passed to the kernels as fp32, the reference sees the same values)")
     ap.add_argument("--out", default="benchmarks/results/records_h200.json")
     args = ap.parse_args(argv)
     doc = header("records")
     doc["rows"] = []
     for fam in args.families.split(","):
         r = run(fam, args.steps, args.batch, args.heads, args.window, args.bins,
-                bf16_configs=json.loads(args.bf16_configs))
+                bf16_configs=json.loads(args.bf16_configs),
+                inputs_on=torch.bfloat16 if args.inputs_on == "bf16" else None)
         doc["rows"].append(r)
         print(f"{fam}: mean output rel. error per {r['bin_steps']}-step bin")
         for n, v in r["output_rel_err_by_bin"].items():

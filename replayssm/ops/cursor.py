@@ -37,22 +37,25 @@ def hand_off(arrive, cursor, epoch, i_s, h, flush, NPROG: tl.constexpr, SYNC: tl
 
 @triton.jit
 def fold_pending(b_S, h, p_ld, p_w, p_k, stride_ld, stride_w, stride_k, m_w, m_k,
-                 DECAY: tl.constexpr):
+                 DECAY: tl.constexpr, b_A=None):
     """`b_S` (`[BV, BK]` fp32) after records `0..h-1`, oldest first, one step of the
     recurrence each: `S <- a_j S + w_j k_j^T` in fp32, the arithmetic of a conventional step.
 
-    Record j's log decay is read at `p_ld + j * stride_ld`, its `w` (`[BV]`) at
+    Record j's log decay is read at `p_ld + j * stride_ld`, its stored value (`[BV]`) at
     `p_w + j * stride_w` (valid where `m_w`), its key (`[BK]`) at `p_k + j * stride_k` (valid
-    where `m_k`). DECAY 0: one log decay for the tile (GDN, a scalar pointer); 1: one per row
-    (Mamba-2 programs spanning heads, `[BV]` pointers); 2: one per key column (KDA, `[BK]`
-    pointers)."""
+    where `m_k`). DECAY 0: one log decay for the tile (GDN, a scalar pointer), the value is
+    `u_j`; 1: Mamba-2, one per row (programs spanning heads, `[BV]` pointers), the value is
+    `x_j` and `w_j = (ld_j / A) x_j` with `b_A` the rows' A (`[BV]`); 2: one per key column
+    (KDA, `[BK]` pointers), the value is `u_j`."""
     for j in range(0, h):
         b_w = tl.load(p_w + j * stride_w, mask=m_w, other=0.).to(tl.float32)
         b_k = tl.load(p_k + j * stride_k, mask=m_k, other=0.).to(tl.float32)
         if DECAY == 0:
             b_S = b_S * tl.exp(tl.load(p_ld + j * stride_ld))
         elif DECAY == 1:
-            b_S = b_S * tl.exp(tl.load(p_ld + j * stride_ld, mask=m_w, other=0.))[:, None]
+            b_ldj = tl.load(p_ld + j * stride_ld, mask=m_w, other=0.)
+            b_S = b_S * tl.exp(b_ldj)[:, None]
+            b_w = b_w * (b_ldj / b_A)
         else:
             b_S = b_S * tl.exp(tl.load(p_ld + j * stride_ld, mask=m_k, other=0.))[None, :]
         b_S += b_w[:, None] * b_k[None, :]

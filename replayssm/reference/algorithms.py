@@ -2,7 +2,8 @@
 speculative verification (section 4) and the high-precision fold of section 5.
 
 A sequence's buffer is a dict of tensors indexed by position `0..Lb-1`:
-`ld` (`[Lb, HV]`, KDA `[Lb, HV, K]`), `w` (`[Lb, HV, V]`), `k` (`[Lb, Hk, K]`) and, for
+`ld` (`[Lb, HV]`, KDA `[Lb, HV, K]`), `w` (`[Lb, HV, V]`: Mamba-2's `x`, GDN/KDA's `u`; the
+values the mathematics folds are `params.record_values(ld, w)`), `k` (`[Lb, Hk, K]`) and, for
 GDN/KDA with a separate low-precision checkpoint, `v` (`[Lb, HV, V]`) and `beta` (`[Lb, HV]`).
 Functions write records into it in place and return outputs *before* the family's
 `finish` (skip connection, gate), plus the state to write back when they flush.
@@ -28,6 +29,13 @@ def _put(buf: dict, pos: int, tok: dict, keys) -> None:
     for name in keys:
         if name in tok and name in buf:
             buf[name][pos] = tok[name]
+
+
+def _records(params, buf: dict, n: int):
+    """`(ld, values, k)` of the first `n` records: the values as the mathematics uses them
+    (`params.record_values`: Mamba-2 stores `x` and forms `dt x`; GDN/KDA store `u`)."""
+    ld = buf["ld"][:n]
+    return ld, params.record_values(ld, buf["w"][:n]), buf["k"][:n]
 
 
 def _delta_u(params, C: Tensor, buf: dict, j: int, ld_j: Tensor, k_j: Tensor, v_j: Tensor,
@@ -56,7 +64,7 @@ def fold(params, C_hp: Tensor, buf: dict, n: int, recompute: bool) -> Tensor:
         for j in range(n):
             w[j] = _delta_u(params, C_hp, tmp, j, buf["ld"][j], buf["k"][j], buf["v"][j], buf["beta"][j])
         return replay(C_hp, buf["ld"][:n], w, buf["k"][:n])
-    return replay(C_hp, buf["ld"][:n], buf["w"][:n], buf["k"][:n])
+    return replay(C_hp, *_records(params, buf, n))
 
 
 def decode_step(params, C_hp: Tensor, C_lp: Optional[Tensor], buf: dict, h: int, window: int,
@@ -77,7 +85,7 @@ def decode_step(params, C_hp: Tensor, C_lp: Optional[Tensor], buf: dict, h: int,
     if n >= window:
         S = fold(params, C_hp, buf, n, recompute)
         return torch.einsum("hvk,hk->hv", S, q), S
-    return apply(C, buf["ld"][:n], buf["w"][:n], buf["k"][:n], q), None
+    return apply(C, *_records(params, buf, n), q), None
 
 
 def _draft_solve(params, C: Tensor, buf: dict, h: int, toks: dict) -> Tensor:
@@ -133,8 +141,8 @@ def verify_step(params, C_hp: Tensor, C_lp: Optional[Tensor], buf: dict, h: int,
         buf["w"][h:h + T] = _draft_solve(params, C, buf, h, toks)
     else:
         buf["w"][h:h + T] = toks["w"]
-    Y = torch.stack([apply(C, buf["ld"][:h + s + 1], buf["w"][:h + s + 1], buf["k"][:h + s + 1],
-                           expand_heads(toks["q"][s], HV)) for s in range(T)])
+    Y = torch.stack([apply(C, *_records(params, buf, h + s + 1), expand_heads(toks["q"][s], HV))
+                     for s in range(T)])
     return Y, S, h
 
 

@@ -3,7 +3,8 @@
 Notation follows SPEC.md. A *record* of position `j` in a window is `(ld_j, w_j, k_j)`:
 `ld_j = log a_j` (the decay in log space: `[HV]`, or `[HV, K]` for KDA's channel-wise decay),
 `w_j` (`[HV, V]`: `dt*x` for Mamba-2, `u` for GDN/KDA) and `k_j` (`[Hk, K]`, one key per group
-of value heads).
+of value heads). Buffers may store another form of `w_j` (Mamba-2 keeps `x_j`); the functions
+here take the values themselves (`params.record_values` forms them).
 
 All functions here act on one sequence; the slot pool loops over rows. They are written for
 float64 clarity, not speed.

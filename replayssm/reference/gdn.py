@@ -56,6 +56,10 @@ class GDNParams:
     def finish(self, y: Tensor, **_) -> Tensor:
         return y
 
+    def record_values(self, ld: Tensor, w: Tensor) -> Tensor:
+        """The values of buffered records: the stored `u` itself."""
+        return w
+
     def step(self, S: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor):
         """Conventional decode, batched. `S`: `[b, HV, V, K]`. Returns `(o [b, HV, V], S_new)`."""
         p = self.prepare(q, k, v, a, b)

@@ -26,8 +26,14 @@ class Mamba2Params:
     dt_bias: Tensor
     D: Optional[Tensor] = None
 
+    def __post_init__(self):
+        # the records keep x and recover dt as ld / A (record_values)
+        if isinstance(self.A, Tensor) and bool((self.A == 0).any()):
+            raise ValueError("A must be nonzero in every head (Mamba-2's A = -exp(A_log) is "
+                             f"negative), got {self.A.tolist() if self.A.numel() <= 16 else 'a zero'}")
+
     family = "mamba2"
-    delta = False          # the buffered value w = dt*x does not depend on the state
+    delta = False          # the buffered value x does not depend on the state
     vector_decay = False
 
     @property
@@ -43,10 +49,18 @@ class Mamba2Params:
     def prepare(self, x: Tensor, dt: Tensor, B: Tensor, C: Tensor, z: Optional[Tensor] = None) -> dict:
         """Token inputs `[..., HV, V]`, `[..., HV]`, `[..., G, K]` x2 -> record and query.
 
-        Returns `ld` (`log a`, `[..., HV]`), `w = dt x` (`[..., HV, V]`), `k = B`, `q = C`.
+        Returns `ld` (`log a = dt A`, `[..., HV]`), `w = x` (`[..., HV, V]`), `k = B`, `q = C`.
+        The record keeps the layer's input `x`, not the product `dt x` of SPEC section 2:
+        `record_values` forms `dt x` with `dt = ld / A`. Stored in the model's dtype (bf16
+        records of a bf16 model), `x` is exact where `dt x` would be rounded.
         """
         dt = F.softplus(dt + self.dt_bias)
-        return {"ld": dt * self.A, "w": dt[..., None] * x, "k": B, "q": C}
+        return {"ld": dt * self.A, "w": x, "k": B, "q": C}
+
+    def record_values(self, ld: Tensor, w: Tensor) -> Tensor:
+        """The values `dt_j x_j` (`[..., HV, V]`) of buffered records `(ld_j, x_j)`: `dt = ld / A`
+        (`A` is never 0: `-exp(A_log)`)."""
+        return (ld / self.A)[..., None] * w
 
     def finish(self, y: Tensor, x: Tensor, z: Optional[Tensor] = None, **_) -> Tensor:
         """Skip connection and gate: `(y + D x) * silu(z)`."""
@@ -63,6 +77,7 @@ class Mamba2Params:
         """
         p = self.prepare(x, dt, B, C)
         HV = self.num_heads
-        S = torch.exp(p["ld"])[..., None, None] * S + p["w"][..., None] * expand_heads(B, HV)[..., None, :]
+        w = F.softplus(dt + self.dt_bias)[..., None] * x
+        S = torch.exp(p["ld"])[..., None, None] * S + w[..., None] * expand_heads(B, HV)[..., None, :]
         y = torch.einsum("bhvk,bhk->bhv", S, expand_heads(C, HV))
         return self.finish(y, x, z), S

@@ -35,7 +35,8 @@ def _rel(num: float, den: float) -> float:
 
 def compare_with_reference(HV: int, G: int, V: int, K: int, *, window: int, n_slots: int,
                            windows: int, device="cpu", record_dtype=torch.float32,
-                           input_dtype=torch.float32, seed: int = 0, spare: int = 2,
+                           input_dtype=torch.float32, inputs_on: Optional[torch.dtype] = None,
+                           seed: int = 0, spare: int = 2,
                            config: Optional[dict] = None, conv_config: Optional[dict] = None,
                            state_scale: float = 0.1) -> dict:
     """Run `replay_decode` and `conventional_decode` side by side against the float64 reference.
@@ -44,8 +45,10 @@ def compare_with_reference(HV: int, G: int, V: int, K: int, *, window: int, n_sl
     slot `s` joins the batch at step `s`, so rows sit at different window positions; each step
     the batch is the live slots plus one padding row, in a random order. Runs
     `windows * window + n_slots` steps. Kernel inputs are drawn in float64, cast to
-    `input_dtype`; the reference (`Mamba2Params.step`) runs on float64 copies of those values
-    and of the fp32 layer parameters, so input rounding is not counted as kernel error.
+    `input_dtype` (after rounding them to `inputs_on` when given: e.g. bf16 values, the
+    activations of a bf16 model, passed as fp32 so that the outputs keep fp32 precision); the
+    reference (`Mamba2Params.step`) runs on float64 copies of those values and of the fp32
+    layer parameters, so input rounding is not counted as kernel error.
 
     Returns relative errors `||kernel - ref|| / ||ref||` over all steps: `out_replay`,
     `out_conventional` (outputs of live rows), `ckpt_replay`, `ckpt_conventional` (each slot's
@@ -92,7 +95,7 @@ def compare_with_reference(HV: int, G: int, V: int, K: int, *, window: int, n_sl
         rows = [rows[i] for i in perm]
         slot_ids = torch.tensor(rows, dtype=torch.int32, device=dev)
         inp = make_inputs(p, Bt, V, K, G, generator=g)
-        inp = {k: v.to(input_dtype) for k, v in inp.items()}
+        inp = {k: (v if inputs_on is None else v.to(inputs_on)).to(input_dtype) for k, v in inp.items()}
         dinp = {k: v.to(dev) for k, v in inp.items()}
         args = (dinp["x"], dinp["dt"], dinp["B"], dinp["C"], A, dt_bias, D, dinp["z"])
         y_rep = replay_decode(*args, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, slot_ids, window,
@@ -135,27 +138,29 @@ def gpu_check(device="cuda", *, shapes=("nemotron3-super", "nemotron3-nano-4b"),
               window: int = 16, windows: int = 4, seed: int = 0) -> dict:
     """One correctness check of both kernels at real shapes on `device`.
 
-    For each shape: fp32 records and bf16 records, `windows` windows of `window` steps on
-    `n_slots` staggered slots. Returns `{shape: {"fp32": errors, "bf16": errors, "ok": bool}}`
-    with the errors of `compare_with_reference`; `ok` requires the replay kernel's output and
-    checkpoint errors (fp32 records) within 1.5x the conventional kernel's (+2e-8, a third of
-    fp32's unit roundoff, as in tests/test_ops_mamba2.py), bf16-record errors below 1e-2, and
-    the cursor, epoch and padding bookkeeping exact.
+    For each shape: fp32 records, bf16 records, and bf16 records on inputs that are bf16
+    values (a bf16 model's activations), `windows` windows of `window` steps on `n_slots`
+    staggered slots. Returns `{shape: {"fp32": errors, "bf16": errors, "bf16_on_bf16_inputs":
+    errors, "ok": bool}}` with the errors of `compare_with_reference`; `ok` requires the replay
+    kernel's output and checkpoint errors with fp32 records, and with bf16 records on bf16
+    inputs (exact copies of x and B), within 1.5x the conventional kernel's (+2e-8, a third of
+    fp32's unit roundoff, as in tests/test_ops_mamba2.py), bf16-record errors below 1e-2 on
+    fp32 inputs, and the cursor, epoch and padding bookkeeping exact.
     """
     out = {}
     for name in shapes:
         HV, V, K, G = SHAPES[name]
         r = {}
-        for tag, rd in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for tag, rd, on in (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
+                            ("bf16_on_bf16_inputs", torch.bfloat16, torch.bfloat16)):
             r[tag] = compare_with_reference(HV, G, V, K, window=window, n_slots=n_slots,
                                             windows=windows, device=device, record_dtype=rd,
-                                            seed=seed)
-        e = r["fp32"]
+                                            inputs_on=on, seed=seed)
+        within = all(r[t][f"{w}_replay"] <= 1.5 * r[t][f"{w}_conventional"] + 2e-8
+                     for t in ("fp32", "bf16_on_bf16_inputs") for w in ("out", "ckpt"))
         r["ok"] = bool(
-            e["out_replay"] <= 1.5 * e["out_conventional"] + 2e-8
-            and e["ckpt_replay"] <= 1.5 * e["ckpt_conventional"] + 2e-8
-            and r["bf16"]["out_replay"] < 1e-2 and r["bf16"]["ckpt_replay"] < 1e-2
+            within and r["bf16"]["out_replay"] < 1e-2 and r["bf16"]["ckpt_replay"] < 1e-2
             and all(r[t]["cursor_ok"] and r[t]["padding_zero"] and r[t]["arrive_zero"]
-                    for t in ("fp32", "bf16")))
+                    for t in ("fp32", "bf16", "bf16_on_bf16_inputs")))
         out[name] = r
     return out

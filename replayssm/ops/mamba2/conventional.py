@@ -150,11 +150,15 @@ def _conventional_decode_kernel(
         if HAS_Z:
             b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
         if h > 0:
+            if TWO:
+                b_Ar = tl.where(in_b, A_b, A_a)
+            else:
+                b_Ar = b_A
             # the tile re-read (an L1/L2 hit), so that the loaded one is dead in here
             b_S = fold_pending(tl.load(p_S, mask=m_k[None, :], other=0.0), h,
                                buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
                                buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
-                               o_r >= 0, m_k, 1)
+                               o_r >= 0, m_k, 1, b_Ar)
         if TWO:
             b_dt, b_a = _head_decays(r_a, r_b, A_a, A_b, in_b)
         else:

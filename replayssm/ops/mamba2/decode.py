@@ -7,12 +7,14 @@ sections 2-3; the float64 oracle is `replayssm.reference.Mamba2Params.step`.
 
 Per row with slot `s` and cursor `h = cursor[s]`, window `L`:
 
-    record h      = (ld, w, k) = (dt*A, dt*x, B)      dt = softplus(dt_raw + dt_bias)
-    y             = g_{0:h} (C_s q) + sum_{j<=h} g_{j+1:h} (k_j . q) w_j  (+ D x, * silu(z))
+    record h      = (ld, w, k) = (dt*A, x, B)         dt = softplus(dt_raw + dt_bias)
+    y             = g_{0:h} (C_s q) + sum_{j<=h} g_{j+1:h} (k_j . q) dt_j x_j  (+ D x, * silu(z))
     if h + 1 < L: write record h to the buffer; cursor[s] = h + 1
-    else:         C_s <- g_{0:h} C_s + sum_{j<=h} g_{j+1:h} w_j k_j^T;  cursor[s] = 0; epoch[s] += 1
+    else:         C_s <- g_{0:h} C_s + sum_{j<=h} g_{j+1:h} dt_j x_j k_j^T;  cursor[s] = 0; epoch[s] += 1
 
-with `g_{i:h} = exp(sum_{i<=j<=h} ld_j)`. Record `h` (the current token) comes from registers;
+with `g_{i:h} = exp(sum_{i<=j<=h} ld_j)` and, for buffered records, `dt_j = ld_j / A`. The record
+keeps `x` (SPEC's `w = dt x` is formed when it is read): in a buffer of the model's dtype it is
+an exact copy, so bf16 records of a bf16 model add no rounding. Record `h` (the current token) comes from registers;
 on a flush step it is folded straight into the checkpoint and never written to the buffer
 (the buffer restarts at position 0, so it would be dead on arrival).
 """
@@ -251,9 +253,10 @@ def _load_tile(p, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _token_decay(dt, dt_bias, A, off_dt, i_h):
-    """The current token's `dt = softplus(dt_raw + dt_bias)` and log decay `dt A` of head i_h."""
+    """The current token's `dt = softplus(dt_raw + dt_bias)`, log decay `dt A` of head i_h, and A."""
     b_dt = softplus(tl.load(dt + off_dt + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32))
-    return b_dt, b_dt * tl.load(A + i_h).to(tl.float32)
+    b_A = tl.load(A + i_h).to(tl.float32)
+    return b_dt, b_dt * b_A, b_A
 
 
 @triton.jit
@@ -320,17 +323,20 @@ def _head_values(p, o_h, h_a, h_b, in_b, TWO: tl.constexpr):
 
 
 @triton.jit
-def _head_weights(p_ld, stride_l, b_ld, h, o_l, m_j, m_j1, m_lj1):
-    """Weights of one head at cursor h: record j (lane j < h) enters with
-    g_{j+1:h} = exp(ld_{j+1} + ... + ld_h), the checkpoint with g_{0:h}; `p_ld` points at the
-    head's log decay at position 0 (positions `stride_l` apart), `b_ld` is the current token's
-    (position h). Each suffix is summed directly from same-signed terms, never as a difference
-    of prefix sums, so weights near 1 keep full precision. Returns (coef [BL], g_{0:h})."""
+def _head_weights(p_ld, stride_l, b_ld, b_A, h, o_l, m_j, m_j1, m_lj, m_lj1):
+    """Weights of one head at cursor h: record j (lane j < h, its value `x_j`) enters with
+    g_{j+1:h} dt_j, g_{j+1:h} = exp(ld_{j+1} + ... + ld_h) and dt_j = ld_j / A (the record keeps
+    the layer's input x, exact in the model's dtype, not the rounded product dt x), the
+    checkpoint with g_{0:h}; `p_ld` points at the head's log decay at position 0 (positions
+    `stride_l` apart), `b_ld` is the current token's (position h), `b_A` the head's A. Each
+    suffix is summed directly from same-signed terms, never as a difference of prefix sums, so
+    weights near 1 keep full precision. Returns (coef [BL], g_{0:h})."""
     b_ld1 = tl.load(p_ld + (o_l + 1) * stride_l, mask=m_lj1, other=0.0)              # ld_{j+1}
+    b_ldj = tl.load(p_ld + o_l * stride_l, mask=m_lj, other=0.0)                       # ld_j
     b_ld0 = tl.load(p_ld)
     b_lds = tl.where(m_j1, b_ld1, tl.where(o_l + 1 == h, b_ld, 0.0))                   # [BL]
     b_sfx = tl.sum(tl.where(o_l[None, :] >= o_l[:, None], b_lds[None, :], 0.0), axis=1)
-    b_coef = tl.where(m_j, tl.exp(b_sfx), 0.0)                                          # [BL]
+    b_coef = tl.where(m_j, tl.exp(b_sfx) * (b_ldj / b_A), 0.0)                          # [BL]
     b_g = tl.exp(tl.where(h > 0, b_ld0, b_ld) + tl.sum(b_lds, axis=0))                  # g_{0:h}
     return b_coef, b_g
 
@@ -415,10 +421,12 @@ def _replay_decode_kernel(
             b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                       # [BL, BV]
 
         # the current token's record, in registers
-        b_dt, b_ld = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, i_h)
-        b_x = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_dt, b_ld, b_A = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, i_h)
+        b_xi = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0)
+        b_x = b_xi.to(tl.float32)
         b_w = b_dt * b_x                                                                # [BV]
-        b_coef, b_g = _head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, hr, o_l, m_j, m_j1, m_lj1)
+        b_coef, b_g = _head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, b_A, hr, o_l, m_j, m_j1,
+                                    m_lj, m_lj1)
 
         b_y = b_g * tile_dot(b_S, b_q, BK, KS)                                          # [BV]
         if WS == 0:
@@ -468,8 +476,9 @@ def _replay_decode_kernel(
                 else:
                     tl.store(p_S0 + i_h * (V * K) + o_S, b_S, mask=m_S)
         else:
+            # the record keeps x as given (exact when the buffer has x's dtype)
             p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
-            tl.store(p_wh, b_w.to(p_wh.dtype.element_ty), mask=m_v)
+            tl.store(p_wh, b_xi.to(p_wh.dtype.element_ty), mask=m_v)
             if i_v == 0:
                 tl.store(buf_ld + slot * (LB * HV) + h * HV + i_h, b_ld)
                 # the group's key: written by the program holding its first head
@@ -536,15 +545,16 @@ def _replay_decode_rows_kernel(
         b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                           # [BL, BV]
 
     # the current token: dt and log decay of the block's two heads (scalars), selected per row
-    dt_a, b_ld_a = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_a)
-    dt_b, b_ld_b = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_b)
+    dt_a, b_ld_a, A_a = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_a)
+    dt_b, b_ld_b, A_b = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_b)
     b_dt = tl.where(in_b, dt_b, dt_a)                                                   # [BV]
     b_ldr = tl.where(in_b, b_ld_b, b_ld_a)
-    b_x = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + (o_r - o_h * V)).to(tl.float32)
+    b_xi = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + (o_r - o_h * V))
+    b_x = b_xi.to(tl.float32)
     b_w = b_dt * b_x
     p_ld = buf_ld + slot * (LB * HV)
-    c_a, g_a = _head_weights(p_ld + h_a, HV, b_ld_a, h, o_l, m_j, m_j1, m_lj1)
-    c_b, g_b = _head_weights(p_ld + h_b, HV, b_ld_b, h, o_l, m_j, m_j1, m_lj1)
+    c_a, g_a = _head_weights(p_ld + h_a, HV, b_ld_a, A_a, h, o_l, m_j, m_j1, m_lj, m_lj1)
+    c_b, g_b = _head_weights(p_ld + h_b, HV, b_ld_b, A_b, h, o_l, m_j, m_j1, m_lj, m_lj1)
 
     b_g = tl.where(in_b, g_b, g_a)                                                      # [BV]
     b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)
@@ -584,9 +594,9 @@ def _replay_decode_rows_kernel(
                 b_Sc += (c_j * w_j)[:, None] * k_j[None, :]
             tl.store(p_Sc, b_Sc, mask=m_k[None, :])
     else:
-        # the record: w of these rows; the log decay of each head whose first row is here; the
+        # the record: x of these rows; the log decay of each head whose first row is here; the
         # group's key from the program holding the group's first row
-        tl.store(p_W + h * (HV * V) + tl.arange(0, BV), b_w.to(p_W.dtype.element_ty))
+        tl.store(p_W + h * (HV * V) + tl.arange(0, BV), b_xi.to(p_W.dtype.element_ty))
         tl.store(p_ld + h * HV + o_h, b_ldr, mask=o_r == o_h * V)
         if r0 % (HG * V) == 0:
             p_kh = buf_k + slot * (LB * G * K) + h * (G * K) + i_g * K + o_k

@@ -108,7 +108,8 @@ if HAVE_GLUON:
         p_Ct = C + i_b * stride_C_b + i_g * stride_C_g
         b_qK = gl.load(p_Ct + o_kK).to(gl.float32)
         b_kcK = gl.load(p_Bt + o_kK).to(gl.float32)
-        b_x = gl.load(x + i_b * stride_x_b + i_h * stride_x_h + v0 + o_y).to(gl.float32)
+        b_xi = gl.load(x + i_b * stride_x_b + i_h * stride_x_h + v0 + o_y)
+        b_x = b_xi.to(gl.float32)
         if HAS_Z:
             b_z = gl.load(z + i_b * stride_z_b + i_h * stride_z_h + v0 + o_y).to(gl.float32)
         if HAS_D:
@@ -128,6 +129,7 @@ if HAVE_GLUON:
         o_l = gl.arange(0, BL, layout=LA1)                          # positions, one per lane
         p_ldh = buf_ld + slot * (LB * HV) + i_h
         b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < NPOS), other=0.0)
+        b_ldj = gl.load(p_ldh + o_l * HV, mask=(o_l < h) if RECMASK else (o_l < NPOS), other=0.0)
         b_ld0 = gl.load(p_ldh)
         n_arrived = _arrive_early(arrive, slot, h, LA1)
 
@@ -135,6 +137,9 @@ if HAVE_GLUON:
         b_dt = _softplus(b_dtr + b_dtb)
         b_ld = b_dt * b_A
         b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)                        # g_{j+1:h}, g_{0:h}
+        # the records keep x: their dt_j = ld_j / A enters the weights (a select past the
+        # cursor, where the loaded value may be stale)
+        b_coef = gl.where(o_l < h, b_coef * (b_ldj / b_A), 0.0)
         b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
         b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1)                                      # [BL]
         b_kcq = gl.sum(b_kcK * b_qK, axis=0)
@@ -162,7 +167,7 @@ if HAVE_GLUON:
 
         is_flush = h + 1 >= WINDOW
         if is_flush:
-            # 5. C <- g_{0:h} C + sum_{j<h} g_{j+1:h} w_j k_j^T + w_h k_h^T, row chunks of the tile
+            # 5. C <- g_{0:h} C + sum_{j<h} g_{j+1:h} dt_j x_j k_j^T + dt x k_h^T, row chunks of the tile
             # in shared memory, one rank-1 update per record (exact fp32), no conversions
             b_kcT = gl.load(p_Bt + o_tk).to(gl.float32)
             o_lP = gl.arange(0, BL, layout=LP)
@@ -176,10 +181,10 @@ if HAVE_GLUON:
                 b_Sc = _fold_records(b_Sc, o_rc, o_tk, o_lP, b_coefP, h, p_Wh, p_kj, HV * V, G * K, BL)
                 gl.store(p_S + o_rc[:, None] * K + o_tk[None, :], b_Sc)
         else:
-            # the record: this program's w; the head's log decay and the group's key from the
-            # programs of the first value block (and the group's first head)
+            # the record: this program's x as given; the head's log decay and the group's key
+            # from the programs of the first value block (and the group's first head)
             p_wt = p_Wh + h * (HV * V) + o_y
-            gl.store(p_wt, b_w.to(p_wt.dtype.element_ty))
+            gl.store(p_wt, b_xi.to(p_wt.dtype.element_ty))
             if i_v == 0:
                 gl.store(p_ldh + h * HV, b_ld)
                 if i_h % HG == 0:
