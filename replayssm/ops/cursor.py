@@ -47,6 +47,8 @@ def fold_pending(b_S, h, p_ld, p_w, p_k, stride_ld, stride_w, stride_k, m_w, m_k
     `u_j`; 1: Mamba-2, one per row (programs spanning heads, `[BV]` pointers), the value is
     `x_j` and `w_j = (ld_j / A) x_j` with `b_A` the rows' A (`[BV]`); 2: one per key column
     (KDA, `[BK]` pointers), the value is `u_j`."""
+    if DECAY == 1:
+        b_rA = 1.0 / b_A
     for j in range(0, h):
         b_w = tl.load(p_w + j * stride_w, mask=m_w, other=0.).to(tl.float32)
         b_k = tl.load(p_k + j * stride_k, mask=m_k, other=0.).to(tl.float32)
@@ -55,7 +57,7 @@ def fold_pending(b_S, h, p_ld, p_w, p_k, stride_ld, stride_w, stride_k, m_w, m_k
         elif DECAY == 1:
             b_ldj = tl.load(p_ld + j * stride_ld, mask=m_w, other=0.)
             b_S = b_S * tl.exp(b_ldj)[:, None]
-            b_w = b_w * (b_ldj / b_A)
+            b_w = b_w * (b_ldj * b_rA)
         else:
             b_S = b_S * tl.exp(tl.load(p_ld + j * stride_ld, mask=m_k, other=0.))[None, :]
         b_S += b_w[:, None] * b_k[None, :]

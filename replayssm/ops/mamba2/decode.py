@@ -336,7 +336,7 @@ def _head_weights(p_ld, stride_l, b_ld, b_A, h, o_l, m_j, m_j1, m_lj, m_lj1):
     b_ld0 = tl.load(p_ld)
     b_lds = tl.where(m_j1, b_ld1, tl.where(o_l + 1 == h, b_ld, 0.0))                   # [BL]
     b_sfx = tl.sum(tl.where(o_l[None, :] >= o_l[:, None], b_lds[None, :], 0.0), axis=1)
-    b_coef = tl.where(m_j, tl.exp(b_sfx) * (b_ldj / b_A), 0.0)                          # [BL]
+    b_coef = tl.where(m_j, tl.exp(b_sfx) * (b_ldj * (1.0 / b_A)), 0.0)                  # [BL]
     b_g = tl.exp(tl.where(h > 0, b_ld0, b_ld) + tl.sum(b_lds, axis=0))                  # g_{0:h}
     return b_coef, b_g
 

@@ -139,7 +139,7 @@ if HAVE_GLUON:
         b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)                        # g_{j+1:h}, g_{0:h}
         # the records keep x: their dt_j = ld_j / A enters the weights (a select past the
         # cursor, where the loaded value may be stale)
-        b_coef = gl.where(o_l < h, b_coef * (b_ldj / b_A), 0.0)
+        b_coef = gl.where(o_l < h, b_coef * (b_ldj * (1.0 / b_A)), 0.0)
         b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
         b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1)                                      # [BL]
         b_kcq = gl.sum(b_kcK * b_qK, axis=0)
