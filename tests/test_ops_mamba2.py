@@ -191,7 +191,8 @@ BF16_INPUT_CASES = [
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-nano-4b"])), 16, 16, 64, None,
                  marks=[pytest.mark.gpu, gpu], id="nemotron3-nano-4b-L16"),
     pytest.param(dict(zip("HV V K G".split(), SHAPES["nemotron3-super"])), 16, 16, 64,
-                 dict(gluon=False, flush="tf32x3", KS=1), marks=[pytest.mark.gpu, gpu], id="super-triton-dot"),
+                 dict(gluon=False, flush="tf32x3", KS=1), marks=[pytest.mark.gpu, gpu],
+                 id="super-triton-dot"),
 ]
 
 
@@ -308,7 +309,8 @@ def _live_pool(shape, N, Lb, used, start, *, seed, sentinel_from=None):
         pool["cursor"][s] = h
         pool["epoch"][s] = 10 * s
         # the buffer holds x; the values folded are dt x, dt = ld / A (the kernels' fp32 A)
-        S_ref[s] = replay(C0.double(), ld.double(), ref.record_values(ld.double(), w.double()), k.double())
+        S_ref[s] = replay(C0.double(), ld.double(), ref.record_values(ld.double(), w.double()),
+                          k.double())
     return p, tuple(t.to(DEV) for t in (A, dt_bias, D)), ref, pool, S_ref, g
 
 

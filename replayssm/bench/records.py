@@ -4,8 +4,9 @@ records over a long decode, measured against the float64 conventional recurrence
 For each family at a real shape, `steps` decode steps of the same random inputs run through
 the conventional fp32 kernel, the ReplaySSM kernel with fp32 records and with bf16 records,
 and the float64 reference (on the GPU). `--inputs-on bf16` draws inputs that are bf16 values
-(a bf16 model's activations): Mamba-2's records (`x`, `B`) are then exact in bf16. Reported per bin of steps: the mean relative error of
-the outputs, and at the end the relative error of the state. The replay kernels run with the
+(a bf16 model's activations): Mamba-2's records (`x`, `B`) are then exact in bf16. Reported
+per bin of steps: the mean relative error of the outputs, and at the end the relative error of
+the state. The replay kernels run with the
 window given (never the eager step, which keeps no records); `--bf16-configs` adds bf16-record
 runs with other launch configs (e.g. GDN's `{"matprec": "bf16"}`).
 """

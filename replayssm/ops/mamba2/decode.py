@@ -12,11 +12,12 @@ Per row with slot `s` and cursor `h = cursor[s]`, window `L`:
     if h + 1 < L: write record h to the buffer; cursor[s] = h + 1
     else:         C_s <- g_{0:h} C_s + sum_{j<=h} g_{j+1:h} dt_j x_j k_j^T;  cursor[s] = 0; epoch[s] += 1
 
-with `g_{i:h} = exp(sum_{i<=j<=h} ld_j)` and, for buffered records, `dt_j = ld_j / A`. The record
-keeps `x` (SPEC's `w = dt x` is formed when it is read): in a buffer of the model's dtype it is
-an exact copy, so bf16 records of a bf16 model add no rounding. Record `h` (the current token) comes from registers;
-on a flush step it is folded straight into the checkpoint and never written to the buffer
-(the buffer restarts at position 0, so it would be dead on arrival).
+with `g_{i:h} = exp(sum_{i<=j<=h} ld_j)` and, for buffered records, `dt_j = ld_j / A`. The
+record keeps `x` (SPEC's `w = dt x` is formed when it is read): in a buffer of the model's
+dtype it is an exact copy, so bf16 records of a bf16 model add no rounding. Record `h` (the
+current token) comes from registers; on a flush step it is folded straight into the
+checkpoint and never written to the buffer (the buffer restarts at position 0, so it would be
+dead on arrival).
 """
 from __future__ import annotations
 
