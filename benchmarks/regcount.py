@@ -5,7 +5,7 @@ a little from triton 3.6's), for register-pressure checks between GPU sessions.
     python benchmarks/regcount.py [mamba2|mamba2-rows|mamba2-gluon|gdn|kda|gdn-mat|gdn-gluon] [key=value config overrides]
 
 (mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
-for fp32 key records, bf16 by default.)
+for fp32 key records, bf16 by default; the Gluon kernels: `values=fp32` for fp32 value records.)
 """
 import os
 import re
@@ -97,13 +97,13 @@ def mamba2(cfg):
 
 def _gluon(kernel, label, ptr, vals, c):
     """Compile a Gluon kernel (ops/*/gluon_decode.py) with its token inputs of dtype `inputs`,
-    records bf16 (keys `keys`), record tiles of `BL` positions (16, or 32 for windows above 16),
+    value records `values` and key records `keys` (bf16 by default), record tiles of `BL` positions (16, or 32 for windows above 16),
     the tile read and folded in chunks of 4 * num_warps rows."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ptr = dict(ptr, **{n: "*fp32" for n in ("ckpt", "buf_ld")})
-    ptr.update(buf_w="*bf16", buf_k="*" + c.get("keys", "bf16"), cursor="*i32", epoch="*i64", arrive="*i32",
-               slot_ids="*i64")
+    ptr.update(buf_w="*" + c.get("values", "bf16"), buf_k="*" + c.get("keys", "bf16"), cursor="*i32",
+               epoch="*i64", arrive="*i32", slot_ids="*i64")
     vals = dict(vals, BV=c["BV"], BL=c.get("BL", 16), RC=c.get("RC", 4 * c["num_warps"]), NW=c["num_warps"],
                 RECMASK=bool(c.get("recmask", 1)))
     sig, const = signature(kernel, ptr, vals, floats=("scale",))

@@ -254,10 +254,12 @@ def _load_tile(p, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _token_decay(dt, dt_bias, A, off_dt, i_h):
-    """The current token's `dt = softplus(dt_raw + dt_bias)`, log decay `dt A` of head i_h, and A."""
+    """The current token's `dt = softplus(dt_raw + dt_bias)`, log decay `dt A` of head i_h, and
+    `1 / A` (for the records' `dt_j = ld_j / A`; an approximate division, 2 ulp: the IEEE one's
+    slow path costs registers)."""
     b_dt = softplus(tl.load(dt + off_dt + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32))
     b_A = tl.load(A + i_h).to(tl.float32)
-    return b_dt, b_dt * b_A, b_A
+    return b_dt, b_dt * b_A, tl.fdiv(1.0, b_A)
 
 
 @triton.jit
@@ -324,12 +326,12 @@ def _head_values(p, o_h, h_a, h_b, in_b, TWO: tl.constexpr):
 
 
 @triton.jit
-def _head_weights(p_ld, stride_l, b_ld, b_A, h, o_l, m_j, m_j1, m_lj, m_lj1):
+def _head_weights(p_ld, stride_l, b_ld, b_rA, h, o_l, m_j, m_j1, m_lj, m_lj1):
     """Weights of one head at cursor h: record j (lane j < h, its value `x_j`) enters with
     g_{j+1:h} dt_j, g_{j+1:h} = exp(ld_{j+1} + ... + ld_h) and dt_j = ld_j / A (the record keeps
     the layer's input x, exact in the model's dtype, not the rounded product dt x), the
     checkpoint with g_{0:h}; `p_ld` points at the head's log decay at position 0 (positions
-    `stride_l` apart), `b_ld` is the current token's (position h), `b_A` the head's A. Each
+    `stride_l` apart), `b_ld` is the current token's (position h), `b_rA` the head's 1 / A. Each
     suffix is summed directly from same-signed terms, never as a difference of prefix sums, so
     weights near 1 keep full precision. Returns (coef [BL], g_{0:h})."""
     b_ld1 = tl.load(p_ld + (o_l + 1) * stride_l, mask=m_lj1, other=0.0)              # ld_{j+1}
@@ -337,7 +339,7 @@ def _head_weights(p_ld, stride_l, b_ld, b_A, h, o_l, m_j, m_j1, m_lj, m_lj1):
     b_ld0 = tl.load(p_ld)
     b_lds = tl.where(m_j1, b_ld1, tl.where(o_l + 1 == h, b_ld, 0.0))                   # [BL]
     b_sfx = tl.sum(tl.where(o_l[None, :] >= o_l[:, None], b_lds[None, :], 0.0), axis=1)
-    b_coef = tl.where(m_j, tl.exp(b_sfx) * (b_ldj * (1.0 / b_A)), 0.0)                  # [BL]
+    b_coef = tl.where(m_j, tl.exp(b_sfx) * (b_ldj * b_rA), 0.0)                         # [BL]
     b_g = tl.exp(tl.where(h > 0, b_ld0, b_ld) + tl.sum(b_lds, axis=0))                  # g_{0:h}
     return b_coef, b_g
 
@@ -422,11 +424,11 @@ def _replay_decode_kernel(
             b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                       # [BL, BV]
 
         # the current token's record, in registers
-        b_dt, b_ld, b_A = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, i_h)
+        b_dt, b_ld, b_rA = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, i_h)
         b_xi = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0)
         b_x = b_xi.to(tl.float32)
         b_w = b_dt * b_x                                                                # [BV]
-        b_coef, b_g = _head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, b_A, hr, o_l, m_j, m_j1,
+        b_coef, b_g = _head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, b_rA, hr, o_l, m_j, m_j1,
                                     m_lj, m_lj1)
 
         b_y = b_g * tile_dot(b_S, b_q, BK, KS)                                          # [BV]
@@ -546,16 +548,16 @@ def _replay_decode_rows_kernel(
         b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                           # [BL, BV]
 
     # the current token: dt and log decay of the block's two heads (scalars), selected per row
-    dt_a, b_ld_a, A_a = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_a)
-    dt_b, b_ld_b, A_b = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_b)
+    dt_a, b_ld_a, rA_a = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_a)
+    dt_b, b_ld_b, rA_b = _token_decay(dt, dt_bias, A, i_b * stride_dt_b, h_b)
     b_dt = tl.where(in_b, dt_b, dt_a)                                                   # [BV]
     b_ldr = tl.where(in_b, b_ld_b, b_ld_a)
     b_xi = tl.load(x + i_b * stride_x_b + o_h * stride_x_h + (o_r - o_h * V))
     b_x = b_xi.to(tl.float32)
     b_w = b_dt * b_x
     p_ld = buf_ld + slot * (LB * HV)
-    c_a, g_a = _head_weights(p_ld + h_a, HV, b_ld_a, A_a, h, o_l, m_j, m_j1, m_lj, m_lj1)
-    c_b, g_b = _head_weights(p_ld + h_b, HV, b_ld_b, A_b, h, o_l, m_j, m_j1, m_lj, m_lj1)
+    c_a, g_a = _head_weights(p_ld + h_a, HV, b_ld_a, rA_a, h, o_l, m_j, m_j1, m_lj, m_lj1)
+    c_b, g_b = _head_weights(p_ld + h_b, HV, b_ld_b, rA_b, h, o_l, m_j, m_j1, m_lj, m_lj1)
 
     b_g = tl.where(in_b, g_b, g_a)                                                      # [BV]
     b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)
