@@ -43,7 +43,10 @@ class SlotPool:
             formats narrower than fp32, else "nearest").
         lp_format: format of an optional low-precision checkpoint read by non-flush steps
             (always round-to-nearest).
-        record_dtype: storage dtype of buffered values and keys (default: `dtype`).
+        record_dtype: storage dtype of buffered values and keys (default: `dtype`). Mamba-2
+            records keep the inputs `x` and `B` as given, so on a bf16 model bf16 records
+            lose nothing and move half the bytes; GDN/KDA records hold the computed `u`,
+            which bf16 rounds (about 2e-3 relative output error, not growing).
         seed: seed of the stochastic-rounding streams.
         backend: "reference" (plain PyTorch, any device), "triton" (the GPU kernels: CUDA, fp32
             state, one checkpoint) or "auto" (triton where it applies). Operations the

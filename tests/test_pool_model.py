@@ -156,3 +156,36 @@ def test_model_long_run(family, gate):
     n_tokens, flushes = run_model(family, RandomDraws({"mamba2": 1, "gdn": 2, "kda": 3}[family] * 10 + gate), n_ops=60, gate=gate)
     assert min(n_tokens.values()) >= 3 * L, n_tokens
     assert flushes["decode"] > 0 and flushes["verify"] > 0, flushes
+
+
+def test_mamba2_bf16_records_exact_on_bf16_inputs():
+    """Mamba-2 records keep `x` and `B` as given (dt x is formed when a record is read): on
+    inputs that are bf16 values, a pool with bf16 records gives exactly the outputs and states
+    of one with float64 records, through decode, verify (early flushes) and commit. Records of
+    `dt x` would be rounded in bf16 and differ at about 1e-3."""
+    params = make_params("mamba2", HV, K, seed=4)
+    pools = [SlotPool(params, N, V, K, HK, window=L, max_draft=T, dtype=torch.float64, record_dtype=rd)
+             for rd in (torch.float64, torch.bfloat16)]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.tensor([0, 2, -1, 1])
+    state0 = torch.randn(N, HV, V, K, generator=g, dtype=torch.float64)
+    for pool in pools:
+        pool.load(torch.arange(N), state0)
+
+    def bf16_values(x):
+        return {k: v.to(torch.bfloat16).double() for k, v in x.items()}
+
+    for step in range(3 * L):
+        if step % 3 == 2:
+            x = bf16_values(make_inputs(params, 4, V, K, HK, steps=T, generator=g))
+            accepted = torch.randint(1, T + 1, (4,), generator=g)
+            ys = [pool.verify(ids, **x) for pool in pools]
+            for pool in pools:
+                pool.commit(ids, accepted)
+        else:
+            x = bf16_values(make_inputs(params, 4, V, K, HK, generator=g))
+            ys = [pool.decode(ids, **x) for pool in pools]
+        assert torch.equal(ys[0], ys[1]), f"step {step}: outputs differ by {rel_err(ys[1], ys[0]):.2e}"
+    states = [pool.materialize(ids) for pool in pools]
+    assert torch.equal(states[0], states[1])
+    assert pools[1].buf["w"].dtype == torch.bfloat16
