@@ -97,7 +97,8 @@ def mamba2(cfg):
 
 def _gluon(kernel, label, ptr, vals, c):
     """Compile a Gluon kernel (ops/*/gluon_decode.py) with its token inputs of dtype `inputs`,
-    value records `values` and key records `keys` (bf16 by default), record tiles of `BL` positions (16, or 32 for windows above 16),
+    value records `values` and key records `keys` (bf16 by default), record tiles of `BL`
+    positions (16, or 32 for windows above 16),
     the tile read and folded in chunks of 4 * num_warps rows."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
