@@ -3,7 +3,9 @@
 Layout and semantics: docs/state-layout.md. Rows are addressed by slot-id tensors, as serving
 engines address their state pools; a negative id marks a padding row (zero output, nothing
 touched). Every public method validates its arguments first and raises `ValueError` naming
-the offending value before anything changes.
+the offending value before anything changes. An empty batch is accepted and changes nothing.
+The operations are decode-time only: they run under `torch.no_grad`, so inputs that require
+grad never pull the pool's tensors into an autograd graph.
 
 On the CPU (and for configurations the GPU kernels do not cover) the pool runs the
 reference of `replayssm.reference.replay`; on CUDA the Triton kernels plug into the same
@@ -11,7 +13,12 @@ tensors.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import importlib
+import itertools
+import numbers
 import os
 from typing import Optional
 
@@ -19,9 +26,24 @@ import torch
 from torch import Tensor
 
 from . import formats
+from .reference import GDNParams, KDAParams, Mamba2Params
 from .reference import algorithms as R
 
 _STREAM_SLOT_STRIDE = 1 << 32
+_PARAM_TYPES = (Mamba2Params, GDNParams, KDAParams)
+_RECORD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# default `layer` ids: distinct for every pool built in this process, in construction order
+_LAYER_IDS = itertools.count()
+
+
+def _no_grad(fn):
+    """Run a pool operation without autograd: decode-time state is never differentiated, and a
+    graph through the pool's tensors would grow with every step."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 class SlotPool:
@@ -43,11 +65,16 @@ class SlotPool:
             formats narrower than fp32, else "nearest").
         lp_format: format of an optional low-precision checkpoint read by non-flush steps
             (always round-to-nearest).
-        record_dtype: storage dtype of buffered values and keys (default: `dtype`). Mamba-2
-            records keep the inputs `x` and `B` as given, so on a bf16 model bf16 records
-            lose nothing and move half the bytes; GDN/KDA records hold the computed `u`,
-            which bf16 rounds (about 2e-3 relative output error, not growing).
-        seed: seed of the stochastic-rounding streams.
+        record_dtype: storage dtype of buffered values and keys (default: `dtype`): float32,
+            float64, bfloat16 or float16. Mamba-2 records keep the inputs `x` and `B` as
+            given, so on a bf16 model bf16 records lose nothing and move half the bytes;
+            GDN/KDA records hold the computed `u`, which bf16 rounds (about 2e-3 relative
+            output error, not growing).
+        seed, layer: key the stochastic-rounding streams, with the slot and its checkpoint
+            write count (`epoch`, never reset), so that no two roundings share random numbers
+            across sequences of one slot or across pools. `layer` (an integer, e.g. the layer's
+            index in its model) defaults to a fresh id per pool built in this process; give it
+            for runs reproducible from `seed` alone.
         backend: "reference" (plain PyTorch, any device), "triton" (the GPU kernels: CUDA, fp32
             state, one checkpoint) or "auto" (triton where it applies). Operations the
             kernels do not cover yet run on the reference, on the same tensors.
@@ -64,7 +91,11 @@ class SlotPool:
                  *, window: int = 16, max_draft: int = 1, dtype: torch.dtype = torch.float32,
                  device=None, hp_format: Optional[str] = None, hp_rounding: Optional[str] = None,
                  lp_format: Optional[str] = None, record_dtype: Optional[torch.dtype] = None,
-                 seed: int = 0, backend: str = "auto", eager_max_batch: Optional[int] = None):
+                 seed: int = 0, layer: Optional[int] = None, backend: str = "auto",
+                 eager_max_batch: Optional[int] = None):
+        if not isinstance(params, _PARAM_TYPES):
+            raise ValueError(f"params must be one of {[t.__name__ for t in _PARAM_TYPES]} "
+                             f"(e.g. replayssm.testing.make_params), got {type(params).__name__}")
         for name, val, low in (("num_slots", num_slots, 1), ("head_v_dim", head_v_dim, 1),
                                ("head_k_dim", head_k_dim, 1), ("num_k_heads", num_k_heads, 1),
                                ("window", window, 1), ("max_draft", max_draft, 1)):
@@ -77,6 +108,12 @@ class SlotPool:
             raise ValueError(f"window {window} is too small for max_draft {max_draft} (need window >= max_draft)")
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        if record_dtype is not None and record_dtype not in _RECORD_DTYPES:
+            raise ValueError(f"record_dtype must be one of {_RECORD_DTYPES}, got {record_dtype!r}")
+        for name, val in (("seed", seed), ("layer", layer)):
+            if val is not None and (not isinstance(val, numbers.Integral) or isinstance(val, bool)
+                                    or val < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
         HV = params.num_heads
         if HV % num_k_heads:
             raise ValueError(f"num_k_heads {num_k_heads} must divide the {HV} value heads")
@@ -91,13 +128,21 @@ class SlotPool:
         if "nvfp4" in (hp_format, lp_format) and head_k_dim % 16:
             raise ValueError(f"nvfp4 needs head_k_dim divisible by 16, got {head_k_dim}")
         # canonical form ("cuda" -> "cuda:0"), so that comparisons with tensors' devices hold
-        device = torch.empty(0, device=device if device is not None else "cpu").device
+        try:
+            device = torch.empty(0, device=device if device is not None else "cpu").device
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device {device!r} is not usable here: {err}") from None
+        if device.type == "meta":
+            raise ValueError("device 'meta' holds no data; a pool needs real storage")
 
         self.params = _params_to(params, dtype, device)
         self.family = params.family
         self.N, self.HV, self.V, self.K, self.Hk = num_slots, HV, head_v_dim, head_k_dim, num_k_heads
         self.window, self.max_draft, self.capacity = window, max_draft, window + max_draft
         self.dtype, self.device, self.seed = dtype, device, int(seed)
+        self.layer = next(_LAYER_IDS) if layer is None else int(layer)
+        digest = hashlib.blake2b(f"{self.seed}:{self.layer}".encode(), digest_size=8).digest()
+        self.stream_seed = int.from_bytes(digest, "little")   # the seed the roundings draw from
         self.hp_format, self.hp_rounding, self.lp_format = hp_format, hp_rounding, lp_format
         self.record_dtype = record_dtype or dtype
         # GDN/KDA with two checkpoints: `u` of non-flush steps came from C_LP; refold from raw inputs
@@ -121,6 +166,7 @@ class SlotPool:
         self._pending = torch.zeros(N + 1, dtype=torch.int32, device=device)
         self.pending = self._pending[:N]
         self.arrive = torch.zeros(N, dtype=torch.int32, device=device)   # kernels' arrival counters
+        # checkpoint writes (flushes and loads) per slot, never reset: keys the rounding streams
         self.epoch = torch.zeros(N, dtype=torch.int64, device=device)
         self.backend = self._pick_backend(backend)
         if eager_max_batch is None:
@@ -149,8 +195,8 @@ class SlotPool:
     def _check_slots(self, slot_ids) -> Tensor:
         if not isinstance(slot_ids, Tensor):
             raise ValueError(f"slot_ids must be a tensor, got {type(slot_ids).__name__}")
-        if slot_ids.dim() != 1 or slot_ids.numel() == 0:
-            raise ValueError(f"slot_ids must be a non-empty 1-D tensor, got shape {tuple(slot_ids.shape)}")
+        if slot_ids.dim() != 1:
+            raise ValueError(f"slot_ids must be a 1-D tensor, got shape {tuple(slot_ids.shape)}")
         if slot_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slot_ids must be int32 or int64, got {slot_ids.dtype}")
         if slot_ids.device != self.device:
@@ -194,7 +240,7 @@ class SlotPool:
             elif tuple(t.shape) != (batch, *shape):
                 raise ValueError(f"input {name!r} has shape {tuple(t.shape)}, expected {(batch, *shape)}")
             out[name] = t.to(self.dtype)
-        if steps and not 1 <= T <= self.max_draft:
+        if steps and T is not None and not 1 <= T <= self.max_draft:
             raise ValueError(f"verify got T={T} tokens; this pool takes 1..{self.max_draft} (max_draft)")
         return out
 
@@ -209,29 +255,39 @@ class SlotPool:
             return parts["data"][s]
         return formats.decode({k: v[s:s + 1] for k, v in parts.items()}, fmt, self.dtype)[0]
 
-    def _write(self, s: int, S: Tensor, loading: bool = False) -> None:
-        """Store a new checkpoint of slot `s` (HP with its rounding, LP round-to-nearest).
+    def _write(self, s: int, S: Tensor) -> None:
+        """Store a new checkpoint of slot `s` (HP with its rounding, LP round-to-nearest) and
+        count the write in `epoch[s]`.
 
-        The stochastic-rounding stream is keyed by slot, flush count and whether this is a
-        `load` or a flush, so that no two roundings of one slot share random numbers."""
+        The stochastic-rounding stream is keyed by the pool's `stream_seed` (seed and layer),
+        the slot and its write count, which `reset` leaves alone: no two roundings share
+        random numbers."""
         if self.hp_format is None:
             self.ckpt["data"][s] = S
         else:
-            key = s * _STREAM_SLOT_STRIDE + 2 * int(self.epoch[s]) + int(loading)
-            stream = torch.tensor([key], device=self.device)
-            parts = formats.encode(S[None], self.hp_format, self.hp_rounding, seed=self.seed, stream=stream)
+            stream = torch.tensor([s * _STREAM_SLOT_STRIDE + int(self.epoch[s])], device=self.device)
+            parts = formats.encode(S[None], self.hp_format, self.hp_rounding, seed=self.stream_seed,
+                                   stream=stream)
             for key, val in parts.items():
                 self.ckpt[key][s] = val[0]
         if self.ckpt_lp is not None:
             parts = formats.encode(S[None], self.lp_format, "nearest")
             for key, val in parts.items():
                 self.ckpt_lp[key][s] = val[0]
-
-    def _flushed(self, s: int, S: Tensor) -> None:
-        self._write(s, S)
         self.epoch[s] += 1
 
+    def _check_out(self, out: Tensor, batch: int) -> None:
+        expect = (batch, self.HV, self.V)
+        if not isinstance(out, Tensor):
+            raise ValueError(f"out must be a tensor of shape {expect}, got {type(out).__name__}")
+        if tuple(out.shape) != expect or out.dtype != self.dtype or out.device != self.device:
+            raise ValueError(f"out must be a {self.dtype} tensor of shape {expect} on {self.device}, "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+
     # ------------------------------------------------------------------ operations
+    @_no_grad
     def decode(self, slot_ids: Tensor, *, out: Optional[Tensor] = None, validate: bool = True,
                **inputs: Tensor) -> Tensor:
         """One standard decode step (SPEC section 3) for a batch of rows.
@@ -241,20 +297,27 @@ class SlotPool:
         previous `verify` that were not committed are discarded. A batch of at most
         `eager_max_batch` rows takes the eager step (window 1).
 
-        On the triton backend, `out` (`[B, HV, V]` fp32) and `validate=False` make the call
-        free of host synchronisation and allocation, so it can be captured in a CUDA graph
-        (validate once, outside the graph).
+        `out`: `[B, HV, V]` in the pool's dtype, contiguous, on its device (checked when
+        `validate`); the outputs are written into it and it is returned, on either backend.
+        On the triton backend `out` and `validate=False` make the call free of host
+        synchronisation and allocation, so it can be captured in a CUDA graph (validate once,
+        outside the graph). An empty batch returns `[0, HV, V]` and changes nothing.
         """
         if validate:
             slot_ids = self._check_slots(slot_ids)
             inputs = self._check_inputs(inputs, slot_ids.shape[0], steps=False)
+            if out is not None:
+                self._check_out(out, slot_ids.shape[0])
         B = slot_ids.shape[0]
+        if B == 0:
+            return out if out is not None else torch.zeros(0, self.HV, self.V, dtype=self.dtype,
+                                                           device=self.device)
         window = 1 if B <= self.eager_max_batch else self.window
         if self.backend == "triton":
             return self._decode_kernel(slot_ids, inputs, out, window)
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)
-        out = torch.zeros(B, self.HV, self.V, dtype=self.dtype, device=self.device)
+        y_all = torch.zeros(B, self.HV, self.V, dtype=self.dtype, device=self.device)
         for b, s in enumerate(slot_ids.tolist()):
             if s < 0:
                 continue
@@ -263,14 +326,15 @@ class SlotPool:
             y, S = R.decode_step(self.params, self._read(self.ckpt, self.hp_format, s),
                                  self._read(self.ckpt_lp, self.lp_format, s), self._slot_buf(s),
                                  h, window, tok, self.recompute)
-            out[b] = y
+            y_all[b] = y
             if S is not None:
-                self._flushed(s, S)
+                self._write(s, S)
                 self.cursor[s] = 0
             else:
                 self.cursor[s] = h + 1
             self.pending[s] = 0
-        return self._finish(out, slot_ids, inputs)
+        y_all = self._finish(y_all, slot_ids, inputs)
+        return y_all if out is None else out.copy_(y_all)
 
     def _decode_kernel(self, slot_ids: Tensor, inputs: dict, out: Optional[Tensor], window: int) -> Tensor:
         ops = importlib.import_module(f"replayssm.ops.{self.family}")
@@ -287,6 +351,7 @@ class SlotPool:
         self._pending[torch.where(slot_ids < 0, self.N, slot_ids.long())] = 0
         return y
 
+    @_no_grad
     def verify(self, slot_ids: Tensor, **inputs: Tensor) -> Tensor:
         """Output-only verification of `T` tokens per row (SPEC section 4).
 
@@ -298,6 +363,8 @@ class SlotPool:
         B = slot_ids.shape[0]
         inputs = self._check_inputs(inputs, B, steps=True)
         T = next(iter(inputs.values())).shape[1]
+        if B == 0:
+            return torch.zeros(0, T, self.HV, self.V, dtype=self.dtype, device=self.device)
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)
         out = torch.zeros(B, T, self.HV, self.V, dtype=self.dtype, device=self.device)
@@ -310,11 +377,12 @@ class SlotPool:
                                         int(self.cursor[s]), self.window, toks, self.recompute)
             out[b] = Y
             if S is not None:
-                self._flushed(s, S)
+                self._write(s, S)
             self.cursor[s] = start
             self.pending[s] = T
         return self._finish(out, slot_ids, inputs)
 
+    @_no_grad
     def commit(self, slot_ids: Tensor, accepted: Tensor) -> None:
         """Accept the first `accepted[b]` (`1..T`) tokens of each row's last `verify`.
 
@@ -338,6 +406,7 @@ class SlotPool:
         self.cursor[s] += a.to(torch.int32)
         self.pending[s] = 0
 
+    @_no_grad
     def reset(self, slot_ids: Tensor) -> None:
         """Free slots: zero state, cursor 0, no pending drafts (a new sequence starts empty)."""
         slot_ids = self._check_slots(slot_ids)
@@ -347,10 +416,10 @@ class SlotPool:
                 t[s] = 0
         self.cursor[s] = 0
         self.pending[s] = 0
-        self.epoch[s] = 0
 
     free = reset
 
+    @_no_grad
     def load(self, slot_ids: Tensor, state: Tensor) -> None:
         """Install states (e.g. after prefill): `state` `[B, HV, V, K]` becomes each slot's
         checkpoint (rounded to the pool's formats), with an empty buffer."""
@@ -364,10 +433,11 @@ class SlotPool:
         state = state.to(self.dtype)
         for b, s in enumerate(slot_ids.tolist()):
             if s >= 0:
-                self._write(s, state[b], loading=True)
+                self._write(s, state[b])
                 self.cursor[s] = 0
                 self.pending[s] = 0
 
+    @_no_grad
     def materialize(self, slot_ids: Tensor) -> Tensor:
         """The current state of each slot, `[B, HV, V, K]` (checkpoint plus committed records,
         along the high-precision path); zero for padding rows. Changes nothing."""
@@ -388,9 +458,8 @@ class SlotPool:
 
 
 def _params_to(params, dtype, device):
-    """A copy of `params` with every tensor field on `device` in `dtype`."""
-    import dataclasses
-
+    """A copy of `params` with every tensor field on `device` in `dtype`, detached (a model's
+    `nn.Parameter`s must not tie the pool to autograd, nor alias its storage)."""
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    return type(params)(**{k: (v.to(dtype=dtype, device=device) if isinstance(v, Tensor) else v)
-                           for k, v in fields.items()})
+    return type(params)(**{k: (v.detach().to(dtype=dtype, device=device, copy=True)
+                               if isinstance(v, Tensor) else v) for k, v in fields.items()})

@@ -10,7 +10,8 @@ Functions write records into it in place and return outputs *before* the family'
 
 `C_hp` is the high-precision checkpoint (carries the recurrence), `C_lp` the low-precision
 one (outputs only; None when the pool keeps one checkpoint). Both arrive decoded to the
-compute dtype.
+compute dtype. Records may be stored narrower (bf16 records of an fp32 pool): they are read
+in the checkpoint's dtype and written rounded to their own.
 """
 from __future__ import annotations
 
@@ -31,21 +32,26 @@ def _put(buf: dict, pos: int, tok: dict, keys) -> None:
             buf[name][pos] = tok[name]
 
 
-def _records(params, buf: dict, n: int):
-    """`(ld, values, k)` of the first `n` records: the values as the mathematics uses them
-    (`params.record_values`: Mamba-2 stores `x` and forms `dt x`; GDN/KDA store `u`)."""
-    ld = buf["ld"][:n]
-    return ld, params.record_values(ld, buf["w"][:n]), buf["k"][:n]
+def _rec(buf: dict, name: str, n: int, dtype: torch.dtype) -> Tensor:
+    """The first `n` entries of record field `name`, in the compute dtype."""
+    return buf[name][:n].to(dtype)
+
+
+def _records(params, buf: dict, n: int, dtype: torch.dtype):
+    """`(ld, values, k)` of the first `n` records in `dtype`: the values as the mathematics
+    uses them (`params.record_values`: Mamba-2 stores `x` and forms `dt x`; GDN/KDA store `u`)."""
+    ld = _rec(buf, "ld", n, dtype)
+    return ld, params.record_values(ld, _rec(buf, "w", n, dtype)), _rec(buf, "k", n, dtype)
 
 
 def _delta_u(params, C: Tensor, buf: dict, j: int, ld_j: Tensor, k_j: Tensor, v_j: Tensor,
              beta_j: Tensor) -> Tensor:
     """`u_j = beta_j (v_j - a_j S_{j-1} k_j)` output-only, with records `0..j-1` of `buf` and
     the decay of position `j` (`a_j S_{j-1}` is the state at `j` without record `j`)."""
-    HV = params.num_heads
-    ld = torch.cat([buf["ld"][:j], ld_j[None]])
-    w = torch.cat([buf["w"][:j], torch.zeros_like(buf["w"][:1])])
-    k = torch.cat([buf["k"][:j], k_j[None]])
+    HV, dt = params.num_heads, C.dtype
+    ld = torch.cat([_rec(buf, "ld", j, dt), ld_j[None]])
+    w = torch.cat([_rec(buf, "w", j, dt), torch.zeros_like(v_j)[None]])
+    k = torch.cat([_rec(buf, "k", j, dt), k_j[None]])
     kv = expand_heads(k_j, HV)
     return beta_j[:, None] * (v_j - apply(C, ld, w, k, kv))
 
@@ -58,13 +64,16 @@ def fold(params, C_hp: Tensor, buf: dict, n: int, recompute: bool) -> Tensor:
     came from `C_lp` and carries its rounding error (SPEC section 5). The buffer is not
     modified.
     """
+    dt = C_hp.dtype
     if recompute and params.delta and n > 0:
-        w = buf["w"][:n].clone()
+        # the recomputed u stay in the compute dtype: this fold is the high-precision path
+        w = _rec(buf, "w", n, dt).clone()
+        ld, k, v, beta = (_rec(buf, name, n, dt) for name in ("ld", "k", "v", "beta"))
         tmp = dict(buf, w=w)
         for j in range(n):
-            w[j] = _delta_u(params, C_hp, tmp, j, buf["ld"][j], buf["k"][j], buf["v"][j], buf["beta"][j])
-        return replay(C_hp, buf["ld"][:n], w, buf["k"][:n])
-    return replay(C_hp, *_records(params, buf, n))
+            w[j] = _delta_u(params, C_hp, tmp, j, ld[j], k[j], v[j], beta[j])
+        return replay(C_hp, ld, w, k)
+    return replay(C_hp, *_records(params, buf, n, dt))
 
 
 def decode_step(params, C_hp: Tensor, C_lp: Optional[Tensor], buf: dict, h: int, window: int,
@@ -85,38 +94,35 @@ def decode_step(params, C_hp: Tensor, C_lp: Optional[Tensor], buf: dict, h: int,
     if n >= window:
         S = fold(params, C_hp, buf, n, recompute)
         return torch.einsum("hvk,hk->hv", S, q), S
-    return apply(C, *_records(params, buf, n), q), None
+    return apply(C, *_records(params, buf, n, C.dtype), q), None
 
 
 def _draft_solve(params, C: Tensor, buf: dict, h: int, toks: dict) -> Tensor:
-    """The drafts' `u` of GDN/KDA as one unit-triangular solve (SPEC section 4).
+    """The drafts' `u` of GDN/KDA by forward substitution (SPEC section 4).
 
     Records `0..h-1` are committed, drafts occupy `h..h+T-1` (their `ld`, `k` already written).
-    Returns `U` `[T, HV, V]` solving `U (I + A Bd) = R Bd`, per head.
+    Returns `U` `[T, HV, V]` with `u_s = beta_s (r_s - sum_{i<s} g_{i+1:s} (k_i^T k_s) u_i)`,
+    the unit-triangular system `U (I + A Bd) = R Bd` solved row by row. Draft `s` reads only
+    drafts before it, so whatever a later (rejected) draft holds, NaN included, never reaches
+    an accepted one: no product with a dense diagonal matrix, where `0 * NaN` would spread.
     """
-    HV = params.num_heads
+    HV, dt = params.num_heads, C.dtype
     T = toks["ld"].shape[0]
     n = h + T
-    ld = buf["ld"][:n]
-    cum = torch.cat([torch.zeros_like(ld[:1]), torch.cumsum(ld, 0)])   # cum[t] = log g_{1:t}
-    ke = expand_heads(buf["k"][:n], HV)                                # [n, HV, K]
-    w_committed = torch.cat([buf["w"][:h], torch.zeros_like(buf["w"][h:n])])
-    R = torch.empty_like(toks["v"])                                     # [T, HV, V]
-    A = torch.zeros(HV, T, T, dtype=C.dtype, device=C.device)          # A[:, i, s], i < s
+    ld = _rec(buf, "ld", n, dt)
+    k = _rec(buf, "k", n, dt)
+    ke = expand_heads(k, HV)                                           # [n, HV, K]
+    w_committed = torch.cat([_rec(buf, "w", h, dt), torch.zeros_like(toks["v"])])
+    U = torch.empty_like(toks["v"])                                    # [T, HV, V]
     for s in range(T):
-        t = h + s + 1                                                   # 1-based position
-        R[s] = toks["v"][s] - apply(C, ld[:t], w_committed[:t], buf["k"][:t], ke[t - 1])
+        t = h + s                                                      # 0-based position
+        r = toks["v"][s] - apply(C, ld[:t + 1], w_committed[:t + 1], k[:t + 1], ke[t])
         for i in range(s):
-            j = h + i + 1
-            g = torch.exp(cum[t] - cum[j])                              # g_{j+1:t}
-            gk = ke[j - 1] * (g[:, None] if g.dim() == 1 else g)
-            A[:, i, s] = (gk * ke[t - 1]).sum(-1)
-    Bd = torch.diag_embed(toks["beta"].transpose(0, 1))                 # [HV, T, T]
-    M = torch.eye(T, dtype=C.dtype, device=C.device) + A @ Bd           # unit upper triangular
-    rhs = R.permute(1, 2, 0) @ Bd                                       # [HV, V, T]
-    # U M = rhs  <=>  M^T U^T = rhs^T, a lower unit-triangular system
-    Ut = torch.linalg.solve_triangular(M.transpose(1, 2), rhs.transpose(1, 2), upper=False, unitriangular=True)
-    return Ut.permute(1, 0, 2)                                          # [T, HV, V]
+            g = torch.exp(ld[h + i + 1:t + 1].sum(0))                  # g_{j+1:t}, a direct sum
+            gk = ke[h + i] * (g[:, None] if g.dim() == 1 else g)
+            r = r - (gk * ke[t]).sum(-1)[:, None] * U[i]
+        U[s] = toks["beta"][s][:, None] * r
+    return U
 
 
 def verify_step(params, C_hp: Tensor, C_lp: Optional[Tensor], buf: dict, h: int, window: int,
@@ -141,7 +147,7 @@ def verify_step(params, C_hp: Tensor, C_lp: Optional[Tensor], buf: dict, h: int,
         buf["w"][h:h + T] = _draft_solve(params, C, buf, h, toks)
     else:
         buf["w"][h:h + T] = toks["w"]
-    Y = torch.stack([apply(C, *_records(params, buf, h + s + 1), expand_heads(toks["q"][s], HV))
+    Y = torch.stack([apply(C, *_records(params, buf, h + s + 1, C.dtype), expand_heads(toks["q"][s], HV))
                      for s in range(T)])
     return Y, S, h
 

@@ -45,8 +45,11 @@ def _decayed(C: Tensor, ld: Tensor, k: Tensor):
     keys `g_{j+1:n} k_j` expanded to value heads (`[n, HV, K]`), so that
     `S_n = g_{1:n} C + sum_j w_j (g_{j+1:n} k_j)^T`.
     """
-    total = ld.sum(0)                                          # log g_{1:n}
-    g = torch.exp(total - torch.cumsum(ld, 0))                 # [n, HV(, K)]: g_{j+1:n}
+    # Suffix sums, each of same-signed terms: `total - cumsum` would cancel catastrophically
+    # in fp32 for fast-decaying heads, whose window sums are large.
+    sfx = torch.flip(torch.cumsum(torch.flip(ld, (0,)), 0), (0,))   # log g_{j:n}
+    total = sfx[0] if ld.shape[0] else ld.sum(0)                    # log g_{1:n}
+    g = torch.exp(torch.cat([sfx[1:], torch.zeros_like(ld[:1])]))   # [n, HV(, K)]: g_{j+1:n}
     kw = expand_heads(k, C.shape[0]) * (g[..., None] if g.dim() == 2 else g)
     return torch.exp(_col_decay(total)) * C, kw
 
