@@ -6,16 +6,61 @@ import sys
 
 import torch
 
-from . import traffic
+from . import formats, traffic
 from .testing import make_inputs, make_params
+
+EPILOG = """\
+The test suite is not a sub-command: `./run.sh test [pytest args]` runs it (pytest), e.g.
+`./run.sh test -q tests/test_traffic.py`. `replayssm <command> --help` lists a command's options."""
+
+
+def _fail(msg: str):
+    """A user error found after parsing (the machine, the library's checks): one line on stderr
+    and exit status 1, where argparse's own errors exit with 2."""
+    raise SystemExit(f"replayssm: error: {msg}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {val}")
+    return val
+
+
+def _device(text: str) -> torch.device:
+    # The demo's tensors and kernels exist for the CPU and CUDA only; torch accepts more device
+    # strings ("meta", "mps", ...) that would fail later with a traceback.
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return dev
+
+
+def _resolve_device(dev) -> torch.device:
+    """`--device`, or CUDA where present; a CUDA device this machine lacks is a user error
+    (torch would fail deep inside with "Torch not compiled with CUDA enabled")."""
+    if dev is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            _fail(f"--device {dev}: CUDA is not available on this machine (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            _fail(f"--device {dev}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+DEMO_SHAPES = {"mamba2": "nemotron3-super", "gdn": "qwen3.5-4b", "kda": "kimi-linear-48b"}
 
 
 def _demo(args) -> int:
-    from .state import SlotPool
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shapes = {"mamba2": "nemotron3-super", "gdn": "qwen3.5-4b", "kda": "kimi-linear-48b"}
-    families = list(shapes) if args.family == "all" else [args.family]
+    device = _resolve_device(args.device)
+    families = list(DEMO_SHAPES) if args.family == "all" else [args.family]
     print(f"ReplaySSM demo on {device}: {args.steps} decode steps per family, window {args.window}, "
           f"{args.heads} heads of each model's real head shape, fp32 state\n")
     header = (f"{'family':7} {'shape':16} {'HVxV,K':>12} {'max rel diff':>13} {'conv err':>9} "
@@ -23,43 +68,55 @@ def _demo(args) -> int:
     print(header)
     print("-" * len(header))
     for fam in families:
-        name = shapes[fam]
-        _, HV_full, HK_full, V, K = traffic.MODEL_SHAPES[name]
-        HV = args.heads
-        Hk = max(1, HV * HK_full // HV_full)
-        params = make_params(fam, HV, K, seed=1)
-        pool = SlotPool(params, 1, V, K, Hk, window=args.window, dtype=torch.float32, device=device)
-        p32 = pool.params
-        S32 = torch.zeros(1, HV, V, K, device=device)
-        S64 = torch.zeros(1, HV, V, K, dtype=torch.float64)
-        g = torch.Generator().manual_seed(0)
-        slot = torch.zeros(1, dtype=torch.int64, device=device)
-        worst = conv_err = rep_err = 0.0
-        conv_bytes = rep_bytes = 0.0
-        for _ in range(args.steps):
-            inp = make_inputs(params, 1, V, K, Hk, generator=g)
-            y64, S64 = params.step(S64, **inp)
-            inp32 = {k: v.float().to(device) for k, v in inp.items()}
-            yc, S32 = p32.step(S32, **inp32)
-            h = int(pool.cursor[0])
-            yr = pool.decode(slot, **inp32)
-            rep_bytes += traffic.decode_step_bytes(h, args.window, HV, V, K, Hk,
-                                                   decay_len=K if fam == "kda" else 1)
-            conv_bytes += 2 * traffic.state_bytes(V, K) * HV
-            den = y64.norm().item() or 1.0
-            worst = max(worst, (yr.double().cpu() - yc.double().cpu()).norm().item() / (yc.norm().item() or 1.0))
-            conv_err = max(conv_err, (yc.double().cpu() - y64).norm().item() / den)
-            rep_err = max(rep_err, (yr.double().cpu() - y64).norm().item() / den)
-        r = traffic.record_bytes(V, K, decay_len=K if fam == "kda" else 1)
-        lstar = traffic.l_star(V, K, r=r)
-        print(f"{fam:7} {name:16} {f'{HV}x{V},{K}':>12} {worst:13.2e} {conv_err:9.1e} {rep_err:10.1e} "
-              f"{conv_bytes / args.steps:11.0f} {rep_bytes / args.steps:12.0f} "
-              f"{conv_bytes / rep_bytes:6.2f} {lstar:4.0f}")
+        try:
+            print(_demo_row(args, device, fam))
+        except ValueError as e:
+            # The library checks its arguments (SlotPool's heads, window, ...) with ValueErrors
+            # that name the value: from the command line they are user errors, not crashes.
+            _fail(f"demo, {fam} ({DEMO_SHAPES[fam]}) with --heads {args.heads} --window {args.window}: {e}")
     print("\nmax rel diff: largest per-step ||y_replay - y_conv|| / ||y_conv|| (both fp32);")
     print("errors: largest per-step relative error against the float64 conventional recurrence;")
     print("B/tok: state bytes moved per token (records: bf16 value/key, fp32 decay; keys once per key head);")
     print("L*: the traffic model's best window sqrt(2 (M_S/r - 1)) for standard decoding (SPEC section 6).")
     return 0
+
+
+def _demo_row(args, device, fam) -> str:
+    """Decode `args.steps` steps of one family both ways; its row of the demo's table."""
+    from .state import SlotPool
+
+    name = DEMO_SHAPES[fam]
+    _, HV_full, HK_full, V, K = traffic.MODEL_SHAPES[name]
+    HV = args.heads
+    Hk = max(1, HV * HK_full // HV_full)
+    params = make_params(fam, HV, K, seed=1)
+    pool = SlotPool(params, 1, V, K, Hk, window=args.window, dtype=torch.float32, device=device)
+    p32 = pool.params
+    S32 = torch.zeros(1, HV, V, K, device=device)
+    S64 = torch.zeros(1, HV, V, K, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    worst = conv_err = rep_err = 0.0
+    conv_bytes = rep_bytes = 0.0
+    for _ in range(args.steps):
+        inp = make_inputs(params, 1, V, K, Hk, generator=g)
+        y64, S64 = params.step(S64, **inp)
+        inp32 = {k: v.float().to(device) for k, v in inp.items()}
+        yc, S32 = p32.step(S32, **inp32)
+        h = int(pool.cursor[0])
+        yr = pool.decode(slot, **inp32)
+        rep_bytes += traffic.decode_step_bytes(h, args.window, HV, V, K, Hk,
+                                               decay_len=K if fam == "kda" else 1)
+        conv_bytes += 2 * traffic.state_bytes(V, K) * HV
+        den = y64.norm().item() or 1.0
+        worst = max(worst, (yr.double().cpu() - yc.double().cpu()).norm().item() / (yc.norm().item() or 1.0))
+        conv_err = max(conv_err, (yc.double().cpu() - y64).norm().item() / den)
+        rep_err = max(rep_err, (yr.double().cpu() - y64).norm().item() / den)
+    r = traffic.record_bytes(V, K, decay_len=K if fam == "kda" else 1)
+    lstar = traffic.l_star(V, K, r=r)
+    return (f"{fam:7} {name:16} {f'{HV}x{V},{K}':>12} {worst:13.2e} {conv_err:9.1e} {rep_err:10.1e} "
+            f"{conv_bytes / args.steps:11.0f} {rep_bytes / args.steps:12.0f} "
+            f"{conv_bytes / rep_bytes:6.2f} {lstar:4.0f}")
 
 
 def _traffic(args) -> int:
@@ -80,29 +137,46 @@ BENCHES = {"decode": "replayssm.bench.decode", "records": "replayssm.bench.recor
 def _bench(args) -> int:
     import importlib
 
+    if args.which is None:
+        # `which` is optional only so that this message, not argparse's "required: which, rest"
+        args.parser.error(f"choose a benchmark: {', '.join(sorted(BENCHES))}")
     importlib.import_module(BENCHES[args.which]).main(args.rest)
     return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="replayssm", description=__doc__)
+    ap = argparse.ArgumentParser(prog="replayssm", description=__doc__, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="decode each family conventionally and with ReplaySSM, side by side")
-    d.add_argument("--steps", type=int, default=300)
-    d.add_argument("--window", type=int, default=16)
-    d.add_argument("--heads", type=int, default=4, help="value heads per layer (real head dims)")
+    d = sub.add_parser("demo", help="decode each family conventionally and with ReplaySSM, side by side",
+                       description="Decode each family conventionally and with ReplaySSM, side by side.")
+    d.add_argument("--steps", type=_positive_int, default=300,
+                   help="decode steps per family (default %(default)s)")
+    d.add_argument("--window", type=_positive_int, default=16,
+                   help="ReplaySSM window L: steps buffered between flushes (default %(default)s)")
+    d.add_argument("--heads", type=_positive_int, default=4,
+                   help="value heads per layer (real head dims; default %(default)s)")
     d.add_argument("--family", default="all", choices=["all", "mamba2", "gdn", "kda"])
-    d.add_argument("--device", default=None)
+    d.add_argument("--device", type=_device, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda where available, else cpu)")
     d.set_defaults(func=_demo)
-    t = sub.add_parser("traffic", help="the traffic model (SPEC section 6) for the model shapes")
-    t.add_argument("--format", default="fp32")
+    t = sub.add_parser("traffic", help="the traffic model (SPEC section 6) for the model shapes",
+                       description="The traffic model (SPEC section 6) for the model shapes.")
+    t.add_argument("--format", default="fp32", choices=formats.FORMATS,
+                   help="the state's storage format (default %(default)s)")
     t.set_defaults(func=_traffic)
     b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep) or records (precision study)",
-                       description="Arguments after the benchmark's name go to it: "
+                       description="GPU benchmarks. Arguments after the benchmark's name go to it: "
                                    "`replayssm bench decode --help`.")
-    b.add_argument("which", choices=sorted(BENCHES))
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=_bench)
+    b.add_argument("which", nargs="?", choices=sorted(BENCHES), metavar="{" + ",".join(sorted(BENCHES)) + "}",
+                   help="decode: the kernel sweep; records: the record precision study")
+    b.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
+                   help="the benchmark's own arguments")
+    b.set_defaults(func=_bench, parser=b)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["test"]:
+        # `./run.sh test` is the documented way in; typed here it deserves the way, not "invalid choice"
+        ap.error("`test` is not a replayssm command: `./run.sh test [pytest args]` runs the test suite")
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -192,7 +192,9 @@ def _plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
+    # an explicit prog: the default, sys.argv[0], reads "cli.py" when run through `replayssm bench`
+    ap = argparse.ArgumentParser(prog="replayssm bench decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--batches", default="1,8,64,256,512")
     ap.add_argument("--windows", default="8,16,32")
@@ -211,7 +213,8 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/decode_h200.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("the decode benchmark needs a CUDA device")
+        raise SystemExit(f"{ap.prog}: error: the decode benchmark needs a CUDA device "
+                         "(torch.cuda.is_available() is False on this machine)")
     rdt, idt = getattr(torch, args.record_dtype), getattr(torch, args.input_dtype)
     doc = header("decode")
     doc["record_dtype"], doc["input_dtype"] = args.record_dtype, args.input_dtype

@@ -84,7 +84,9 @@ class _CpuGen:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
+    # an explicit prog: the default, sys.argv[0], reads "cli.py" when run through `replayssm bench`
+    ap = argparse.ArgumentParser(prog="replayssm bench records", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="mamba2,gdn,kda")
     ap.add_argument("--steps", type=int, default=16384)
     ap.add_argument("--batch", type=int, default=2)
@@ -98,6 +100,10 @@ def main(argv=None):
                          "passed to the kernels as fp32, the reference sees the same values)")
     ap.add_argument("--out", default="benchmarks/results/records_h200.json")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        # checked here: header() and the runs would fail deep in torch with a traceback
+        raise SystemExit(f"{ap.prog}: error: the records study needs a CUDA device "
+                         "(torch.cuda.is_available() is False on this machine)")
     doc = header("records")
     doc["rows"] = []
     for fam in args.families.split(","):
