@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from .formats import bytes_per_element
+from .shapes import MODEL_SHAPES as _MODEL_SHAPES
 
 
 def state_bytes(dv: int, dk: int, fmt: str = "fp32") -> float:
@@ -75,13 +76,5 @@ def decode_step_bytes(h: int, window: int, num_heads: int, dv: int, dk: int, num
     return ms + h * rec + (ms if flush else rec)
 
 
-# Shapes of SPEC section 8 (per SSM layer): family, value heads, key heads, dv, dk.
-MODEL_SHAPES = {
-    "nemotron3-nano-4b": ("mamba2", 96, 8, 80, 128),
-    "nemotron3-super": ("mamba2", 128, 8, 64, 128),
-    "nemotron3-nano-30b": ("mamba2", 64, 8, 64, 128),
-    "qwen3.5-4b": ("gdn", 32, 16, 128, 128),
-    "qwen3.5-122b": ("gdn", 64, 16, 128, 128),
-    "qwen3-next-80b": ("gdn", 32, 16, 128, 128),
-    "kimi-linear-48b": ("kda", 32, 32, 128, 128),
-}
+# Shapes of SPEC section 8 (per SSM layer), unpacking as (family, HV, Hk, dv, dk).
+MODEL_SHAPES = _MODEL_SHAPES

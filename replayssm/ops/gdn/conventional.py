@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..common import eager_launch_overrides
-from ..cursor import eager_bookkeeping, fold_pending
+from ..utils.launch import eager_launch_overrides
+from ..utils.cursor import eager_bookkeeping, fold_pending
 from .decode import eager_config
 from .decode import (_for_store, _interpreting, _load_token, _resolve_config, _scale, check_devices,
                      check_slot_ids, check_slot_values, check_token_inputs, _shape, _dtype, _contig)

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import arrive_counter, capturing, table_entry
-from ..cursor import hand_off
-from ..tiles import check_slices, tile_dot, tile_offsets
+from ..utils.launch import arrive_counter, capturing, table_entry
+from ..utils.cursor import hand_off
+from ..utils.tiles import check_slices, tile_dot, tile_offsets
 from .gluon_decode import gluon_supported, launch_gluon
 from torch import Tensor
 
@@ -556,7 +556,7 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # issued at once, without waiting for it), prefetch (the next head's checkpoint tile loaded
 # before this head's arithmetic), BC (GDN: records read in chunks of BC up to the cursor; 0:
 # one tile covering the window), KS (the checkpoint tile held as KS slices of K per thread,
-# see ops/tiles.py; 1: a plain [BV, K] tile), flush ("fma": one rank-1 update per record,
+# see ops/utils/tiles.py; 1: a plain [BV, K] tile), flush ("fma": one rank-1 update per record,
 # exact fp32; "tf32x3": one tensor-core product per 16 rows, needs BV >= 16), mat (GDN:
 # `_replay_decode_mat_kernel`, the state tile rebuilt per chunk of BKT key columns by one
 # tensor-core product; HPP, recmask, prefetch, BC, KS and flush then do not apply), matprec

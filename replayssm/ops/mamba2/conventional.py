@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..cursor import eager_bookkeeping, fold_pending
-from ..common import eager_launch_overrides, table_entry
+from ..utils.cursor import eager_bookkeeping, fold_pending
+from ..utils.launch import eager_launch_overrides, table_entry
 from .decode import (EAGER_CONFIGS, _head_values, check_slots, check_tensor, check_token_inputs,
                      resolve_config, softplus)
 

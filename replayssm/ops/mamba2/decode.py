@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import arrive_counter, capturing, table_entry
-from ..cursor import hand_off
-from ..tiles import check_slices, tile_dot, tile_offsets
+from ..utils.launch import arrive_counter, capturing, table_entry
+from ..utils.cursor import hand_off
+from ..utils.tiles import check_slices, tile_dot, tile_offsets
 from .gluon_decode import gluon_supported, launch_gluon
 from torch import Tensor
 
@@ -53,7 +53,7 @@ _FLUSH_MODES = {"fma": 0, "tf32x3": 1}
 #   prefetch    replay only: load the next head's checkpoint tile before this head's arithmetic
 #   flush       replay only: the fold [BV, h] x [h, K] of a flush, "fma" (one rank-1 update per
 #               record, exact fp32) or "tf32x3" (tl.dot on tensor cores, three tf32 passes)
-#   KS          replay only: the checkpoint tile held as KS slices of K per thread (ops/tiles.py;
+#   KS          replay only: the checkpoint tile held as KS slices of K per thread (ops/utils/tiles.py;
 #               1: a plain [BV, K] tile); KS > 1 needs flush="fma"
 #   flushrows   replay only: rows per chunk of the FMA flush's fold (the tile re-read in chunks
 #               of min(flushrows, BV) rows; 16 by default). Fewer rows cut the registers of this
@@ -490,7 +490,7 @@ def _replay_decode_kernel(
                     tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
 
     # the cursor moves once all HV // HPP * NVB programs of the slot have read it
-    # (ops/cursor.py; SYNC 0 and 2 are ablations of the arrival counter)
+    # (ops/utils/cursor.py; SYNC 0 and 2 are ablations of the arrival counter)
     hand_off(arrive, cursor, epoch, slot, h, is_flush, HV // HPP * NVB, SYNC)
 
 

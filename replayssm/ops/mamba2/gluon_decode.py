@@ -22,14 +22,14 @@ the GPU tests compare this kernel with the float64 reference.
 """
 from __future__ import annotations
 
-from ..gluon_common import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..gluon_common import (_arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
+    from ..utils.gluon import (_arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
                                 _softplus, _tile_to_shared)
 
 __all__ = ["HAVE_GLUON", "gluon_supported", "launch_gluon"]

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .reference import GDNParams, KDAParams, Mamba2Params
+from ..reference import GDNParams, KDAParams, Mamba2Params
 
 FAMILIES = ("mamba2", "gdn", "kda")
 

@@ -70,7 +70,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _arrive_early(arrive, slot, h, LA1: gl.constexpr):
-        """Arrive on the slot's counter now (the hand-off of ops/cursor.py, SYNC 1): every thread
+        """Arrive on the slot's counter now (the hand-off of ops/utils/cursor.py, SYNC 1): every thread
         stores the cursor it read to shared memory before the barrier, so no thread of this
         program reads the cursor after the arrival (the last program to arrive rewrites it at
         its end, `_move_cursor`); the atomic's reply then overlaps the loads in flight instead of
@@ -111,7 +111,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _move_cursor(n_arrived, NPROG: gl.constexpr, is_flush, cursor, epoch, arrive, slot, h):
         """The last of the slot's NPROG programs to arrive moves the cursor: 0 and the next
-        epoch on a flush, else h + 1; and re-arms the counter (the end of ops/cursor.py's
+        epoch on a flush, else h + 1; and re-arms the counter (the end of ops/utils/cursor.py's
         `hand_off`, which a Gluon kernel cannot call)."""
         if n_arrived == NPROG - 1:
             if is_flush:
