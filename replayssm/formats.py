@@ -6,12 +6,19 @@ Two layers:
 * `quantize(x, fmt, rounding)` returns, in `x`'s dtype, the value that storing `x` in `fmt` and
   reading it back gives. It is the reference for what a kernel must write.
 * `allocate` / `encode` / `decode` hold a pool of checkpoints in the real storage dtype
-  (`bfloat16`, `float8_e4m3fn`, packed NVFP4 ...). `decode(encode(x)) == quantize(x)` exactly.
+  (`bfloat16`, `float8_e4m3fn` with its scales, packed NVFP4 ...).
+  `decode(encode(x)) == quantize(x)` exactly.
 
 Formats (`FORMATS`):
 
-* element formats `fp32`, `bf16`, `fp16`, `fp8_e4m3` (the "fn" variant: no infinities, max 448),
-  `fp8_e5m2`: one sign, exponent and mantissa per element, with subnormals.
+* element formats `fp32`, `bf16`, `fp16`: one sign, exponent and mantissa per element, with
+  subnormals, unscaled.
+* scaled fp8 `fp8_e4m3` (the "fn" variant: no infinities, max 448) and `fp8_e5m2` (max 57344):
+  the same kind of elements, times one float32 scale per row along the last dim (`[..., K]`
+  has scales `[...]`), chosen so that the row's amax maps to the top of the element range, as
+  serving engines store fp8 states. The relative error is then the same at every magnitude
+  (unscaled e4m3 goes subnormal below 2**-6 and saturates at 448). A 1-D tensor is one row;
+  a 0-d tensor is one row of one element.
 * `nvfp4`: e2m1 elements (`0, 0.5, 1, 1.5, 2, 3, 4, 6`, signed), one fp8-e4m3 block scale per
   16 contiguous elements along the last dim, one fp32 scale per trailing `[R, K]` matrix.
 
@@ -21,9 +28,12 @@ rounding draws its uniforms from a counter-based hash of `(seed, stream, element
 results are reproducible and the same on every device.
 
 All arithmetic is done in float64, which is exact for these grids: a float32 or float64 input
-is split into an integer number of ulps and a fraction without any rounding error.
-Out-of-range magnitudes saturate to `max_finite(fmt)` (never inf), NaN stays NaN, and zeros
-keep their sign.
+is split into an integer number of ulps and a fraction without any rounding error. (Division
+by an fp8 row scale is the one rounded operation; for a float32 input the float64 quotient can
+neither reach nor cross a rounding tie, so decisions are still exact.)
+Out-of-range magnitudes of the unscaled formats saturate to `max_finite(fmt)` (never inf); the
+scaled formats adapt to the data and saturate only ±inf (fp8: to the row's `±max_finite *
+scale`). NaN stays NaN, and zeros keep their sign.
 """
 from __future__ import annotations
 
@@ -51,6 +61,9 @@ _MAX_FINITE = {
     "fp8_e5m2": 57344.0,
     "nvfp4": 6.0 * 448.0,  # relative to the tensor scale; see `max_finite`
 }
+# fp8 elements carry one float32 scale per last-dim row: unscaled e4m3 has normals only in
+# 2**-6..448, too narrow for states (coarse subnormals below, saturation above).
+_SCALED_FP8 = ("fp8_e4m3", "fp8_e5m2")
 
 # e2m1 (the NVFP4 element): 1 mantissa bit, minimum exponent 0, maximum exponent 2, max 6.
 _E2M1 = (1, 0, 2, 6.0)
@@ -82,24 +95,33 @@ def check_rounding(rounding: str) -> str:
     return rounding
 
 
-def bytes_per_element(fmt: str) -> float:
-    """Storage bytes per state element: fp32 4, bf16/fp16 2, fp8 1, nvfp4 `0.5 + 1/16`.
+def bytes_per_element(fmt: str, k: Optional[int] = None) -> float:
+    """Storage bytes per state element: fp32 4, bf16/fp16 2, fp8 1 (`1 + 4/k` given `k`),
+    nvfp4 `0.5 + 1/16`.
 
-    NVFP4 counts its half-byte element and its share of one e4m3 scale per 16 elements; the one
-    fp32 scale per matrix is ignored.
+    `k` is the length of the last dim (a row). fp8 stores one float32 scale per row, which is
+    counted only when `k` is given. NVFP4 counts its half-byte element and its share of one e4m3
+    scale per 16 elements; its one fp32 scale per matrix is always ignored.
     """
     check_format(fmt)
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ValueError(f"k must be a positive int (the last dim), got {k!r}")
     if fmt == "nvfp4":
         return 0.5 + 1.0 / NVFP4_BLOCK
-    return float(torch.empty((), dtype=_ELEMENT[fmt][3]).element_size())
+    size = float(torch.empty((), dtype=_ELEMENT[fmt][3]).element_size())
+    if fmt in _SCALED_FP8 and k is not None:
+        size += 4.0 / k
+    return size
 
 
 def max_finite(fmt: str) -> float:
-    """Largest finite magnitude of `fmt` (saturation point of `quantize`).
+    """Largest finite magnitude of `fmt`'s elements, in units of its scale where it has one.
 
-    e4m3 ("fn", no infinities) 448, e5m2 57344, fp16 65504, bf16 and fp32 their maxima. For
-    `nvfp4` this is `6 * 448`, the largest value in units of the tensor scale (the tensor scale
-    itself adapts to the data, so NVFP4 never saturates a finite input).
+    fp16 65504, bf16 and fp32 their maxima: the saturation points of `quantize`. e4m3 ("fn",
+    no infinities) 448 and e5m2 57344 are the largest elements, in units of the row scale; for
+    `nvfp4` this is `6 * 448`, the largest value in units of the tensor scale. The scales adapt
+    to the data, so the representable range does too: the scaled formats never saturate a
+    finite float32 input (fp8 saturates ±inf to `±max_finite * scale`).
     """
     return _MAX_FINITE[check_format(fmt)]
 
@@ -228,6 +250,47 @@ def _uniforms_like(x: Tensor, seed: int, stream) -> Tensor:
     return uniform(shape, seed, stream, device=x.device).reshape(x.shape)
 
 
+def _f32_scale(amax: Tensor, top: float) -> Tensor:
+    """The float32 scale (as float64) mapping `amax` to `top`: `amax / top` rounded UP to
+    float32, within float32's range, 1 where `amax == 0` (NaN amax gives NaN)."""
+    exact = amax / top
+    s32 = exact.to(torch.float32)
+    # Rounded up so that amax / scale <= top: round-to-nearest could put it a hair below and
+    # make the largest element saturate.
+    s32 = torch.where(s32.to(torch.float64) < exact,
+                      torch.nextafter(s32, torch.full_like(s32, float("inf"))), s32)
+    s = s32.to(torch.float64).clamp(min=_F32_TINY, max=_F32_MAX)
+    return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def _row_scale(s: Tensor, value: Tensor) -> Tensor:
+    """A per-row scale `[...]` broadcastable against `value` `[..., K]` (both 0-d: as is)."""
+    return s[..., None] if value.dim() else s
+
+
+def _fp8_split(x: Tensor, fmt: str, rounding: str, seed: int, stream):
+    """Core of scaled fp8: `x` `[..., K]` -> (signed element on `fmt`'s grid `[..., K]`
+    float64, row scale `[...]` float64 holding a float32 value)."""
+    m, emin, emax, _ = _ELEMENT[fmt]
+    top = _MAX_FINITE[fmt]
+    x64 = x.to(torch.float64)
+    # NaN and inf are left out of the amax so that one of them does not spoil its row; an
+    # empty row (K = 0) sums to an amax of 0 where amax() would raise.
+    a = torch.where(torch.isfinite(x64), x64.abs(), torch.zeros_like(x64))
+    a = a if x.dim() else a[None]  # a 0-d x: one row of one element
+    amax = a.amax(dim=-1) if a.shape[-1] else a.sum(dim=-1)
+    scale = _f32_scale(amax, top)
+    y = x64 / _row_scale(scale, x64)  # |y| <= top: the scale was rounded up
+    u = _uniforms_like(x, seed, stream) if rounding == "stochastic" else None
+    mag = _round_magnitude(y.abs(), m, emin, emax, top, rounding, u)  # clamp: ±inf only
+    return torch.copysign(mag, x64), scale
+
+
+def _fp8_value(v: Tensor, scale: Tensor) -> Tensor:
+    """`v * scale` in float64 (exact: at most 4 x 24 significant bits), `[..., K]`."""
+    return v * _row_scale(scale, v)
+
+
 def _nvfp4_split(x: Tensor, rounding: str, seed: int, stream):
     """Core of NVFP4: `x` `[..., R, K]` -> (signed e2m1 value `[..., R, K//16, 16]` float64,
     block scale `sb` `[..., R, K//16]` float64 on the e4m3 grid, tensor scale `ts` `[...]`
@@ -239,14 +302,7 @@ def _nvfp4_split(x: Tensor, rounding: str, seed: int, stream):
         raise ValueError(f"nvfp4 needs the last dim K divisible by {NVFP4_BLOCK}, got K={K}")
     x64 = x.to(torch.float64)
     amax = x64.abs().amax(dim=(-2, -1))  # [...]
-    # Tensor scale, stored in float32: rounded UP to float32 so that amax / (6 * ts) <= 448
-    # (round-to-nearest could put it a hair below and make the largest block saturate).
-    exact = amax / _NVFP4_AMAX
-    ts32 = exact.to(torch.float32)
-    ts32 = torch.where(ts32.to(torch.float64) < exact,
-                       torch.nextafter(ts32, torch.full_like(ts32, float("inf"))), ts32)
-    ts = ts32.to(torch.float64).clamp(min=_F32_TINY, max=_F32_MAX)
-    ts = torch.where(amax == 0, torch.ones_like(ts), ts)
+    ts = _f32_scale(amax, _NVFP4_AMAX)  # so that amax / (6 * ts) <= 448
     ts_b = ts[..., None, None]  # [..., 1, 1]
 
     xb = x64.reshape(*x.shape[:-1], K // NVFP4_BLOCK, NVFP4_BLOCK)
@@ -274,18 +330,28 @@ def quantize(x: Tensor, fmt: str, rounding: str = "nearest", *, seed: int = 0,
     """Round `x` to `fmt`'s grid: the value storing `x` in `fmt` and reading it back gives.
 
     Args:
-        x: float32 or float64 tensor. Any shape for element formats; `[..., R, K]` with
-            `K % 16 == 0` for `nvfp4` (one tensor scale per trailing `[R, K]` matrix).
+        x: float32 or float64 tensor. Any shape for element formats (fp8: one scale per row
+            `x[i, ..., j, :]` along the last dim); `[..., R, K]` with `K % 16 == 0` for
+            `nvfp4` (one tensor scale per trailing `[R, K]` matrix).
         fmt: one of `FORMATS`.
-        rounding: `"nearest"` (half to even; equals `x.to(bfloat16 / float16 / float8_*)` on
-            in-range float32 inputs) or `"stochastic"` (unbiased: `E[quantize(x)] = x`).
+        rounding: `"nearest"` (half to even; equals `x.to(bfloat16 / float16)` on in-range
+            float32 inputs, and `x.to(float8_*)` on rows whose amax is `max_finite(fmt)`, whose
+            scale is 1) or `"stochastic"` (unbiased: `E[quantize(x)] = x`).
         seed, stream: select the uniforms of stochastic rounding (see `uniform`): `stream` is an
             int64 tensor `[x.shape[0]]`, one per leading row (None: zeros). The element index is
             the flat index within `x[b]`; note that for a 1-D `x` each row is one element, so
             all elements of one stream share index 0.
 
-    Returns: a tensor of `x`'s dtype and shape. Element formats saturate to `±max_finite(fmt)`
-    (also for ±inf), keep NaN and signed zeros. NVFP4 computes the tensor scale
+    Returns: a tensor of `x`'s dtype and shape. fp32/bf16/fp16 saturate to `±max_finite(fmt)`
+    (also for ±inf), keep NaN and signed zeros. fp8 computes per row the scale
+    `s = amax / max_finite(fmt)` rounded up to float32 (amax over the row's finite elements; 1
+    for a row without non-zero finite ones), so `|x / s| <= max_finite`, rounds `x / s`
+    (computed in float64) to the element grid and returns `element * s` computed in float64,
+    then cast: NaN stays NaN (its row unaffected), ±inf saturate to `±max_finite * s`, zeros
+    keep their sign. Scales are float32, which only float64 input can exceed: a row beyond
+    `max_finite * float32 max` saturates there, and one whose amax is below
+    `max_finite * 2**-149` takes the scale `2**-149` (elements under float32's range lose
+    precision). NVFP4 computes the tensor scale
     `ts = amax(|matrix|) / (6 * 448)` rounded up to float32 (1 for an all-zero matrix), block
     scales `sb = e4m3 round-up(amax(|block|) / (6 * ts))`, so `|x / (sb * ts)| <= 6`, and rounds
     `x / (sb * ts)` to e2m1; the result is `e2m1 * sb * ts` computed in float64, then cast.
@@ -297,6 +363,8 @@ def quantize(x: Tensor, fmt: str, rounding: str = "nearest", *, seed: int = 0,
     if fmt == "nvfp4":
         v, sb, ts = _nvfp4_split(x, rounding, seed, stream)
         return _nvfp4_value(v, sb, ts).to(x.dtype)
+    if fmt in _SCALED_FP8:
+        return _fp8_value(*_fp8_split(x, fmt, rounding, seed, stream)).to(x.dtype)
     m, emin, emax, _ = _ELEMENT[fmt]
     x64 = x.to(torch.float64)
     u = _uniforms_like(x, seed, stream) if rounding == "stochastic" else None
@@ -323,11 +391,27 @@ def _nvfp4_shapes(shape: tuple) -> dict:
 _NVFP4_DTYPES = {"data": torch.uint8, "scale": torch.float8_e4m3fn, "tensor_scale": torch.float32}
 
 
+_PART_NAMES = {"nvfp4": tuple(_NVFP4_DTYPES), "fp8_e4m3": ("data", "scale"),
+               "fp8_e5m2": ("data", "scale")}
+
+
+def _layout(fmt: str, shape: tuple) -> dict:
+    """`{part: (shape, dtype)}` of the storage of a logical `shape` in `fmt`."""
+    shape = tuple(int(s) for s in shape)
+    if fmt == "nvfp4":
+        return {k: (s, _NVFP4_DTYPES[k]) for k, s in _nvfp4_shapes(shape).items()}
+    out = {"data": (shape, _ELEMENT[fmt][3])}
+    if fmt in _SCALED_FP8:
+        out["scale"] = (shape[:-1], torch.float32)
+    return out
+
+
 def allocate(fmt: str, shape: tuple, device=None, dtype=torch.float32) -> dict:
     """Zero-filled storage for a tensor of logical shape `shape` in `fmt`.
 
     Element formats: `{"data": shape}` in the format's dtype (`float32` for fp32 whatever
-    `dtype`, `bfloat16`, `float16`, `float8_e4m3fn`, `float8_e5m2`).
+    `dtype`, `bfloat16`, `float16`). fp8: `{"data": float8_e4m3fn / float8_e5m2 [shape],
+    "scale": float32 [shape[:-1]]}` (a zero scale decodes to zeros like any zero part).
     NVFP4 (`shape = [..., R, K]`, `K % 16 == 0`): `{"data": uint8 [..., R, K//2],
     "scale": float8_e4m3fn [..., R, K//16], "tensor_scale": float32 [...]}`.
     Every part starts with `shape`'s leading dims, so a pool can assign
@@ -337,10 +421,8 @@ def allocate(fmt: str, shape: tuple, device=None, dtype=torch.float32) -> dict:
     check_format(fmt)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    if fmt == "nvfp4":
-        return {k: torch.zeros(s, dtype=_NVFP4_DTYPES[k], device=device)
-                for k, s in _nvfp4_shapes(shape).items()}
-    return {"data": torch.zeros(tuple(shape), dtype=_ELEMENT[fmt][3], device=device)}
+    return {k: torch.zeros(s, dtype=dt, device=device)
+            for k, (s, dt) in _layout(fmt, shape).items()}
 
 
 def encode(x: Tensor, fmt: str, rounding: str = "nearest", *, seed: int = 0,
@@ -348,13 +430,17 @@ def encode(x: Tensor, fmt: str, rounding: str = "nearest", *, seed: int = 0,
     """Store `x` (float32/float64, shapes as in `quantize`) in `fmt`; parts as in `allocate`.
 
     Rounding, `seed` and `stream` act as in `quantize`, and `decode(encode(x, ...)) ==
-    quantize(x, ...)` exactly. NVFP4 packs two e2m1 codes per byte: element `2i` of a row in
-    the low nibble, `2i+1` in the high nibble; nibble = `sign << 3 | code` where `code` indexes
-    `E2M1_VALUES`.
+    quantize(x, ...)` exactly. fp8 stores the element (`x / scale` rounded) and the float32 row
+    scale. NVFP4 packs two e2m1 codes per byte: element `2i` of a row in the low nibble, `2i+1`
+    in the high nibble; nibble = `sign << 3 | code` where `code` indexes `E2M1_VALUES`.
     """
     check_format(fmt)
     check_rounding(rounding)
     _check_float(x)
+    if fmt in _SCALED_FP8:
+        v, scale = _fp8_split(x, fmt, rounding, seed, stream)
+        # exact: v lies on the element grid, scale holds a float32 value
+        return {"data": v.to(_ELEMENT[fmt][3]), "scale": scale.to(torch.float32)}
     if fmt != "nvfp4":
         q = quantize(x, fmt, rounding, seed=seed, stream=stream)
         return {"data": q.to(_ELEMENT[fmt][3])}  # exact: q lies on the grid
@@ -368,12 +454,47 @@ def encode(x: Tensor, fmt: str, rounding: str = "nearest", *, seed: int = 0,
             "tensor_scale": ts.to(torch.float32)}
 
 
+def _check_parts(parts, fmt: str) -> None:
+    """Raise unless `parts` holds exactly `fmt`'s parts, with the shapes and dtypes that
+    `allocate` gives for the logical shape implied by `parts["data"]`."""
+    if not isinstance(parts, dict):
+        raise TypeError(f"parts must be a dict of tensors (from encode / allocate), "
+                        f"got {type(parts).__name__}")
+    want = _PART_NAMES.get(fmt, ("data",))
+    missing = [k for k in want if k not in parts]
+    extra = [k for k in parts if k not in want]
+    if missing or extra:
+        raise ValueError(f"{fmt} parts must be {list(want)}; missing {missing}, "
+                         f"unexpected {extra}")
+    bad = [k for k in want if not isinstance(parts[k], Tensor)]
+    if bad:
+        raise TypeError(f"{fmt} parts {bad} are not tensors")
+    shape = data_shape = tuple(parts["data"].shape)
+    try:
+        if fmt == "nvfp4":  # two codes per byte
+            shape = data_shape[:-1] + (2 * data_shape[-1],) if data_shape else ()
+        layout = _layout(fmt, shape)
+    except ValueError as e:
+        raise ValueError(f"{fmt} part 'data' of shape {data_shape} holds no valid tensor: "
+                         f"{e}") from None
+    for k, (s, dt) in layout.items():
+        if tuple(parts[k].shape) != s or parts[k].dtype != dt:
+            raise ValueError(f"{fmt} part {k!r} must be {dt} of shape {s} (logical shape "
+                             f"{shape}), got {parts[k].dtype} of shape {tuple(parts[k].shape)}")
+
+
 def decode(parts: dict, fmt: str, dtype=torch.float32) -> Tensor:
     """Read stored parts (from `encode` / `allocate`) back as a `dtype` tensor of the logical
     shape: `data`'s shape for element formats, `[..., R, K]` (K = 2 * `data.shape[-1]`) for
-    nvfp4. NVFP4 values are computed in float64 and then cast, as in `quantize`.
+    nvfp4. fp8 and NVFP4 values are computed in float64 and then cast, as in `quantize`.
+    Parts missing, unexpected, or of the wrong shape or dtype raise `ValueError` (a non-dict
+    `TypeError`).
     """
     check_format(fmt)
+    _check_parts(parts, fmt)
+    if fmt in _SCALED_FP8:
+        return _fp8_value(parts["data"].to(torch.float64),
+                          parts["scale"].to(torch.float64)).to(dtype)
     if fmt != "nvfp4":
         return parts["data"].to(dtype)
     data, scale, ts = parts["data"], parts["scale"], parts["tensor_scale"]

@@ -2,7 +2,9 @@
 
 References used here are independent of the implementation: torch's own casts, and the full
 list of finite values of each small format (built from every bit pattern), searched with
-`searchsorted`.
+`searchsorted`. fp8 is scaled per last-dim row: its references divide by the row scale and
+use the same grids; a row holding ±max_finite has scale exactly 1, which reduces fp8 to the
+plain torch cast.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from replayssm.formats import (FORMATS, ROUNDINGS, allocate, bytes_per_element, 
 
 ELEMENT = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 SMALL = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")  # formats whose whole grid we can list
+SCALED = ("fp8_e4m3", "fp8_e5m2")  # one float32 scale per last-dim row
+UNSCALED = ("fp32", "bf16", "fp16")
 TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -72,12 +76,49 @@ def fp32_neighbours(x: torch.Tensor):
     return lo, hi
 
 
+def f32_round_up(exact: torch.Tensor) -> torch.Tensor:
+    """Smallest float32 >= `exact` (float64 in, float64 out; inf beyond float32's range)."""
+    f = exact.float()
+    f = torch.where(f.double() < exact, torch.nextafter(f, torch.tensor(math.inf)), f)
+    return f.double()
+
+
+def fp8_scale(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Reference row scale `[...]` of `x` `[..., K]` (float64): finite amax / max rounded up
+    to float32, kept within float32's range, 1 for rows without a finite non-zero."""
+    x = x.double()
+    amax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1)
+    s = f32_round_up(amax / positive_grid(fmt)[-1]).clamp(2.0 ** -149, max_finite("fp32"))
+    return torch.where(amax == 0, 1.0, s)
+
+
+def fp8_reference(x: torch.Tensor, fmt: str):
+    """Independent scaled-fp8 nearest for `x` `[..., K]`: (result float64, scale, x / scale)."""
+    x = x.double()
+    s = fp8_scale(x, fmt)[..., None]
+    y = x / s
+    return grid_nearest(y, positive_grid(fmt)) * s, s[..., 0], y
+
+
 def neighbours(x: torch.Tensor, fmt: str):
-    """Signed-agnostic neighbours of |x| in `fmt` (float64 x)."""
+    """Signed-agnostic neighbours of |x| in `fmt` (float64 x; fp8 in units of its row scale,
+    then scaled back)."""
     if fmt == "fp32":
         return fp32_neighbours(x)
+    if fmt in SCALED:
+        s = fp8_scale(x, fmt)[..., None]
+        lo, hi, _ = grid_neighbours((x / s).abs(), positive_grid(fmt))
+        return lo * s, hi * s
     lo, hi, _ = grid_neighbours(x.abs(), positive_grid(fmt))
     return lo, hi
+
+
+def with_unit_scale(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`x` (1-D, |x| <= max_finite) with `max_finite` appended for fp8, so that the row's scale
+    is exactly 1 and fp8 rounds on the format's own grid (other formats: `x` as is)."""
+    if fmt not in SCALED:
+        return x
+    return torch.cat([x, torch.tensor([max_finite(fmt)], dtype=x.dtype)])
 
 
 def test_grid_reference_is_sane():
@@ -106,6 +147,12 @@ def test_names_and_sizes():
     assert ROUNDINGS == ("nearest", "stochastic")
     assert check_format("bf16") == "bf16"
     assert [bytes_per_element(f) for f in FORMATS] == [4, 2, 2, 1, 1, 0.5 + 1 / 16]
+    # given the row length, fp8 counts its float32 row scale; the others have none per row
+    assert [bytes_per_element(f, 128) for f in FORMATS] == [4, 2, 2, 1 + 4 / 128, 1 + 4 / 128,
+                                                           0.5 + 1 / 16]
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match=repr(bad)):
+            bytes_per_element("fp8_e4m3", bad)
     for f in ELEMENT:
         assert max_finite(f) == torch.finfo(TORCH_DTYPE[f]).max
     assert max_finite("fp8_e4m3") == 448 and max_finite("fp8_e5m2") == 57344
@@ -156,29 +203,49 @@ def hard_cases(fmt: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", SMALL)
 def test_nearest_matches_torch_cast(fmt):
+    # hard_cases holds max_finite: for fp8 the (one) row has scale 1, i.e. the plain cast
     x = torch.cat([hard_cases(fmt), sample(fmt, 20000, seed=1, dtype=torch.float32)])
     q = quantize(x, fmt)
     assert q.dtype == torch.float32
     assert torch.equal(q, x.to(TORCH_DTYPE[fmt]).float())
     assert torch.equal(q.double(), grid_nearest(x.double(), positive_grid(fmt)))
+    if fmt in SCALED:
+        assert encode(x, fmt)["scale"].item() == 1.0
 
 
 @pytest.mark.parametrize("fmt", SMALL)
 def test_ties_go_to_even(fmt):
     p = positive_grid(fmt)
     mid = (p[:-1] + p[1:]) / 2
-    q = quantize(mid, fmt)
+    x = with_unit_scale(mid, fmt)  # fp8: ties of the element grid itself
+    q = quantize(x, fmt)[:len(mid)]
     even = torch.where(torch.arange(len(mid)) % 2 == 0, p[:-1], p[1:])
     assert torch.equal(q, even)
-    assert torch.equal(quantize(-mid, fmt), -even)
+    assert torch.equal(quantize(-x, fmt)[:len(mid)], -even)
 
 
 def test_e4m3_examples():
+    # A row whose amax is 448 has scale 1: the plain e4m3 grid, subnormals included.
     x = torch.tensor([0.4957, 0.5, 2.0 ** -9, 2.0 ** -10, 2.0 ** -10 * 1.01, 3 * 2.0 ** -10,
-                      240.0, 232.0, 464.0, 1e6])
+                      240.0, 232.0, 448.0, -0.0])
     want = torch.tensor([0.5, 0.5, 2.0 ** -9, 0.0, 2.0 ** -9, 2.0 ** -8, 240.0, 224.0, 448.0,
-                         448.0])
+                         -0.0])
     assert torch.equal(quantize(x, "fp8_e4m3"), want)
+    # A power-of-two multiple has the same elements and a power-of-two scale: the same relative
+    # rounding at any magnitude, where unscaled e4m3 flushed 2**-40 rows to 0 and saturated
+    # 2**20 rows at 448.
+    rows = torch.stack([x * 2.0 ** k for k in (-40, -10, 0, 20, 60)])
+    assert torch.equal(quantize(rows, "fp8_e4m3"),
+                       torch.stack([want * 2.0 ** k for k in (-40, -10, 0, 20, 60)]))
+    assert torch.equal(encode(rows, "fp8_e4m3")["scale"],
+                       torch.tensor([2.0 ** k for k in (-40, -10, 0, 20, 60)]))
+    # No saturation: the row's amax maps to 448 * scale, the scale rounded up to float32.
+    big = torch.tensor([1e6, 464.0, -1e6, 0.0], dtype=torch.float64)
+    q = quantize(big, "fp8_e4m3")
+    s = f32_round_up(torch.tensor(1e6 / 448, dtype=torch.float64))
+    assert torch.equal(q[[0, 2]], torch.stack([448 * s, -448 * s]))
+    assert 1e6 <= q[0] <= 1e6 * (1 + 2.0 ** -23)
+    assert q[1] == 13 * 2.0 ** -6 * s  # 464 / s = 0.2079 -> 0.203125 = 13 * 2**-6
 
 
 @pytest.mark.parametrize("fmt", SMALL)
@@ -188,7 +255,7 @@ def test_nearest_float64_rounds_once(fmt):
     mid = (p[:-1] + p[1:]) / 2
     eps = 2.0 ** -40 * mid
     x = torch.cat([mid - eps, mid + eps, sample(fmt, 20000, seed=2)])
-    x = torch.cat([x, -x])
+    x = with_unit_scale(torch.cat([x, -x]), fmt)  # fp8: the element grid itself
     q = quantize(x, fmt)
     assert q.dtype == torch.float64
     assert torch.equal(q, grid_nearest(x, p))
@@ -200,7 +267,8 @@ def test_nearest_float64_rounds_once(fmt):
        st.sampled_from(SMALL))
 def test_nearest_property(xs, fmt):
     x = torch.tensor(xs, dtype=torch.float64)
-    assert torch.equal(quantize(x, fmt), grid_nearest(x, positive_grid(fmt)))
+    want = fp8_reference(x, fmt)[0] if fmt in SCALED else grid_nearest(x, positive_grid(fmt))
+    assert torch.equal(quantize(x, fmt), want)
 
 
 def test_fp32_nearest_from_float64():
@@ -218,7 +286,7 @@ def test_fp32_nearest_from_float64():
     assert torch.equal(quantize(y, "fp32"), y)
 
 
-@pytest.mark.parametrize("fmt", ELEMENT)
+@pytest.mark.parametrize("fmt", UNSCALED)
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_saturation_nan_and_zeros(fmt, rounding):
     m = max_finite(fmt)
@@ -509,8 +577,8 @@ EXPECTED_PARTS = {
     "fp32": {"data": ((3, 4, 32), torch.float32)},
     "bf16": {"data": ((3, 4, 32), torch.bfloat16)},
     "fp16": {"data": ((3, 4, 32), torch.float16)},
-    "fp8_e4m3": {"data": ((3, 4, 32), torch.float8_e4m3fn)},
-    "fp8_e5m2": {"data": ((3, 4, 32), torch.float8_e5m2)},
+    "fp8_e4m3": {"data": ((3, 4, 32), torch.float8_e4m3fn), "scale": ((3, 4), torch.float32)},
+    "fp8_e5m2": {"data": ((3, 4, 32), torch.float8_e5m2), "scale": ((3, 4), torch.float32)},
     "nvfp4": {"data": ((3, 4, 16), torch.uint8), "scale": ((3, 4, 2), torch.float8_e4m3fn),
               "tensor_scale": ((3,), torch.float32)},
 }
@@ -520,7 +588,7 @@ def storage_input(dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(10)
     x = torch.randn(3, 4, 32, generator=g, dtype=torch.float64)
     x *= torch.exp2(torch.randint(-12, 12, (3, 4, 32), generator=g).double())
-    x[0, 0, :4] = torch.tensor([0.0, -0.0, 1e6, -1e6])  # zeros and (for fp8) saturation
+    x[0, 0, :4] = torch.tensor([0.0, -0.0, 1e6, -1e6])  # zeros; for fp8 a row of amax 1e6
     x[1, 2, :16] = 0.0  # an all-zero nvfp4 block
     x[2] = 0.0  # an all-zero nvfp4 matrix
     return x.to(dtype)
@@ -567,3 +635,27 @@ def test_bad_dtypes():
         quantize(torch.zeros(2, dtype=torch.float16), "fp8_e4m3")
     with pytest.raises(TypeError):
         allocate("bf16", (2,), dtype=torch.float16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_names_missing_and_wrong_parts(fmt):
+    parts = encode(storage_input(torch.float32), fmt)
+    for key in parts:  # each part missing in turn
+        partial = {k: v for k, v in parts.items() if k != key}
+        with pytest.raises(ValueError, match=rf"{fmt}.*missing \['{key}'\]"):
+            decode(partial, fmt)
+    with pytest.raises(ValueError, match="unexpected \\['extra'\\]"):
+        decode({**parts, "extra": parts["data"]}, fmt)
+    with pytest.raises(TypeError, match="tuple"):
+        decode(tuple(parts.values()), fmt)
+    for key, v in parts.items():  # a part of the wrong shape or dtype is named
+        if key != "data":  # (data sets the logical shape: the other parts are then named)
+            with pytest.raises(ValueError, match=rf"{fmt} part '{key}'.*shape"):
+                decode({**parts, key: v[..., :1] if v.dim() else v[None]}, fmt)
+        elif len(parts) > 1:
+            with pytest.raises(ValueError, match=rf"{fmt} part"):
+                decode({**parts, key: v[:1]}, fmt)
+        with pytest.raises(ValueError, match=rf"{fmt} part '{key}'"):
+            decode({**parts, key: v.view(torch.int8) if v.element_size() == 1 else v.double()},
+                   fmt)
+    assert torch.equal(decode(parts, fmt), quantize(storage_input(torch.float32), fmt))
