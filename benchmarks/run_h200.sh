@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One GPU session in one call: GPU tests at real shapes, the 16K-step record-precision study,
-# the decode benchmark with the launch-config tables (benchmarks/sweep_programs.sh sweeps
-# them). About 8 minutes on an H200. Run from the repository root on the GPU machine:
+# The GPU check in one command: the GPU tests at real shapes, the 16K-step record-precision
+# study and the decode benchmark behind the README's table (window 16, bf16 records and token
+# inputs, staggered and lock-step rows). Under 10 minutes on an H200. Run from the repository
+# root on the GPU machine:
 #   OUT=/some/dir STAGE=all bash benchmarks/run_h200.sh
-# STAGE: all | test | bench | records. Results go to $OUT (default benchmarks/results/).
+# STAGE: all (test, records, bench) | test | records | bench | windows (the by-window table:
+# windows 8 and 32, window 16 with fp32 records and with fp32 token inputs; about 6 minutes).
+# Results go to $OUT (default benchmarks/results/, under the names its README.md lists).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
@@ -11,13 +14,22 @@ STAGE="${STAGE:-all}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+decode() {  # decode <name> <args...>: the decode benchmark, JSON, plot and log under $OUT/<name>
+  local name="$1"; shift
+  python3 -m replayssm.bench.decode --reps 6 "$@" --out "$OUT/$name.json" 2>&1 \
+    | tee "$OUT/$name.log" | grep -v " L=" | tail -35
+}
 if [[ "$STAGE" == all || "$STAGE" == test ]]; then
-  python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_h200.log" | tail -5
 fi
 if [[ "$STAGE" == all || "$STAGE" == records ]]; then
   python3 -m replayssm.bench.records --steps 16384 --out "$OUT/records_h200.json" 2>&1 | tail -14
 fi
 if [[ "$STAGE" == all || "$STAGE" == bench ]]; then
-  python3 -m replayssm.bench.decode --reps 8 --out "$OUT/decode_h200.json" 2>&1 \
-    | tee "$OUT/decode.log" | grep -v " L=" | tail -35
+  decode decode_h200_w16 --windows 16 --cursors staggered,lockstep
+fi
+if [[ "$STAGE" == windows ]]; then
+  decode decode_h200_w8_w32 --windows 8,32 --cursors staggered,lockstep
+  decode decode_h200_w16_fp32_records --windows 16 --cursors staggered --record-dtype float32
+  decode decode_h200_w16_fp32_inputs --windows 16 --cursors staggered --input-dtype float32
 fi

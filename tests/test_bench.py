@@ -41,19 +41,32 @@ def test_input_dtype_option_defaults_to_bf16():
     assert decode.Case.__init__.__kwdefaults__["input_dtype"] is torch.bfloat16
 
 
-def test_sass_stalls_sums_the_committed_profile(capsys, monkeypatch):
-    """`benchmarks/sass_stalls.py` on the committed source-level profile reproduces the totals
-    docs/decode-kernels.md quotes (42,575 samples; the four stretches add up to them)."""
+def test_sass_stalls_sums_a_source_level_profile(capsys, monkeypatch):
+    """`benchmarks/tools/sass_stalls.py` on a synthetic ncu source-level export
+    (tests/data/ncu_source_sass.csv: ncu's two header lines, ten SASS instructions, an empty
+    sample cell, "Not Issued" stall columns that must not be counted) reproduces the totals
+    worked out by hand: 150 samples, 15.0M executed, the stall reasons and the split."""
     import pathlib
     import runpy
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    prof = root / "benchmarks/results/ncu/ncu_nemotron3-super_256_replay_s7_sass.csv"
-    monkeypatch.setattr(sys, "argv", ["sass_stalls.py", str(prof), "--top", "3", "--split", "352,590,1098"])
-    runpy.run_path(str(root / "benchmarks/sass_stalls.py"), run_name="__main__")
-    out = capsys.readouterr().out
-    assert out.startswith("1824 instructions, 42575 samples")
-    parts = [int(line.split("samples")[1].split("(")[0]) for line in out.splitlines() if line.startswith("[")]
-    assert len(parts) == 4 and sum(parts) == 42575
-    assert "(21.5%)" in out and "(34.6%)" in out and "(25.1%)" in out and "(18.8%)" in out
+    prof = root / "tests/data/ncu_source_sass.csv"
+    monkeypatch.setattr(sys, "argv", ["sass_stalls.py", str(prof), "--top", "3", "--split", "4,8"])
+    runpy.run_path(str(root / "benchmarks/tools/sass_stalls.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "10 instructions, 150 samples, 15.0M executed"
+    # shares of the 150 samples; the Not Issued columns (1000x larger) are left out
+    assert lines[1] == "by reason: long_sb 46.7%, barrier 16.7%, lg 13.3%, wait 12.0%, short_sb 11.3%"
+    # the three instructions with the most samples, in index order, with their top two reasons
+    top = [line.split() for line in lines[2:5]]
+    assert [(int(r[0]), int(r[1]), r[2]) for r in top] == [(2, 40, "26.7%"), (3, 25, "16.7%"),
+                                                            (5, 30, "20.0%")]
+    assert lines[2].split("exec")[1].split()[:2] == ["1000000", "LDGSTS.E.BYPASS.128"]
+    assert lines[2].rstrip().endswith("long_sb 40, wait 0")
+    assert lines[3].rstrip().endswith("barrier 25, wait 0")
+    parts = [line for line in lines if line.startswith("[")]
+    assert parts == ["[    0,     4) samples     80 (53.3%),    4.0M executed",
+                     "[    4,     8) samples     50 (33.3%),    9.0M executed",
+                     "[    8,    10) samples     20 (13.3%),    2.0M executed"]
+    assert len(lines) == 8

@@ -1,9 +1,9 @@
 """The Gluon kernels (GPU only) compile for sm_90 with the installed Triton, on a machine
 without a GPU: Gluon's API has changed between Triton releases (3.6 on the H200 machine, newer
 here), and the kernels cannot run on the CPU interpreter, so this is the CPU-side check that
-they still build. Each compile runs `benchmarks/regcount.py` in a process of its own, without
-the interpreter switch the test session sets. Their results are tested on the GPU (`-k gluon`
-in test_ops_mamba2.py and test_ops_delta.py)."""
+they still build. Each compile runs `benchmarks/tools/regcount.py` in a process of its own,
+without the interpreter switch (`TRITON_INTERPRET=1`) that the test run sets. Their results
+are tested on the GPU (`-k gluon` in test_ops_mamba2.py and test_ops_delta.py)."""
 import os
 import pathlib
 import subprocess
@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_gluon_kernels_compile_for_sm90(args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "regcount.py"), *args], env=env,
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tools" / "regcount.py"), *args], env=env,
                        capture_output=True, text=True, timeout=600)
     if r.returncode and ("ptxas" in r.stderr or "cuobjdump" in r.stderr) and "No such file" in r.stderr:
         pytest.skip("no CUDA toolchain bundled with this Triton")

@@ -1,0 +1,202 @@
+"""Compile the replay decode kernel for sm_90a on a machine without a GPU and report its
+registers and stack (cuobjdump on the cubin; Triton's 3.9 toolchain, so figures may differ
+a little from triton 3.6's), for register-pressure checks without a GPU.
+
+    python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|gdn|kda|gdn-mat|gdn-gluon] [key=value config overrides]
+
+(mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
+for fp32 key records, bf16 by default; the Gluon kernels: `values=fp32` for fp32 value records.)
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+
+
+def report(cubin: bytes, name: str) -> str:
+    """Registers and stack from the compiled cubin (cuobjdump's resource usage)."""
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.cubin")
+        open(p, "wb").write(cubin)
+        text = subprocess.run([CUOBJDUMP, "--dump-resource-usage", p], capture_output=True, text=True).stdout
+    if os.environ.get("REGCOUNT_DEBUG"):
+        print(text[-2000:])
+    regs = re.findall(r"REG:(\d+)", text)
+    stack = re.findall(r"STACK:(\d+)", text)
+    return f"{name}: registers {regs[-1] if regs else '?'}, stack {stack[-1] if stack else '?'} bytes"
+
+
+def compile_kernel(fn, signature, constexprs, num_warps, source=ASTSource):
+    # the JIT specialises 16-byte aligned pointers and integers divisible by 16 (strides, the
+    # window): without these hints the offline compile cannot vectorise the loads
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if signature[n].startswith("*") or (signature[n] == "i32" and (n.startswith("stride") or n == "window"))}
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    opts = {"num_warps": num_warps}
+    if os.environ.get("REGCOUNT_MAXNREG"):
+        opts["maxnreg"] = int(os.environ["REGCOUNT_MAXNREG"])
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    if os.environ.get("REGCOUNT_DUMP"):
+        for ext in ("ttgir", "ptx"):
+            open(f"{os.environ['REGCOUNT_DUMP']}.{ext}", "w").write(k.asm[ext])
+        open(f"{os.environ['REGCOUNT_DUMP']}.cubin", "wb").write(k.asm["cubin"])
+    print(f"shared memory: {k.metadata.shared} bytes")
+    return k.asm["cubin"]
+
+
+def signature(fn, ptr: dict, constexprs: dict, floats=()):
+    """Triton signature and constexpr map for `fn`: pointer types from `ptr`, the named
+    constexpr values, fp32 for `floats`, i32 for every other scalar."""
+    names = fn.arg_names
+    sig, const = {}, {}
+    for n in names:
+        if n in ptr:
+            sig[n] = ptr[n]
+        elif n in constexprs:
+            sig[n] = "constexpr"
+            const[(names.index(n),)] = constexprs[n]
+        else:
+            sig[n] = "fp32" if n in floats else "i32"
+    return sig, const
+
+
+def mamba2(cfg):
+    from replayssm.ops.mamba2 import decode as m
+
+    HV, G, V, K, L = 128, 8, 64, 128, 16
+    c = dict(BV=64, num_warps=4, flush="fma", sync=1, HPP=1, recmask=1, prefetch=0)
+    c.update(cfg)
+    fn = m._replay_decode_kernel
+    ptr = {"x": "*fp32", "dt": "*fp32", "B": "*fp32", "C": "*fp32", "A": "*fp32", "dt_bias": "*fp32",
+           "D": "*fp32", "z": "*fp32", "out": "*fp32", "ckpt": "*fp32", "buf_ld": "*fp32",
+           "buf_w": "*bf16", "buf_k": "*" + c.get("keys", "bf16"), "cursor": "*i32", "epoch": "*i64",
+           "arrive": "*i32", "slot_ids": "*i64"}
+    ptr.update({n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")})
+    LB = L + 1
+    vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
+                BL=max(16, triton.next_power_of_2(min(L, LB))), HPP=c["HPP"], NVB=triton.cdiv(V, c["BV"]),
+                FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
+                RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EVEN=bool(c.get("even", 1)),
+                RC=min(c.get("flushrows", 16), c["BV"]), KS=c.get("KS", 1),
+                WS=c["num_warps"] if c.get("warpsum") else 0, ABLATE=c.get("ablate", 0))
+    sig, const = signature(fn, ptr, vals)
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
+
+
+def _gluon(kernel, label, ptr, vals, c):
+    """Compile a Gluon kernel (ops/*/gluon_decode.py) with its token inputs of dtype `inputs`,
+    value records `values` and key records `keys` (bf16 by default), record tiles of `BL`
+    positions (16, or 32 for windows above 16),
+    the tile read and folded in chunks of 4 * num_warps rows."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ptr = dict(ptr, **{n: "*fp32" for n in ("ckpt", "buf_ld")})
+    ptr.update(buf_w="*" + c.get("values", "bf16"), buf_k="*" + c.get("keys", "bf16"), cursor="*i32",
+               epoch="*i64", arrive="*i32", slot_ids="*i64")
+    vals = dict(vals, BV=c["BV"], BL=c.get("BL", 16), RC=c.get("RC", 4 * c["num_warps"]), NW=c["num_warps"],
+                RECMASK=bool(c.get("recmask", 1)))
+    sig, const = signature(kernel, ptr, vals, floats=("scale",))
+    return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource), f"{label} {c}")
+
+
+def mamba2_gluon(cfg):
+    """Mamba-2's Gluon kernel (ops/mamba2/gluon_decode.py) at Super's shape."""
+    from replayssm.ops.mamba2 import gluon_decode as m
+
+    c = dict(BV=64, num_warps=4)
+    c.update(cfg)
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
+    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D")})
+    vals = dict(HV=128, G=8, V=64, K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True)
+    return _gluon(m._gluon_replay_kernel, "mamba2 gluon", ptr, vals, c)
+
+
+def gdn_gluon(cfg):
+    """GDN's Gluon kernel (ops/gdn/gluon_decode.py) at Qwen3.5-4B's shape."""
+    from replayssm.ops.gdn import gluon_decode as m
+
+    c = dict(BV=64, num_warps=4)
+    c.update(cfg)
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
+    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias")})
+    vals = dict(HV=32, HK=16, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True)
+    return _gluon(m._gluon_gdn_kernel, "gdn gluon", ptr, vals, c)
+
+
+def mamba2_rows(cfg):
+    """Mamba-2's row-block kernel (rows=True), Nano-4B's large-batch table config by default."""
+    from replayssm.ops.mamba2 import decode as m
+
+    HV, G, V, K, L = 96, 8, 80, 128, 16
+    c = dict(BV=32, num_warps=1, recmask=1)
+    c.update(cfg)
+    fn = m._replay_decode_rows_kernel
+    ptr = {n: "*fp32" for n in ("x", "dt", "B", "C", "A", "dt_bias", "D", "z", "out", "ckpt", "buf_ld")}
+    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+    LB = L + 1
+    vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
+                BL=max(16, triton.next_power_of_2(min(L, LB))), HAS_D=True, HAS_Z=True,
+                RECMASK=bool(c["recmask"]), RC=min(c.get("flushrows", 16), c["BV"]), WS=c["num_warps"] if c.get("warpsum") else 0)
+    sig, const = signature(fn, ptr, vals)
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 rows {c}")
+
+
+# pointer arguments of the GDN/KDA replay kernels (bf16 records)
+_DELTA_PTRS = dict({n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")},
+                   buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
+
+
+def gdn(cfg, family="gdn"):
+    from replayssm.ops.gdn import decode as m
+
+    HV, HK, V, K, L = (32, 16, 128, 128, 16) if family == "gdn" else (32, 32, 128, 128, 16)
+    c = dict(BV=32, num_warps=4, window=L, HPP=1, recmask=1, prefetch=0, BC=8 if family == "gdn" else 0)
+    c.update(cfg)
+    fn = m._replay_decode_kernel
+    ptr = _DELTA_PTRS
+    Lb = c["window"] + 1
+    vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))),
+                BV=c["BV"], BK=K, HPP=c["HPP"], IS_KDA=family == "kda", USE_QK_L2NORM=True,
+                RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EXACT_BF16=False,
+                RC=min(16, c["BV"]), BC=c.get("BC", 0) or 16, CHUNK=0 < c.get("BC", 0) < 16,
+                KS=c.get("KS", 1), FLUSH=int(c.get("flush", 0)), LF=max(16, Lb - 1))
+    sig, const = signature(fn, ptr, vals, floats=("scale",))
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} replay {c}")
+
+
+def gdn_mat(cfg):
+    """GDN's materialising kernel (bf16 records), the large-batch table config by default."""
+    from replayssm.ops.gdn import decode as m
+
+    HV, HK, V, K, L = 32, 16, 128, 128, 16
+    c = dict(BV=64, num_warps=1, BKT=64, matprec="bf16x2")
+    c.update(cfg)
+    fn = m._replay_decode_mat_kernel
+    ptr = _DELTA_PTRS
+    vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=L + 1, LR=16, BV=c["BV"], BK=K, BKT=c["BKT"],
+                USE_QK_L2NORM=True, EXACT_BF16=False, MP=m._MAT_PRECISIONS[c["matprec"]])
+    sig, const = signature(fn, ptr, vals, floats=("scale",))
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"gdn materialising {c}")
+
+
+if __name__ == "__main__":
+    fam = sys.argv[1] if len(sys.argv) > 1 else "mamba2"
+    cfg = {}
+    for kv in sys.argv[2:]:
+        k, v = kv.split("=")
+        cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
+    print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat,
+           "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon,
+           "gdn-gluon": gdn_gluon}[fam](cfg))
