@@ -83,7 +83,7 @@ def _demo(args) -> int:
 
 def _demo_row(args, device, fam) -> str:
     """Decode `args.steps` steps of one family both ways; its row of the demo's table."""
-    from .state import SlotPool
+    from .pool import SlotPool
 
     name = DEMO_SHAPES[fam]
     _, HV_full, HK_full, V, K = traffic.MODEL_SHAPES[name]

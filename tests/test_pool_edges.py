@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from replayssm.reference import Mamba2Params
-from replayssm.state import SlotPool
+from replayssm import SlotPool
 from replayssm.testing import make_inputs, make_params
 
 from conftest import rel_err

@@ -4,7 +4,7 @@ layout, with padding rows and rows at different window positions."""
 import pytest
 import torch
 
-from replayssm.state import SlotPool
+from replayssm import SlotPool
 from replayssm.testing import make_inputs, make_params
 
 from conftest import rel_err

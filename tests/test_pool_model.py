@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replayssm.reference.schemes import snapshot_commit, snapshot_verify
-from replayssm.state import SlotPool
+from replayssm import SlotPool
 from replayssm.testing import make_inputs, make_params
 
 from conftest import rel_err

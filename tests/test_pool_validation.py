@@ -3,7 +3,7 @@ the pool exactly as it was."""
 import pytest
 import torch
 
-from replayssm.state import SlotPool
+from replayssm import SlotPool
 from replayssm.testing import make_inputs, make_params
 
 HV, HK, V, K, N, L, T = 4, 2, 8, 16, 4, 4, 2

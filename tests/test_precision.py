@@ -4,7 +4,7 @@ import torch
 
 from replayssm import formats
 from replayssm.reference.schemes import shared_lowp_step
-from replayssm.state import SlotPool
+from replayssm import SlotPool
 from replayssm.testing import make_inputs, make_params
 
 from conftest import rel_err

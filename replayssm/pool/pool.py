@@ -7,31 +7,30 @@ the offending value before anything changes. An empty batch is accepted and chan
 The operations are decode-time only: they run under `torch.no_grad`, so inputs that require
 grad never pull the pool's tensors into an autograd graph.
 
-On the CPU (and for configurations the GPU kernels do not cover) the pool runs the
-reference of `replayssm.reference.replay`; on CUDA the Triton kernels plug into the same
-tensors.
+On the CPU (and for configurations the GPU kernels do not cover, said in `backend_note`) the
+pool runs the reference of `replayssm.reference.algorithms`; on CUDA the kernels registered in
+`backends` plug into the same tensors (`layout.Layout`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
-import importlib
 import itertools
-import numbers
 import os
+import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import formats
-from .reference import GDNParams, KDAParams, Mamba2Params
-from .reference import algorithms as R
+from .. import formats
+from ..reference import algorithms as R
+from . import backends
+from . import validate as check
+from .layout import Layout
 
 _STREAM_SLOT_STRIDE = 1 << 32
-_PARAM_TYPES = (Mamba2Params, GDNParams, KDAParams)
-_RECORD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # default `layer` ids: distinct for every pool built in this process, in construction order
 _LAYER_IDS = itertools.count()
 
@@ -93,14 +92,9 @@ class SlotPool:
                  lp_format: Optional[str] = None, record_dtype: Optional[torch.dtype] = None,
                  seed: int = 0, layer: Optional[int] = None, backend: str = "auto",
                  eager_max_batch: Optional[int] = None):
-        if not isinstance(params, _PARAM_TYPES):
-            raise ValueError(f"params must be one of {[t.__name__ for t in _PARAM_TYPES]} "
-                             f"(e.g. replayssm.testing.make_params), got {type(params).__name__}")
-        for name, val, low in (("num_slots", num_slots, 1), ("head_v_dim", head_v_dim, 1),
-                               ("head_k_dim", head_k_dim, 1), ("num_k_heads", num_k_heads, 1),
-                               ("window", window, 1), ("max_draft", max_draft, 1)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {val!r}")
+        check.params(params)
+        check.positive_ints(num_slots=num_slots, head_v_dim=head_v_dim, head_k_dim=head_k_dim,
+                            num_k_heads=num_k_heads, window=window, max_draft=max_draft)
         if eager_max_batch is not None and (not isinstance(eager_max_batch, int)
                                             or isinstance(eager_max_batch, bool) or eager_max_batch < 0):
             raise ValueError(f"eager_max_batch must be None or an integer >= 0, got {eager_max_batch!r}")
@@ -108,12 +102,9 @@ class SlotPool:
             raise ValueError(f"window {window} is too small for max_draft {max_draft} (need window >= max_draft)")
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-        if record_dtype is not None and record_dtype not in _RECORD_DTYPES:
-            raise ValueError(f"record_dtype must be one of {_RECORD_DTYPES}, got {record_dtype!r}")
-        for name, val in (("seed", seed), ("layer", layer)):
-            if val is not None and (not isinstance(val, numbers.Integral) or isinstance(val, bool)
-                                    or val < 0):
-                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
+        check.record_dtype(record_dtype)
+        check.optional_count("seed", seed)
+        check.optional_count("layer", layer)
         HV = params.num_heads
         if HV % num_k_heads:
             raise ValueError(f"num_k_heads {num_k_heads} must divide the {HV} value heads")
@@ -127,13 +118,7 @@ class SlotPool:
             raise ValueError(f"hp_rounding must be one of {formats.ROUNDINGS}, got {hp_rounding!r}")
         if "nvfp4" in (hp_format, lp_format) and head_k_dim % 16:
             raise ValueError(f"nvfp4 needs head_k_dim divisible by 16, got {head_k_dim}")
-        # canonical form ("cuda" -> "cuda:0"), so that comparisons with tensors' devices hold
-        try:
-            device = torch.empty(0, device=device if device is not None else "cpu").device
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(f"device {device!r} is not usable here: {err}") from None
-        if device.type == "meta":
-            raise ValueError("device 'meta' holds no data; a pool needs real storage")
+        device = check.device(device)
 
         self.params = _params_to(params, dtype, device)
         self.family = params.family
@@ -148,30 +133,18 @@ class SlotPool:
         # GDN/KDA with two checkpoints: `u` of non-flush steps came from C_LP; refold from raw inputs
         self.recompute = bool(self.params.delta and lp_format is not None)
 
-        N, Lb, V, K, Hk = num_slots, self.capacity, head_v_dim, head_k_dim, num_k_heads
-        shape = (N, HV, V, K)
-        self.ckpt = (formats.allocate(hp_format, shape, device, dtype) if hp_format
-                     else {"data": torch.zeros(shape, dtype=dtype, device=device)})
-        self.ckpt_lp = formats.allocate(lp_format, shape, device, dtype) if lp_format else None
-        ld_shape = (N, Lb, HV, K) if self.params.vector_decay else (N, Lb, HV)
-        ld_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self.buf = {"ld": torch.zeros(ld_shape, dtype=ld_dtype, device=device),
-                    "w": torch.zeros(N, Lb, HV, V, dtype=self.record_dtype, device=device),
-                    "k": torch.zeros(N, Lb, Hk, K, dtype=self.record_dtype, device=device)}
-        if self.recompute:
-            self.buf["v"] = torch.zeros(N, Lb, HV, V, dtype=self.record_dtype, device=device)
-            self.buf["beta"] = torch.zeros(N, Lb, HV, dtype=ld_dtype, device=device)
-        self.cursor = torch.zeros(N, dtype=torch.int32, device=device)
-        # one extra entry absorbs the writes of padding rows without a host-side mask
-        self._pending = torch.zeros(N + 1, dtype=torch.int32, device=device)
-        self.pending = self._pending[:N]
-        self.arrive = torch.zeros(N, dtype=torch.int32, device=device)   # kernels' arrival counters
-        # checkpoint writes (flushes and loads) per slot, never reset: keys the rounding streams
-        self.epoch = torch.zeros(N, dtype=torch.int64, device=device)
+        self.layout = Layout.allocate(N=num_slots, HV=HV, Hk=num_k_heads, V=head_v_dim, K=head_k_dim,
+                                      Lb=self.capacity, dtype=dtype, record_dtype=self.record_dtype,
+                                      vector_decay=self.params.vector_decay, raw_records=self.recompute,
+                                      hp_format=hp_format, lp_format=lp_format, device=device)
+        lay = self.layout
+        # the tensors by name, as docs/state-layout.md calls them
+        self.ckpt, self.ckpt_lp, self.buf = lay.ckpt, lay.ckpt_lp, lay.buf
+        self.cursor, self.pending, self.epoch, self.arrive = lay.cursor, lay.pending, lay.epoch, lay.arrive
         self.backend = self._pick_backend(backend)
         if eager_max_batch is None:
-            ops = importlib.import_module(f"replayssm.ops.{self.family}")
-            eager_max_batch = ops.eager_max_batch(HV, V, K, Hk)
+            eager_max_batch = backends.get(self.family, "eager_max_batch", "any")(
+                HV, head_v_dim, head_k_dim, num_k_heads)
         self.eager_max_batch = eager_max_batch
 
     def _pick_backend(self, backend: str) -> str:
@@ -187,67 +160,15 @@ class SlotPool:
             why = f"record dtype {self.record_dtype} is not fp32/bf16/fp16"
         if backend == "triton" and why:
             raise ValueError(f"backend 'triton' unavailable: {why}")
-        if backend == "reference" or why:
-            return "reference"
-        return "triton"
-
-    # ------------------------------------------------------------------ validation
-    def _check_slots(self, slot_ids) -> Tensor:
-        if not isinstance(slot_ids, Tensor):
-            raise ValueError(f"slot_ids must be a tensor, got {type(slot_ids).__name__}")
-        if slot_ids.dim() != 1:
-            raise ValueError(f"slot_ids must be a 1-D tensor, got shape {tuple(slot_ids.shape)}")
-        if slot_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"slot_ids must be int32 or int64, got {slot_ids.dtype}")
-        if slot_ids.device != self.device:
-            raise ValueError(f"slot_ids are on {slot_ids.device}, the pool on {self.device}")
-        ids = slot_ids.tolist()
-        bad = [s for s in ids if s >= self.N]
-        if bad:
-            raise ValueError(f"slot id {bad[0]} out of range for a pool of {self.N} slots")
-        valid = [s for s in ids if s >= 0]
-        if len(set(valid)) != len(valid):
-            dup = next(s for s in valid if valid.count(s) > 1)
-            raise ValueError(f"slot id {dup} appears more than once in one call")
-        return slot_ids
-
-    def _check_inputs(self, inputs: dict, batch: int, steps: bool) -> dict:
-        spec = self.params.input_spec(self.V, self.K, self.Hk)
-        unknown = set(inputs) - set(spec)
-        if unknown:
-            raise ValueError(f"unknown input {sorted(unknown)[0]!r} for {self.family}; expected {sorted(spec)}")
-        T = None
-        out = {}
-        for name, (shape, optional) in spec.items():
-            t = inputs.get(name)
-            if t is None:
-                if optional:
-                    continue
-                raise ValueError(f"missing input {name!r} for {self.family}")
-            if not isinstance(t, Tensor) or not t.is_floating_point():
-                raise ValueError(f"input {name!r} must be a floating-point tensor, got "
-                                 f"{getattr(t, 'dtype', type(t).__name__)}")
-            if t.device != self.device:
-                raise ValueError(f"input {name!r} is on {t.device}, the pool on {self.device}")
-            if steps:
-                if t.dim() != 2 + len(shape) or t.shape[0] != batch:
-                    raise ValueError(f"input {name!r} has shape {tuple(t.shape)}, expected [{batch}, T, {', '.join(map(str, shape))}]")
-                T = t.shape[1] if T is None else T
-                if t.shape[1] != T:
-                    raise ValueError(f"input {name!r} has {t.shape[1]} tokens, others {T}")
-                if tuple(t.shape[2:]) != shape:
-                    raise ValueError(f"input {name!r} has shape {tuple(t.shape)}, expected [{batch}, {T}, {', '.join(map(str, shape))}]")
-            elif tuple(t.shape) != (batch, *shape):
-                raise ValueError(f"input {name!r} has shape {tuple(t.shape)}, expected {(batch, *shape)}")
-            out[name] = t.to(self.dtype)
-        if steps and T is not None and not 1 <= T <= self.max_draft:
-            raise ValueError(f"verify got T={T} tokens; this pool takes 1..{self.max_draft} (max_draft)")
-        return out
+        if backend == "reference":
+            why = "backend='reference' was asked for"
+        # why decode runs on the reference; None when it runs on the kernels
+        self.backend_note = why
+        if backend == "auto" and why and self.device.type == "cuda":
+            warnings.warn(f"SlotPool on {self.device} decodes on the reference: {why}", stacklevel=3)
+        return "reference" if why else "triton"
 
     # ------------------------------------------------------------------ storage helpers
-    def _slot_buf(self, s: int) -> dict:
-        return {name: t[s] for name, t in self.buf.items()}
-
     def _read(self, parts: Optional[dict], fmt: Optional[str], s: int) -> Optional[Tensor]:
         if parts is None:
             return None
@@ -276,16 +197,6 @@ class SlotPool:
                 self.ckpt_lp[key][s] = val[0]
         self.epoch[s] += 1
 
-    def _check_out(self, out: Tensor, batch: int) -> None:
-        expect = (batch, self.HV, self.V)
-        if not isinstance(out, Tensor):
-            raise ValueError(f"out must be a tensor of shape {expect}, got {type(out).__name__}")
-        if tuple(out.shape) != expect or out.dtype != self.dtype or out.device != self.device:
-            raise ValueError(f"out must be a {self.dtype} tensor of shape {expect} on {self.device}, "
-                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
-
     # ------------------------------------------------------------------ operations
     @_no_grad
     def decode(self, slot_ids: Tensor, *, out: Optional[Tensor] = None, validate: bool = True,
@@ -304,10 +215,9 @@ class SlotPool:
         outside the graph). An empty batch returns `[0, HV, V]` and changes nothing.
         """
         if validate:
-            slot_ids = self._check_slots(slot_ids)
-            inputs = self._check_inputs(inputs, slot_ids.shape[0], steps=False)
-            if out is not None:
-                self._check_out(out, slot_ids.shape[0])
+            slot_ids = check.slots(self, slot_ids)
+            inputs = check.inputs(self, inputs, slot_ids.shape[0], steps=False)
+            check.out(self, out, slot_ids.shape[0])
         B = slot_ids.shape[0]
         if B == 0:
             return out if out is not None else torch.zeros(0, self.HV, self.V, dtype=self.dtype,
@@ -324,7 +234,7 @@ class SlotPool:
             tok = {k: v[b] for k, v in prep.items()}
             h = int(self.cursor[s])
             y, S = R.decode_step(self.params, self._read(self.ckpt, self.hp_format, s),
-                                 self._read(self.ckpt_lp, self.lp_format, s), self._slot_buf(s),
+                                 self._read(self.ckpt_lp, self.lp_format, s), self.layout.slot_records(s),
                                  h, window, tok, self.recompute)
             y_all[b] = y
             if S is not None:
@@ -337,18 +247,11 @@ class SlotPool:
         return y_all if out is None else out.copy_(y_all)
 
     def _decode_kernel(self, slot_ids: Tensor, inputs: dict, out: Optional[Tensor], window: int) -> Tensor:
-        ops = importlib.import_module(f"replayssm.ops.{self.family}")
-        p = self.params
-        inputs = {k: v.contiguous() for k, v in inputs.items()}
-        state = dict(ckpt=self.ckpt["data"], buf_ld=self.buf["ld"], buf_w=self.buf["w"], buf_k=self.buf["k"],
-                     cursor=self.cursor, epoch=self.epoch, arrive=self.arrive, slot_ids=slot_ids,
-                     window=window, out=out, validate=False)
-        if self.family == "mamba2":
-            y = ops.replay_decode(A=p.A, dt_bias=p.dt_bias, D=p.D, z=inputs.pop("z", None), **inputs, **state)
-        else:
-            y = ops.replay_decode(A_log=p.A_log, dt_bias=p.dt_bias, scale=p.scale,
-                                  use_qk_l2norm=p.use_qk_l2norm, **inputs, **state)
-        self._pending[torch.where(slot_ids < 0, self.N, slot_ids.long())] = 0
+        run = backends.get(self.family, "decode")
+        y = run(self.params, self.layout, slot_ids, {k: v.contiguous() for k, v in inputs.items()},
+                window, out)
+        # padding rows write the spare entry, so no host-side mask is needed
+        self.layout.pending_all[torch.where(slot_ids < 0, self.N, slot_ids.long())] = 0
         return y
 
     @_no_grad
@@ -359,9 +262,9 @@ class SlotPool:
         conventional recurrence would give for the tokens in order. The tokens stay pending
         until `commit`; if `h + T > window` the committed records are folded first.
         """
-        slot_ids = self._check_slots(slot_ids)
+        slot_ids = check.slots(self, slot_ids)
         B = slot_ids.shape[0]
-        inputs = self._check_inputs(inputs, B, steps=True)
+        inputs = check.inputs(self, inputs, B, steps=True)
         T = next(iter(inputs.values())).shape[1]
         if B == 0:
             return torch.zeros(0, T, self.HV, self.V, dtype=self.dtype, device=self.device)
@@ -373,7 +276,7 @@ class SlotPool:
                 continue
             toks = {k: v[b] for k, v in prep.items()}
             Y, S, start = R.verify_step(self.params, self._read(self.ckpt, self.hp_format, s),
-                                        self._read(self.ckpt_lp, self.lp_format, s), self._slot_buf(s),
+                                        self._read(self.ckpt_lp, self.lp_format, s), self.layout.slot_records(s),
                                         int(self.cursor[s]), self.window, toks, self.recompute)
             out[b] = Y
             if S is not None:
@@ -389,27 +292,17 @@ class SlotPool:
         Rejected tokens stay behind the cursor and are overwritten later: rollback is the
         cursor move itself.
         """
-        slot_ids = self._check_slots(slot_ids)
-        if not isinstance(accepted, Tensor) or accepted.shape != slot_ids.shape:
-            raise ValueError(f"accepted must be a tensor of shape {tuple(slot_ids.shape)}, got "
-                             f"{tuple(accepted.shape) if isinstance(accepted, Tensor) else type(accepted).__name__}")
-        if accepted.dtype not in (torch.int32, torch.int64) or accepted.device != self.device:
-            raise ValueError(f"accepted must be an int32/int64 tensor on {self.device}, got {accepted.dtype} on {accepted.device}")
+        slot_ids = check.slots(self, slot_ids)
+        check.accepted(self, slot_ids, accepted)
         valid = slot_ids >= 0
         s, a = slot_ids[valid].long(), accepted[valid]
-        pend = self.pending[s]
-        for si, ai, pi in zip(s.tolist(), a.tolist(), pend.tolist()):
-            if pi == 0:
-                raise ValueError(f"slot {si} has no pending verified tokens to commit")
-            if not 1 <= ai <= pi:
-                raise ValueError(f"accepted {ai} for slot {si} is outside 1..{pi}")
         self.cursor[s] += a.to(torch.int32)
         self.pending[s] = 0
 
     @_no_grad
     def reset(self, slot_ids: Tensor) -> None:
         """Free slots: zero state, cursor 0, no pending drafts (a new sequence starts empty)."""
-        slot_ids = self._check_slots(slot_ids)
+        slot_ids = check.slots(self, slot_ids)
         s = slot_ids[slot_ids >= 0].long()
         for store in (self.ckpt, self.ckpt_lp or {}):
             for t in store.values():
@@ -423,13 +316,8 @@ class SlotPool:
     def load(self, slot_ids: Tensor, state: Tensor) -> None:
         """Install states (e.g. after prefill): `state` `[B, HV, V, K]` becomes each slot's
         checkpoint (rounded to the pool's formats), with an empty buffer."""
-        slot_ids = self._check_slots(slot_ids)
-        expect = (slot_ids.shape[0], self.HV, self.V, self.K)
-        if not isinstance(state, Tensor) or tuple(state.shape) != expect:
-            raise ValueError(f"state must have shape {expect}, got "
-                             f"{tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__}")
-        if not state.is_floating_point() or state.device != self.device:
-            raise ValueError(f"state must be floating point on {self.device}, got {state.dtype} on {state.device}")
+        slot_ids = check.slots(self, slot_ids)
+        check.state(self, slot_ids, state)
         state = state.to(self.dtype)
         for b, s in enumerate(slot_ids.tolist()):
             if s >= 0:
@@ -441,12 +329,12 @@ class SlotPool:
     def materialize(self, slot_ids: Tensor) -> Tensor:
         """The current state of each slot, `[B, HV, V, K]` (checkpoint plus committed records,
         along the high-precision path); zero for padding rows. Changes nothing."""
-        slot_ids = self._check_slots(slot_ids)
+        slot_ids = check.slots(self, slot_ids)
         out = torch.zeros(slot_ids.shape[0], self.HV, self.V, self.K, dtype=self.dtype, device=self.device)
         for b, s in enumerate(slot_ids.tolist()):
             if s >= 0:
                 out[b] = R.materialize(self.params, self._read(self.ckpt, self.hp_format, s),
-                                       self._slot_buf(s), int(self.cursor[s]), self.recompute)
+                                       self.layout.slot_records(s), int(self.cursor[s]), self.recompute)
         return out
 
     def _finish(self, out: Tensor, slot_ids: Tensor, inputs: dict) -> Tensor:

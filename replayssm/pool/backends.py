@@ -1,0 +1,77 @@
+"""The pool's one seam to the kernels: implementations registered per (family, operation).
+
+An operation the GPU kernels cover has a "triton" entry; the pool runs it there and everything
+else on the reference (`replayssm.reference.algorithms`, on any device). Kernel modules are
+imported when first called, so a pool on the reference never needs Triton.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+_REGISTRY: Dict[Tuple[str, str, str], Callable] = {}
+
+
+def register(family: str, op: str, backend: str = "triton"):
+    """Decorator: `fn` implements `op` of `family` on `backend`."""
+    def deco(fn):
+        _REGISTRY[(family, op, backend)] = fn
+        return fn
+    return deco
+
+
+def get(family: str, op: str, backend: str = "triton"):
+    """The implementation, or None when the backend does not cover the operation."""
+    return _REGISTRY.get((family, op, backend))
+
+
+# ---------------------------------------------------------------------------------------------
+# triton: standard decode (verify, commit and two-checkpoint pools run on the reference)
+
+def _mamba2():
+    from ..ops import mamba2
+    return mamba2
+
+
+def _gdn():
+    from ..ops import gdn
+    return gdn
+
+
+def _kda():
+    from ..ops import kda
+    return kda
+
+
+def _state(layout, slot_ids, window, out):
+    return dict(ckpt=layout.ckpt["data"], buf_ld=layout.buf["ld"], buf_w=layout.buf["w"],
+                buf_k=layout.buf["k"], cursor=layout.cursor, epoch=layout.epoch,
+                arrive=layout.arrive, slot_ids=slot_ids, window=window, out=out, validate=False)
+
+
+@register("mamba2", "decode")
+def _mamba2_decode(params, layout, slot_ids, inputs, window, out):
+    inputs = dict(inputs)
+    z = inputs.pop("z", None)
+    return _mamba2().replay_decode(A=params.A, dt_bias=params.dt_bias, D=params.D, z=z, **inputs,
+                                   **_state(layout, slot_ids, window, out))
+
+
+def _delta_decode(kernels):
+    def run(params, layout, slot_ids, inputs, window, out):
+        return kernels().replay_decode(A_log=params.A_log, dt_bias=params.dt_bias, scale=params.scale,
+                                       use_qk_l2norm=params.use_qk_l2norm, **inputs,
+                                       **_state(layout, slot_ids, window, out))
+    return run
+
+
+def _eager_max_batch(kernels):
+    # the kernels' tables, which both backends follow so that they keep the same cursors
+    def run(HV, V, K, Hk):
+        return kernels().eager_max_batch(HV, V, K, Hk)
+    return run
+
+
+register("gdn", "decode")(_delta_decode(_gdn))
+register("kda", "decode")(_delta_decode(_kda))
+for _family, _kernels in (("mamba2", _mamba2), ("gdn", _gdn), ("kda", _kda)):
+    register(_family, "eager_max_batch", "any")(_eager_max_batch(_kernels))
