@@ -18,6 +18,7 @@ import triton.language as tl  # noqa: E402
 from replayssm.ops import gdn, kda  # noqa: E402
 from replayssm.reference import GDNParams, KDAParams  # noqa: E402
 from replayssm.testing import make_inputs, make_params  # noqa: E402
+from replayssm.testing.delta_harness import real_shapes, simulate  # noqa: E402
 
 FAMILY, OPS, PARAMS = "gdn", gdn, GDNParams     # set per test by the `family` fixture
 GPU = torch.cuda.is_available()
@@ -93,7 +94,7 @@ def test_accuracy_64_windows_fp32_and_bf16_records():
     # GDN: conventional out 2.07e-7 / state 1.84e-7; replay fp32 records out 1.66e-7 / ckpt
     # 1.36e-7; bf16 records out 1.8e-3 / ckpt 1.9e-3 (bf16 rounding of the stored u and k).
     # KDA: conventional 2.45e-7 / 2.28e-7; replay fp32 1.85e-7 / 1.55e-7; bf16 2.0e-3 / 2.1e-3.
-    res = OPS.simulate(HV=4, Hk=2, V=16, K=32, window=4, windows=64, live_slots=3, pad_rows=1,
+    res = simulate(FAMILY, HV=4, Hk=2, V=16, K=32, window=4, windows=64, live_slots=3, pad_rows=1,
                        unused_slots=1, start_cursors=(3, 0, 2),
                        record_dtypes=(torch.float32, torch.bfloat16), device=DEV)
     _check_accuracy(res, FLOOR)
@@ -113,21 +114,21 @@ def test_materialising_kernel_bf16x2_matches_bf16_record_error():
         pytest.skip("the materialising kernel is GDN only")
     kw = dict(HV=4, Hk=2, V=16, K=32, window=4, windows=16, live_slots=3, pad_rows=1,
               unused_slots=1, start_cursors=(3, 0, 2), record_dtypes=(torch.bfloat16,), device=DEV)
-    base = OPS.simulate(**kw, config={"BV": 16, "num_warps": 1})
-    mat = OPS.simulate(**kw, config={"BV": 16, "num_warps": 1, "mat": True, "BKT": 16,
+    base = simulate(FAMILY, **kw, config={"BV": 16, "num_warps": 1})
+    mat = simulate(FAMILY, **kw, config={"BV": 16, "num_warps": 1, "mat": True, "BKT": 16,
                                      "matprec": "bf16x2"})
     assert not mat["problems"], mat["problems"]
     for key in ("replay_out", "replay_ckpt"):
         assert mat[key]["bfloat16"] <= 1.1 * base[key]["bfloat16"] + 1e-6, (key, mat, base)
     # one bf16 term: the weighted u rounded once more (interpreter, seed 0: out 2.2e-3 against
     # 1.9e-3 for the default kernel and 1.7e-3 for bf16x2)
-    one = OPS.simulate(**kw, config={"BV": 16, "num_warps": 1, "mat": True, "BKT": 16,
+    one = simulate(FAMILY, **kw, config={"BV": 16, "num_warps": 1, "mat": True, "BKT": 16,
                                      "matprec": "bf16"})
     assert not one["problems"], one["problems"]
     for key in ("replay_out", "replay_ckpt"):
         assert one[key]["bfloat16"] <= 2.0 * base[key]["bfloat16"], (key, one, base)
     with pytest.raises(ValueError, match="bf16 key records"):
-        OPS.simulate(**dict(kw, record_dtypes=(torch.float32,)),
+        simulate(FAMILY, **dict(kw, record_dtypes=(torch.float32,)),
                      config={"BV": 16, "mat": True, "BKT": 16, "matprec": "bf16x2"})
 
 
@@ -135,7 +136,7 @@ def test_materialising_kernel_bf16x2_matches_bf16_record_error():
 def test_poison_bookkeeping_multi_block_and_spare_capacity():
     # BV=8 splits V=16 into two programs per head (the arrive counter then waits for 8 programs
     # per slot); buffer capacity 6 > window 4; two padding rows, two unused slots
-    res = OPS.simulate(HV=4, Hk=2, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=2,
+    res = simulate(FAMILY, HV=4, Hk=2, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=2,
                        unused_slots=2, extra_capacity=2, start_cursors=(3, 0, 1),
                        config={"BV": 8, "num_warps": 1}, conv_config={"BV": 8}, device=DEV, seed=1)
     _check_accuracy(res, FLOOR)
@@ -143,29 +144,25 @@ def test_poison_bookkeeping_multi_block_and_spare_capacity():
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("cfg", [
-    {"BV": 8, "num_warps": 1, "HPP": 2, "recmask": True, "prefetch": True},
-    {"BV": 16, "num_warps": 2, "HPP": 2, "recmask": False, "prefetch": False},
-    {"BV": 8, "num_warps": 1, "HPP": 1, "recmask": False, "prefetch": True},
-    {"BV": 8, "num_warps": 1, "HPP": 2, "BC": 2},
-    {"BV": 16, "num_warps": 2, "HPP": 1, "KS": 4, "BC": 2},
-    {"BV": 16, "num_warps": 2, "HPP": 2, "KS": 2, "flush": "tf32x3", "prefetch": True},
-    {"BV": 16, "num_warps": 1, "HPP": 1, "flush": "tf32x3", "recmask": False},
+    {"BV": 16, "num_warps": 2, "recmask": False},
+    {"BV": 8, "num_warps": 1, "recmask": False},
+    {"BV": 8, "num_warps": 1, "BC": 2},
+    {"BV": 16, "num_warps": 2, "KS": 4, "BC": 2},
+    {"BV": 16, "num_warps": 2, "KS": 2},
     {"BV": 16, "num_warps": 1, "mat": True, "BKT": 16},
     {"BV": 16, "num_warps": 2, "mat": True, "BKT": 32},
     {"BV": 16, "num_warps": 1, "recmask": False, "gluon": True},
-], ids=["hpp2-prefetch", "hpp2-unmasked", "hpp1-unmasked-prefetch", "record-chunks-of-2",
-        "k-slices-4-record-chunks", "k-slices-2-tensor-core-flush", "tensor-core-flush-unmasked",
+], ids=["unmasked", "unmasked-bv8", "record-chunks-of-2", "k-slices-4-record-chunks", "k-slices-2",
         "materialise-chunks-of-16", "materialise-one-chunk", "gluon-key-runs-triton-here"])
 def test_program_variants(cfg):
-    # two value heads per program sharing their key head's records; the next head's tile
-    # prefetched; record loads issued before the cursor is known. KDA (one value head per key
-    # head here) runs HPP=1 only.
+    # record loads issued before the cursor is known; records in chunks up to the cursor; the
+    # tile held as K slices; the materialising kernel. KDA has no record chunks.
     Hk = 2 if FAMILY == "gdn" else 4
     if FAMILY == "kda":
         if cfg.get("mat") or cfg.get("gluon"):
             pytest.skip("the materialising and Gluon kernels are GDN only")
-        cfg = {k: v for k, v in dict(cfg, HPP=1).items() if k != "BC"}
-    res = OPS.simulate(HV=4, Hk=Hk, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=1,
+        cfg = {k: v for k, v in cfg.items() if k != "BC"}
+    res = simulate(FAMILY, HV=4, Hk=Hk, V=16, K=32, window=4, windows=3, live_slots=3, pad_rows=1,
                        unused_slots=1, extra_capacity=1, config=cfg, conv_config={"BV": 8},
                        device=DEV, seed=4)
     _check_accuracy(res, FLOOR)
@@ -179,7 +176,7 @@ def test_table_configs_by_records_batch_and_window():
     if FAMILY != "gdn":
         pytest.skip("the Gluon and materialising kernels are GDN only")
     def cfg(config=None, **kw):
-        return OPS.replay_config(128, 128, config, G=2, **kw)
+        return OPS.replay_config(128, 128, config, HG=2, **kw)
 
     assert not cfg(batch=8)["gluon"]
     for records in (torch.float32, torch.bfloat16):
@@ -196,7 +193,7 @@ def test_table_configs_by_records_batch_and_window():
 
 @pytest.mark.interpret
 def test_window_one_flushes_every_step_one_key_head_per_value_head():
-    res = OPS.simulate(HV=2, Hk=2, V=16, K=32, window=1, windows=6, live_slots=2, pad_rows=1,
+    res = simulate(FAMILY, HV=2, Hk=2, V=16, K=32, window=1, windows=6, live_slots=2, pad_rows=1,
                        unused_slots=1, start_cursors=(0, 0), device=DEV, seed=2)
     _check_accuracy(res, FLOOR)
 
@@ -207,7 +204,7 @@ def test_eager_step_folds_pending_records(config):
     # 64 steps of window 1 (the eager step: the conventional kernel on the checkpoint) on slots
     # that still hold 5, 0 and 3 records (buffer of 6): the first step folds them, every step
     # flushes; poisoned outputs, padding rows, unused slots and cursors/epochs checked by simulate
-    res = OPS.simulate(HV=4, Hk=2, V=16, K=32, window=1, windows=64, live_slots=3, pad_rows=1,
+    res = simulate(FAMILY, HV=4, Hk=2, V=16, K=32, window=1, windows=64, live_slots=3, pad_rows=1,
                        unused_slots=1, extra_capacity=5, start_cursors=(5, 0, 3), device=DEV,
                        seed=4, config=config, conv_config=config)
     _check_accuracy(res, FLOOR)
@@ -217,7 +214,7 @@ def test_eager_step_folds_pending_records(config):
 def test_head_dim_128_default_config_window_16_with_draft_capacity():
     # the real head size with the default launch config (BV=32: four V-blocks per head) and a
     # buffer of 16 + 2 records (record tiles padded to 32)
-    res = OPS.simulate(HV=2, Hk=1, V=128, K=128, window=16, windows=2, live_slots=2, pad_rows=1,
+    res = simulate(FAMILY, HV=2, Hk=1, V=128, K=128, window=16, windows=2, live_slots=2, pad_rows=1,
                        unused_slots=1, extra_capacity=2, start_cursors=(15, 6), device=DEV, seed=3)
     _check_accuracy(res, FLOOR)
 
@@ -321,7 +318,7 @@ def test_custom_ops_schema_and_fake():
     arrive = torch.zeros(st["ckpt"].shape[0], dtype=torch.int32, device=DEV)
     args = (x["q"], x["k"], x["v"], x["a"], x["b"], p.A_log.to(DEV), p.dt_bias.to(DEV), 0.2,
             st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["epoch"], arrive,
-            ids, 4, o, True, 16, 2, 1, 0, 1, True, True, 0, 2, "fma", False, 64, "tf32x3", False)
+            ids, 4, o, True, 16, 2, 1, 0, True, 0, 2, False, 64, "tf32x3", False)
     torch.library.opcheck(getattr(torch.ops.replayssm, f"{FAMILY}_replay_decode").default, args,
                           test_utils=("test_schema", "test_faketensor"))
     S = st["ckpt"].clone()
@@ -424,9 +421,6 @@ def _bad_cases():
         ("config warps", lambda kw: kw.__setitem__("config", {"num_warps": 3}), "num_warps=3"),
         ("config KS", lambda kw: kw.__setitem__("config", {"KS": 3}), "KS=3"),
         ("config KS too big", lambda kw: kw.__setitem__("config", {"KS": 64}), "KS=64"),
-        ("config flush", lambda kw: kw.__setitem__("config", {"flush": "tf32"}), "flush='tf32'"),
-        ("config flush BV", lambda kw: kw.__setitem__("config", {"BV": 8, "flush": "tf32x3"}),
-         "needs BV >= 16"),
         ("config BKT", lambda kw: kw.__setitem__("config", {"BV": 16, "mat": True, "BKT": 8}), "BKT=8"),
         ("config gluon", lambda kw: kw.__setitem__("config", {"gluon": 1}), "gluon=1 must be a bool"),
         ("device", set_("v", lambda t: t.to("meta")), "v is on meta"),
@@ -481,9 +475,9 @@ def test_conventional_value_errors(name, mutate, match):
 def test_gpu_accuracy_real_shapes(which):
     # GDN: Qwen3.5-4B, -122B; KDA: Kimi Linear 48B and a grouped-key shape. 8 rows (the
     # launch tables' small-batch configs) for the first, 12 (the large-batch ones) for the second
-    shape = list(OPS.SHAPES)[which]
+    shape = list(real_shapes(FAMILY))[which]
     live = 6 if which == 0 else 10
-    res = OPS.simulate(**OPS.SHAPES[shape], window=16, windows=64, live_slots=live, pad_rows=2,
+    res = simulate(FAMILY, **real_shapes(FAMILY)[shape], window=16, windows=64, live_slots=live, pad_rows=2,
                        unused_slots=1, extra_capacity=2,
                        record_dtypes=(torch.float32, torch.bfloat16), device="cuda")
     _check_accuracy(res, FLOOR)
@@ -498,8 +492,8 @@ def test_gpu_gluon_kernel_real_shapes(recmask, window):
     # slots, spare capacity, 64 windows (16 above window 16: record tiles of 32 positions)
     if FAMILY != "gdn":
         pytest.skip("the Gluon kernel is GDN only")
-    for shape in OPS.SHAPES:
-        res = OPS.simulate(**OPS.SHAPES[shape], window=window, windows=64 if window <= 16 else 16,
+    for shape in real_shapes(FAMILY):
+        res = simulate(FAMILY, **real_shapes(FAMILY)[shape], window=window, windows=64 if window <= 16 else 16,
                            live_slots=6, pad_rows=2,
                            unused_slots=1, extra_capacity=2,
                            record_dtypes=(torch.float32, torch.bfloat16), device="cuda",

@@ -76,7 +76,7 @@ def mamba2(cfg):
     from replayssm.ops.mamba2 import decode as m
 
     HV, G, V, K, L = 128, 8, 64, 128, 16
-    c = dict(BV=64, num_warps=4, flush="fma", sync=1, HPP=1, recmask=1, prefetch=0)
+    c = dict(BV=64, num_warps=4, recmask=1)
     c.update(cfg)
     fn = m._replay_decode_kernel
     ptr = {"x": "*fp32", "dt": "*fp32", "B": "*fp32", "C": "*fp32", "A": "*fp32", "dt_bias": "*fp32",
@@ -85,12 +85,10 @@ def mamba2(cfg):
            "arrive": "*i32", "slot_ids": "*i64"}
     ptr.update({n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")})
     LB = L + 1
-    vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
-                BL=max(16, triton.next_power_of_2(min(L, LB))), HPP=c["HPP"], NVB=triton.cdiv(V, c["BV"]),
-                FLUSH=m._FLUSH_MODES[c["flush"]], HAS_D=True, HAS_Z=True, SYNC=c["sync"],
-                RECMASK=bool(c["recmask"]), PREFETCH=bool(c["prefetch"]), EVEN=bool(c.get("even", 1)),
-                RC=min(c.get("flushrows", 16), c["BV"]), KS=c.get("KS", 1),
-                WS=c["num_warps"] if c.get("warpsum") else 0, ABLATE=c.get("ablate", 0))
+    vals = dict(HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
+                BL=max(16, triton.next_power_of_2(min(L, LB))), NVB=triton.cdiv(V, c["BV"]),
+                HAS_D=True, HAS_Z=True, RECMASK=bool(c["recmask"]), EVEN=bool(c.get("even", 1)),
+                RC=min(16, c["BV"]), KS=c.get("KS", 1), WS=c["num_warps"] if c.get("warpsum") else 0)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 replay {c}")
 
@@ -119,7 +117,7 @@ def mamba2_gluon(cfg):
     c.update(cfg)
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
     ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D")})
-    vals = dict(HV=128, G=8, V=64, K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True)
+    vals = dict(HV=128, Hk=8, V=64, K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True)
     return _gluon(m._gluon_replay_kernel, "mamba2 gluon", ptr, vals, c)
 
 
@@ -146,9 +144,9 @@ def mamba2_rows(cfg):
     ptr = {n: "*fp32" for n in ("x", "dt", "B", "C", "A", "dt_bias", "D", "z", "out", "ckpt", "buf_ld")}
     ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
     LB = L + 1
-    vals = dict(HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
+    vals = dict(HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, BV=c["BV"], BK=K,
                 BL=max(16, triton.next_power_of_2(min(L, LB))), HAS_D=True, HAS_Z=True,
-                RECMASK=bool(c["recmask"]), RC=min(c.get("flushrows", 16), c["BV"]), WS=c["num_warps"] if c.get("warpsum") else 0)
+                RECMASK=bool(c["recmask"]), RC=min(16, c["BV"]), WS=c["num_warps"] if c.get("warpsum") else 0)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 rows {c}")
 

@@ -15,13 +15,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.launch import eager_launch_overrides
 from ..utils.cursor import eager_bookkeeping, fold_pending
-from .decode import eager_config
-from .decode import (_for_store, _interpreting, _load_token, _resolve_config, _scale, check_devices,
-                     check_slot_ids, check_slot_values, check_token_inputs, _shape, _dtype, _contig)
+from ..utils.launch import eager_launch_overrides
+from .common import (_contig, _dtype, _for_store, _interpreting, _load_token, _scale, _shape, check_devices,
+                     check_slot_ids, check_slot_values, check_token_inputs)
+from .configs import _CONVENTIONAL_TABLE, _resolve_config, eager_config
 
-__all__ = ["conventional_decode", "conventional_config"]
+__all__ = ["conventional_decode", "run_conventional", "run_eager"]
 
 
 @triton.jit
@@ -93,27 +93,6 @@ def _conventional_decode_kernel(
         eager_bookkeeping(arrive, cursor, epoch, i_s, h, e0, pid % (HV * NV) == 0, HV * NV)
 
 
-# (family, V, K) -> config, or a list of (max_batch, config) as in decode._REPLAY_TABLE: small
-# batches are latency-bound and prefer small programs (H200, benchmarks/results/
-# eager_sweep_v13.json, which times every candidate for this kernel and for the eager step
-# that shares it). Large batches: one-warp programs of 32 rows. With bf16 token inputs (as
-# the models pass them) they move 3.9-4.0 TB/s at batch 256 where the 4-warp programs chosen
-# with fp32 inputs (3.9 TB/s there) fell to 3.7-3.9 (eager_sweep_v16_bf16_256.json).
-_CONVENTIONAL_TABLE = {
-    ("gdn", 128, 128): [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
-                        (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
-    ("kda", 128, 128): [(1, {"BV": 16, "num_warps": 4}), (4, {"BV": 8, "num_warps": 1}),
-                        (8, {"BV": 32, "num_warps": 1}), (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
-}
-
-
-def conventional_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
-                        batch: Optional[int] = None) -> dict:
-    """The launch config `conventional_decode` (and the eager step) uses for `V`, `K` and a
-    batch of `batch` rows (with overrides)."""
-    return _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config, batch=batch)
-
-
 def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, state,
                         slot_ids, o, use_qk_l2norm: bool, BV: int, num_warps: int,
                         num_stages: int, pending: Optional[tuple] = None) -> None:
@@ -127,14 +106,17 @@ def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
     fold = pending is not None
+    # without FOLD the kernel never reads the pool's buffers: any pointers of the right types
+    buf_ld, buf_w, buf_k, cursor, epoch, arrive = pending if fold else (state, state, state, slot_ids, slot_ids,
+                                                                        slot_ids)
     _conventional_decode_kernel[(Bt * HV * NV,)](
         q, k, v, a, b, A_log, dt_bias, o, state, slot_ids, scale,
-        *(pending if fold else (state, state, state, slot_ids, slot_ids, slot_ids)),
+        buf_ld, buf_w, buf_k, cursor, epoch, arrive,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, BV=BV, BK=BK, IS_KDA=family == "kda",
         USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(),
-        FOLD=fold, LBCAP=pending[1].shape[1] if fold else 1,
+        FOLD=fold, LBCAP=buf_w.shape[1] if fold else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -1,5 +1,5 @@
 """Gated DeltaNet standard decode on ReplaySSM state in Gluon, for the GPU only: the program of
-`decode._replay_decode_kernel` (one `(row, value head, V-block)` tile, HPP=1) organised as the
+`decode._replay_decode_kernel` (one `(row, value head, V-block)` tile) organised as the
 Mamba-2 Gluon kernel is (ops/mamba2/gluon_decode.py: the checkpoint tile copied into shared
 memory while every other load is in flight, each layout chosen, the slot's arrival early, the
 flush folding in shared memory). The mathematics is that of `decode.py`:
@@ -14,6 +14,8 @@ with the float64 reference.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 
 if HAVE_GLUON:
@@ -24,15 +26,15 @@ if HAVE_GLUON:
     from ..utils.gluon import (_arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
                                 _softplus, _tile_to_shared)
 
-__all__ = ["gluon_supported", "launch_gluon"]
+__all__ = ["gluon_unsupported", "launch_gluon"]
 
 
-def gluon_supported(family: str, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
-                    num_warps: int) -> str:
-    """'' when the Gluon kernel covers this family, shape and launch config, else why not."""
+def gluon_unsupported(family: str, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
+                      num_warps: int) -> Optional[str]:
+    """Why the Gluon kernel does not cover this family, shape and launch config; None when it does."""
     if family != "gdn":
         return f"family {family!r} (GDN only)"
-    return gluon_shape_supported(V, K, window, Lb, BV, num_warps)
+    return gluon_shape_supported(V, K, window, Lb, BV, num_warps) or None
 
 
 if HAVE_GLUON:
@@ -52,9 +54,8 @@ if HAVE_GLUON:
         # tile read back for the matvecs; LK key records, 8 columns per thread; LA1 [BL] vectors,
         # one position per lane; LP [BL] held whole by every thread; LY one row per thread), but
         # LW, the value records, holds 8 positions per thread (of each 16) over 2 lanes and rows
-        # over 16 lanes and the warps: GDN sums them twice (with k and with q), and in-thread
-        # sums (one shuffle) instead of sums across 16 lanes took batch 256 from 1.56x to 1.64x
-        # (Qwen3.5-4B) and from 1.61x to 1.69x (Qwen3.5-122B), variants_v41_rs*.json
+        # over 16 lanes and the warps: GDN sums them twice (with k and with q), so the sums are
+        # kept mostly in-thread (one shuffle) instead of across 16 lanes
         LT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         LR: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])      # C k, C q reads
         LW: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, NW], [0, 1])
@@ -65,13 +66,13 @@ if HAVE_GLUON:
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         NVB: gl.constexpr = V // BV
-        G: gl.constexpr = HV // HK
+        HG: gl.constexpr = HV // HK
 
         pid = gl.program_id(0)
         i_b = gl.program_id(1).to(gl.int64)
         i_v = pid % NVB
         i_hv = pid // NVB
-        i_hk = i_hv // G
+        i_hk = i_hv // HG
         v0 = i_v * BV
 
         o_y = gl.arange(0, BV, layout=LY)
@@ -166,7 +167,7 @@ if HAVE_GLUON:
         gl.store(p_ut, b_u.to(p_ut.dtype.element_ty), mask=(o_y >= 0) & in_buf)
         if i_v == 0:
             gl.store(p_ldh + h * HV, b_ld, mask=in_buf)
-            if i_hv % G == 0:
+            if i_hv % HG == 0:
                 p_kh = p_Kg + h * (HK * K) + o_kK
                 gl.store(p_kh, (b_kK * r_k).to(p_kh.dtype.element_ty), mask=(o_kK >= 0) & in_buf)
 
@@ -194,7 +195,7 @@ if HAVE_GLUON:
 
 def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                  arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask=True, maxnreg=0):
-    """Launch `_gluon_gdn_kernel` (grid `(HV * V / BV, Bt)`); the caller checked `gluon_supported`."""
+    """Launch `_gluon_gdn_kernel` (grid `(HV * V / BV, Bt)`); the caller checked `gluon_unsupported`."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     _gluon_gdn_kernel[(HV * (V // BV), Bt)](

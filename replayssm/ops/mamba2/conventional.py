@@ -8,7 +8,7 @@ The baseline ReplaySSM replaces, with the semantics of vLLM's / mamba_ssm's
 It is kept honest: one program streams `BV` consecutive rows of a slot's state seen as
 `[HV * V, K]` (K contiguous, so each thread issues wide loads; BV > V covers several heads in
 one program), reads them once and writes them once; the launch config is a per-shape table
-the GPU sweep can override, like the replay kernel's.
+(configs.CONVENTIONAL_CONFIGS), like the replay kernel's.
 """
 from __future__ import annotations
 
@@ -21,51 +21,10 @@ from torch import Tensor
 
 from ..utils.cursor import eager_bookkeeping, fold_pending
 from ..utils.launch import eager_launch_overrides, table_entry
-from .decode import (EAGER_CONFIGS, _head_values, check_slots, check_tensor, check_token_inputs,
-                     resolve_config, softplus)
+from .common import check_slots, check_tensor, check_token_inputs, head_values, softplus
+from .configs import EAGER_CONFIGS, conventional_config
 
-__all__ = ["conventional_decode", "conventional_config", "eager_decode", "CONVENTIONAL_CONFIGS"]
-
-# Fixed per shape `(HV, V, K, G)`; keys BV, num_warps, num_stages as in decode.REPLAY_CONFIGS,
-# except that BV counts rows of the state seen as `[HV * V, K]` (so BV > V puts several heads
-# in one program) and must divide the `HV // G * V` rows of a group; and perhead (BV <= V:
-# dt, the decay and D formed once for each of the block's at most two heads and selected per
-# row, rather than once for every row a thread holds).
-# An entry may be a list of `(max_batch, config)` as in decode.REPLAY_CONFIGS: small batches
-# are latency-bound and prefer small programs (H200, benchmarks/results/eager_sweep_v13.json,
-# which times every candidate for this kernel and for the eager step that shares it).
-_LARGE = dict(BV=64, num_warps=8, num_stages=1)
-CONVENTIONAL_CONFIGS = {
-    (128, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),      # Super
-                        (4, dict(BV=16, num_warps=2)), (8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],
-    # Nano-4B: per-head scalars at large batch, 522 us against 542 us per step at batch 256
-    # (3.86 against 3.71 TB/s, decode_h200_2a515f7.json against decode_h200.json); for Super
-    # they measured slower (562 against 550 us), so its entries keep the per-row path
-    (96, 80, 128, 8): [(2, dict(BV=32, num_warps=4)), (8, dict(BV=32, num_warps=1)),
-                       (1 << 30, dict(_LARGE, perhead=True))],
-    (64, 64, 128, 8): _LARGE,                                     # Nemotron-3-Nano-30B
-}
-
-
-def _default_rows(HV: int, V: int, G: int) -> int:
-    rows = HV // G * V
-    bv = 1
-    while bv < 64 and rows % (2 * bv) == 0:
-        bv *= 2
-    return bv
-
-
-def conventional_config(HV: int, V: int, K: int, G: int, config: Optional[dict] = None, *,
-                        batch: Optional[int] = None) -> dict:
-    """The launch config of the conventional kernel (and of the eager step) for a shape and a
-    batch of `batch` rows: CONVENTIONAL_CONFIGS's entry or a default, updated by `config`."""
-    table = CONVENTIONAL_CONFIGS
-    if (HV, V, K, G) not in table:
-        table = {(HV, V, K, G): dict(BV=_default_rows(HV, V, G))}
-    cfg = resolve_config(table, HV, V, K, G, config, with_flush=False, batch=batch)
-    if (HV // G * V) % cfg["BV"]:
-        raise ValueError(f"config: BV={cfg['BV']} must divide the {HV // G * V} state rows of a group")
-    return cfg
+__all__ = ["conventional_decode", "eager_decode"]
 
 
 @triton.jit
@@ -83,7 +42,7 @@ def _conventional_decode_kernel(
     buf_ld, buf_w, buf_k, cursor, epoch, arrive,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
-    HV: tl.constexpr, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+    HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     FOLD: tl.constexpr, LB: tl.constexpr, PERHEAD: tl.constexpr,
 ):
@@ -95,7 +54,7 @@ def _conventional_decode_kernel(
     # so that B and C are one vector per program.
     i_r = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
-    i_g = (i_r * BV) // ((HV // G) * V)
+    i_g = (i_r * BV) // ((HV // Hk) * V)
 
     o_r = i_r * BV + tl.arange(0, BV)
     o_h = o_r // V
@@ -146,7 +105,7 @@ def _conventional_decode_kernel(
     if FOLD:
         # every load issued before the branch, which waits for them all at once
         if HAS_D:
-            b_d = _head_values(D, o_h, h_a, h_b, in_b, TWO)
+            b_d = head_values(D, o_h, h_a, h_b, in_b, TWO)
         if HAS_Z:
             b_z = tl.load(z + i_b * stride_z_b + o_h * stride_z_h + o_v).to(tl.float32)
         if h > 0:
@@ -157,7 +116,7 @@ def _conventional_decode_kernel(
             # the tile re-read (an L1/L2 hit), so that the loaded one is dead in here
             b_S = fold_pending(tl.load(p_S, mask=m_k[None, :], other=0.0), h,
                                buf_ld + slot * (LB * HV) + o_h, buf_w + slot * (LB * HV * V) + o_r,
-                               buf_k + slot * (LB * G * K) + i_g * K + o_k, HV, HV * V, G * K,
+                               buf_k + slot * (LB * Hk * K) + i_g * K + o_k, HV, HV * V, Hk * K,
                                o_r >= 0, m_k, 1, b_Ar)
         if TWO:
             b_dt, b_a = _head_decays(r_a, r_b, A_a, A_b, in_b)
@@ -174,7 +133,7 @@ def _conventional_decode_kernel(
     b_y = tl.sum(b_S * b_q[None, :], axis=1)                                            # [BV]
     if HAS_D:
         if not FOLD:
-            b_d = _head_values(D, o_h, h_a, h_b, in_b, TWO)
+            b_d = head_values(D, o_h, h_a, h_b, in_b, TWO)
         b_y += b_d * b_x
     if HAS_Z:
         if not FOLD:
@@ -190,18 +149,24 @@ def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV
     """The conventional step on `state`; with `pending` = `(buf_ld, buf_w, buf_k, cursor,
     epoch, arrive)` the eager step on ReplaySSM state (`state` is then the checkpoint)."""
     Bt, HV, V = x.shape
-    G, K = B.shape[1], B.shape[2]
+    Hk, K = B.shape[1], B.shape[2]
     if Bt == 0:
         return
     grid = (HV * V // BV, Bt)
     fold = pending is not None
+    # without pending records, and without D or z, any pointer stands in (FOLD, HAS_D, HAS_Z
+    # keep it unread)
+    buf_ld, buf_w, buf_k, cursor, epoch, arrive = pending if fold else (state, state, state, slot_ids,
+                                                                        slot_ids, slot_ids)
     _conventional_decode_kernel[grid](
-        x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
-        state, slot_ids, *(pending if fold else (state, state, state, slot_ids, slot_ids, slot_ids)),
-        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
-        out.stride(0), out.stride(1),
-        HV=HV, G=G, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
+        x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D if D is not None else A,
+        z=z if z is not None else x, out=out, state=state, slot_ids=slot_ids,
+        buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch, arrive=arrive,
+        stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
+        stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
+        stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
+        stride_o_b=out.stride(0), stride_o_h=out.stride(1),
+        HV=HV, Hk=Hk, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
         HAS_D=D is not None, HAS_Z=z is not None, FOLD=fold, LB=pending[0].shape[1] if fold else 1,
         PERHEAD=bool(perhead), num_warps=num_warps, num_stages=num_stages,
     )
@@ -244,9 +209,9 @@ def eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
     conventional kernel on the checkpoint, with the launch config of EAGER_CONFIGS at this batch
     (else the conventional table's; the `BV`, `num_warps`, `num_stages` of `config` override
     it), after folding each row's pending records; every row flushes."""
-    HV, V, G, K = x.shape[1], x.shape[2], B.shape[1], B.shape[2]
-    over = eager_launch_overrides(table_entry(EAGER_CONFIGS, (HV, V, K, G), x.shape[0]), config)
-    cfg = conventional_config(HV, V, K, G, over, batch=x.shape[0])
+    HV, V, Hk, K = x.shape[1], x.shape[2], B.shape[1], B.shape[2]
+    over = eager_launch_overrides(table_entry(EAGER_CONFIGS, (HV, V, K, Hk), x.shape[0]), config)
+    cfg = conventional_config(HV, V, K, Hk, over, batch=x.shape[0])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w,
                                                 buf_k, cursor, epoch, arrive, slot_ids, out,
@@ -268,11 +233,11 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
     Inputs as in `replay_decode`; `state` `[N, HV, V, K]` fp32, contiguous. `slot_ids` `[Bt]`
     (negative: padding row, `y[b] = 0`, state untouched). `out` `[Bt, HV, V]` of x's dtype.
     `config`: overrides of CONVENTIONAL_CONFIGS (`BV` rows of `[HV * V, K]` per program, a
-    power of two dividing a group's `HV // G * V` rows; `num_warps`; `num_stages`; `perhead`:
+    power of two dividing a group's `HV // Hk * V` rows; `num_warps`; `num_stages`; `perhead`:
     with BV <= V, dt, decay and D formed once for each of the block's at most two heads).
     """
     if validate:
-        Bt, HV, V, G, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
+        Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
         if not isinstance(state, torch.Tensor) or state.dim() != 4:
             raise ValueError(f"state: expected [N, HV, V, K], got {getattr(state, 'shape', type(state).__name__)}")

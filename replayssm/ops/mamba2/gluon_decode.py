@@ -1,8 +1,8 @@
 """Mamba-2 standard decode on ReplaySSM state in Gluon (Triton's lower-level dialect), for the
-GPU only: the per-head program of `decode._replay_decode_kernel` (HPP=1, records summed inside
-each warp), with the checkpoint tile staged in shared memory by asynchronous copies.
+GPU only: the per-head program of `decode._replay_decode_kernel` (records summed inside each
+warp), with the checkpoint tile staged in shared memory by asynchronous copies.
 
-Why (docs/decode-kernels.md, "What limits them", item 1): in the Triton kernel each program is
+Why (docs/kernels.md, "What limits them", item 1): in the Triton kernel each program is
 a chain of memory round trips taken one after another, because every load is written after a
 barrier that a layout conversion or a cross-warp sum brings, and the compiler does not move a
 load across one; issuing the loads earlier in Triton kept their values in registers (the
@@ -22,6 +22,8 @@ the GPU tests compare this kernel with the float64 reference.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 
 if HAVE_GLUON:
@@ -32,12 +34,20 @@ if HAVE_GLUON:
     from ..utils.gluon import (_arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
                                 _softplus, _tile_to_shared)
 
-__all__ = ["HAVE_GLUON", "gluon_supported", "launch_gluon"]
+__all__ = ["HAVE_GLUON", "gluon_supported", "gluon_unsupported", "launch_gluon"]
 
 
-def gluon_supported(HV: int, V: int, K: int, G: int, window: int, Lb: int, BV: int, num_warps: int) -> str:
-    """'' when the Gluon kernel covers this shape and launch config, else why not."""
-    return gluon_shape_supported(V, K, window, Lb, BV, num_warps)
+def gluon_supported(HV: int, V: int, K: int, Hk: int, window: int, Lb: int, BV: int,
+                    num_warps: int) -> bool:
+    """Whether the Gluon kernel covers this shape and launch config (`gluon_unsupported` says
+    why not)."""
+    return not gluon_unsupported(HV, V, K, Hk, window, Lb, BV, num_warps)
+
+
+def gluon_unsupported(HV: int, V: int, K: int, Hk: int, window: int, Lb: int, BV: int,
+                      num_warps: int) -> Optional[str]:
+    """Why the Gluon kernel does not cover this shape and launch config, or None when it does."""
+    return gluon_shape_supported(V, K, window, Lb, BV, num_warps) or None
 
 
 if HAVE_GLUON:
@@ -48,7 +58,7 @@ if HAVE_GLUON:
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
         stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
         stride_z_b, stride_z_h, stride_o_b, stride_o_h,
-        HV: gl.constexpr, G: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
+        HV: gl.constexpr, Hk: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, RC: gl.constexpr,
         HAS_D: gl.constexpr, HAS_Z: gl.constexpr, NW: gl.constexpr, RECMASK: gl.constexpr,
     ):
@@ -73,7 +83,7 @@ if HAVE_GLUON:
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         LA1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         NVB: gl.constexpr = V // BV
-        HG: gl.constexpr = HV // G
+        HG: gl.constexpr = HV // Hk
 
         pid = gl.program_id(0)
         i_b = gl.program_id(1).to(gl.int64)
@@ -103,9 +113,7 @@ if HAVE_GLUON:
         b_dtr = gl.load(dt + i_b * stride_dt_b + i_h).to(gl.float32)
         b_dtb = gl.load(dt_bias + i_h).to(gl.float32)
         b_A = gl.load(A + i_h).to(gl.float32)
-        # 1 / A for the records' dt_j = ld_j / A, formed here: at its use below (an approximate
-        # division either way) Nano-4B's program with fp32 records took 166 registers, not 126
-        # (triton 3.6, offline)
+        # 1 / A for the records' dt_j = ld_j / A, formed here rather than at its use: fewer registers
         b_rA = gl.fdiv(1.0, b_A)
         o_kK = gl.arange(0, K, layout=gl.SliceLayout(0, LK))
         p_Bt = B + i_b * stride_B_b + i_g * stride_B_g
@@ -122,8 +130,8 @@ if HAVE_GLUON:
         o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
         m_lK = (o_lK < h)[:, None]
         m_lKl = m_lK if RECMASK else (o_lK < NPOS)[:, None]
-        p_Kg = buf_k + slot * (LB * G * K) + i_g * K
-        b_Kr = gl.load(p_Kg + o_lK[:, None] * (G * K) + o_kK[None, :], mask=m_lKl, other=0.0)
+        p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
+        b_Kr = gl.load(p_Kg + o_lK[:, None] * (Hk * K) + o_kK[None, :], mask=m_lKl, other=0.0)
         o_lW = gl.arange(0, BL, layout=gl.SliceLayout(1, LW))
         o_rW = gl.arange(0, BV, layout=gl.SliceLayout(0, LW))
         m_lW = (o_lW < h)[:, None]
@@ -182,7 +190,7 @@ if HAVE_GLUON:
                 b_Sc = s_S.slice(r0, RC, dim=0).load(LT)                                # [RC, K]
                 b_xr = gl.load(x + i_b * stride_x_b + i_h * stride_x_h + v0 + o_rc).to(gl.float32)
                 b_Sc = b_g * b_Sc + (b_dt * b_xr)[:, None] * b_kcT[None, :]
-                b_Sc = _fold_records(b_Sc, o_rc, o_tk, o_lP, b_coefP, h, p_Wh, p_kj, HV * V, G * K, BL)
+                b_Sc = _fold_records(b_Sc, o_rc, o_tk, o_lP, b_coefP, h, p_Wh, p_kj, HV * V, Hk * K, BL)
                 gl.store(p_S + o_rc[:, None] * K + o_tk[None, :], b_Sc)
         else:
             # the record: this program's x as given; the head's log decay and the group's key
@@ -192,7 +200,7 @@ if HAVE_GLUON:
             if i_v == 0:
                 gl.store(p_ldh + h * HV, b_ld)
                 if i_h % HG == 0:
-                    p_kh = p_Kg + h * (G * K) + o_kK
+                    p_kh = p_Kg + h * (Hk * K) + o_kK
                     gl.store(p_kh, b_kcK.to(p_kh.dtype.element_ty))
 
         _move_cursor(n_arrived, HV * NVB, is_flush, cursor, epoch, arrive, slot, h)
@@ -203,7 +211,7 @@ def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
     """Launch `_gluon_replay_kernel` (grid `(HV * V / BV, Bt)`); the caller checked
     `gluon_supported`. The tile is read and folded in chunks of 4 * num_warps rows."""
     Bt, HV, V = x.shape
-    G, K = B.shape[1], B.shape[2]
+    Hk, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
     _gluon_replay_kernel[(HV * (V // BV), Bt)](
         x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
@@ -211,7 +219,7 @@ def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
-        HV=HV, G=G, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=gluon_record_tile(window, LB),
+        HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=gluon_record_tile(window, LB),
         RC=4 * num_warps,
         HAS_D=D is not None, HAS_Z=z is not None, NW=num_warps, num_warps=num_warps,
         RECMASK=bool(recmask),

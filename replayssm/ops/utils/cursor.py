@@ -10,22 +10,14 @@ import triton.language as tl
 
 
 @triton.jit
-def hand_off(arrive, cursor, epoch, i_s, h, flush, NPROG: tl.constexpr, SYNC: tl.constexpr = 1):
+def hand_off(arrive, cursor, epoch, i_s, h, flush, NPROG: tl.constexpr):
     """Cursor hand-off: every program of slot s reads cursor[s], and it may only change once
     all NPROG of them have. Each arrives on a per-slot counter at its end, after a barrier
     over its threads, with a relaxed atomic whose operand depends on the loaded cursor (so it
     cannot be performed before the read); the last to arrive writes cursor and epoch and
-    re-arms the counter for the next launch. No second launch, no host sync. SYNC 1 is that;
-    SYNC 0 arrives with an acq_rel atomic instead; SYNC 2 has no counter, every program
-    writes (an ablation only: it races on the cursor)."""
-    if SYNC == 0:
-        tl.debug_barrier()
-        n_arrived = tl.atomic_add(arrive + i_s, 1, sem="acq_rel")
-    elif SYNC == 1:
-        tl.debug_barrier()
-        n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
-    else:
-        n_arrived = NPROG - 1 + h * 0
+    re-arms the counter for the next launch. No second launch, no host sync."""
+    tl.debug_barrier()
+    n_arrived = tl.atomic_add(arrive + i_s, (h >= 0).to(tl.int32), sem="relaxed")
     if n_arrived == NPROG - 1:
         if flush:
             tl.store(cursor + i_s, 0)

@@ -70,11 +70,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _arrive_early(arrive, slot, h, LA1: gl.constexpr):
-        """Arrive on the slot's counter now (the hand-off of ops/utils/cursor.py, SYNC 1): every thread
+        """Arrive on the slot's counter now (the hand-off of ops/utils/cursor.py): every thread
         stores the cursor it read to shared memory before the barrier, so no thread of this
         program reads the cursor after the arrival (the last program to arrive rewrites it at
         its end, `_move_cursor`); the atomic's reply then overlaps the loads in flight instead of
-        ending the program (Super, batch 256: 312 against 318 us with the arrival at the end)."""
+        ending the program, which measured faster."""
         s_h = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         s_h.store(gl.zeros([1], gl.int32, LA1) + h)
         _barrier()

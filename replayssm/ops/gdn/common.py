@@ -1,0 +1,250 @@
+"""Pieces the GDN and KDA kernels (replay and conventional) share: the `@triton.jit` loads of
+one token (query, key, value, decay, beta) and the conversion of stores, and the checks of
+every argument at the Python boundary (shape, dtype, device, contiguity, slot and cursor range).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..utils.launch import capturing
+
+__all__ = ["check_token_inputs", "check_state", "check_slot_ids", "check_slot_values", "check_devices",
+           "check_cursor_values"]
+
+
+def _interpreting() -> bool:
+    """Whether the kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton helpers shared by the replay and conventional kernels of both families.
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rne_bf16(x):
+    # fp32 -> bf16 round-to-nearest-even with integer ops; the CPU interpreter's .to(bf16)
+    # truncates, so interpreter runs use this to measure what the GPU's cvt.rn does.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _for_store(x, p, EXACT_BF16: tl.constexpr):
+    """`x` (fp32) converted to the element type of pointer `p`; EXACT_BF16 (the interpreter):
+    bf16 by round-to-nearest-even as on the GPU."""
+    y = x.to(p.dtype.element_ty)
+    if EXACT_BF16:
+        if p.dtype.element_ty == tl.bfloat16:
+            y = _rne_bf16(x)
+    return y
+
+
+@triton.jit
+def _load_qk(q, k, i_b, i_hk, o_k, m_k, scale, stride_q_b, stride_q_h, stride_k_b, stride_k_h,
+             USE_QK_L2NORM: tl.constexpr):
+    """The current token's key (L2-normalised) and query (normalised, scaled) of one key head,
+    `[BK]` fp32."""
+    b_q = tl.load(q + i_b * stride_q_b + i_hk * stride_q_h + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_k = tl.load(k + i_b * stride_k_b + i_hk * stride_k_h + o_k, mask=m_k, other=0.).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    return b_q * scale, b_k
+
+
+@triton.jit
+def _load_head(v, a, b, A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
+               stride_v_b, stride_v_h, stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+               K: tl.constexpr, IS_KDA: tl.constexpr):
+    """The current token of one value head: value block `[BV]`, log decay (scalar, or `[BK]`
+    for KDA, zero on padded channels) and beta, fp32."""
+    b_v = tl.load(v + i_b * stride_v_b + i_hv * stride_v_h + o_v, mask=m_v, other=0.).to(tl.float32)
+    b_beta = tl.sigmoid(tl.load(b + i_b * stride_b_b + i_hv * stride_b_h).to(tl.float32))
+    b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    if IS_KDA:
+        b_a = tl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_x = b_a + b_dt
+    else:
+        b_a = tl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(tl.float32)
+        b_x = b_a + tl.load(dt_bias + i_hv).to(tl.float32)
+    # softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p written out (Goldberg) because the
+    # gate inputs of long-memory heads are very negative: log(1 + tiny) would lose most digits
+    b_e = tl.exp(-tl.abs(b_x))
+    b_1e = 1.0 + b_e
+    b_d = b_1e - 1.0
+    b_l1p = tl.where(b_d == 0.0, b_e, tl.log(b_1e) * (b_e / tl.where(b_d == 0.0, 1.0, b_d)))
+    b_ld = -b_A * (tl.maximum(b_x, 0.0) + b_l1p)
+    if IS_KDA:
+        b_ld = tl.where(m_k, b_ld, 0.)
+    return b_v, b_ld, b_beta
+
+
+@triton.jit
+def _load_token(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m_k, scale,
+                stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+                stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+                K: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """`_load_qk` and `_load_head` of one (row, value head): q, k, v, log decay, beta."""
+    b_q, b_k = _load_qk(q, k, i_b, i_hk, o_k, m_k, scale, stride_q_b, stride_q_h, stride_k_b,
+                        stride_k_h, USE_QK_L2NORM)
+    b_v, b_ld, b_beta = _load_head(v, a, b, A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
+                                   stride_v_b, stride_v_h, stride_a_b, stride_a_h, stride_b_b,
+                                   stride_b_h, K, IS_KDA)
+    return b_q, b_k, b_v, b_ld, b_beta
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation at the Python boundary (shared by both families and both schemes).
+# ---------------------------------------------------------------------------------------------
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _shape(name: str, t: Tensor, shape: tuple) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def _dtype(name: str, t: Tensor, allowed: tuple) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")
+
+
+def _contig(name: str, t: Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+
+
+def _last_contig(name: str, t: Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (strides {t.stride()})")
+
+
+def check_token_inputs(family: str, q, k, v, a, b, A_log, dt_bias, out) -> tuple:
+    """Shapes, dtypes and strides of one step's inputs; returns `(Bt, Hk, K, HV, V)`."""
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a [Bt, Hk, K] tensor, got shape {getattr(q, 'shape', None)}")
+    Bt, Hk, K = q.shape
+    _shape("k", k, (Bt, Hk, K))
+    if not isinstance(v, Tensor) or v.dim() != 3 or v.shape[0] != Bt:
+        raise ValueError(f"v must be a [Bt={Bt}, HV, V] tensor, got shape {getattr(v, 'shape', None)}")
+    HV, V = v.shape[1], v.shape[2]
+    if Hk < 1 or HV % Hk:
+        raise ValueError(f"value heads HV={HV} must be a multiple of key heads Hk={Hk}")
+    if family == "kda":
+        _shape("a", a, (Bt, HV, K))
+        _shape("dt_bias", dt_bias, (HV, K))
+    else:
+        _shape("a", a, (Bt, HV))
+        _shape("dt_bias", dt_bias, (HV,))
+    _shape("b", b, (Bt, HV))
+    _shape("A_log", A_log, (HV,))
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log),
+                    ("dt_bias", dt_bias)):
+        _dtype(name, t, _FLOATS)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _last_contig(name, t)
+    if family == "kda":
+        _last_contig("a", a)
+    _contig("A_log", A_log)
+    _contig("dt_bias", dt_bias)
+    if out is not None:
+        _shape("out", out, (Bt, HV, V))
+        _dtype("out", out, _FLOATS)
+        _contig("out", out)
+    return Bt, Hk, K, HV, V
+
+
+def check_slot_ids(slot_ids, Bt: int, N: int) -> None:
+    _shape("slot_ids", slot_ids, (Bt,))
+    _dtype("slot_ids", slot_ids, (torch.int32, torch.int64))
+    _contig("slot_ids", slot_ids)
+
+
+def check_slot_values(slot_ids: Tensor, N: int) -> None:
+    """Slot range and uniqueness (host sync; skipped while capturing a CUDA graph or compiling)."""
+    if capturing() or torch.compiler.is_compiling():
+        return
+    ids = slot_ids.detach().cpu()
+    valid = ids[ids >= 0]
+    if valid.numel() and int(valid.max()) >= N:
+        raise ValueError(f"slot_ids holds {int(valid.max())}, but the pool has N={N} slots")
+    if valid.numel() != torch.unique(valid).numel():
+        dup = [int(x) for x in valid.unique() if int((valid == x).sum()) > 1]
+        raise ValueError(f"slot_ids repeats slot(s) {dup} in one call")
+
+
+def check_devices(**tensors) -> None:
+    devs = {name: t.device for name, t in tensors.items() if isinstance(t, Tensor)}
+    first = next(iter(devs.values()))
+    for name, d in devs.items():
+        if d != first:
+            raise ValueError(f"{name} is on {d}, expected {first} (all tensors on one device)")
+
+
+def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+                HV: int, Hk: int, V: int, K: int, window) -> tuple:
+    """Shapes and dtypes of the pool tensors; returns `(N, Lb)`."""
+    if not isinstance(ckpt, Tensor) or ckpt.dim() != 4:
+        raise ValueError(f"ckpt must be an [N, HV, V, K] tensor, got shape {getattr(ckpt, 'shape', None)}")
+    N = ckpt.shape[0]
+    _shape("ckpt", ckpt, (N, HV, V, K))
+    _dtype("ckpt", ckpt, (torch.float32,))
+    if not isinstance(buf_w, Tensor) or buf_w.dim() != 4:
+        raise ValueError(f"buf_w must be an [N, Lb, HV, V] tensor, got shape {getattr(buf_w, 'shape', None)}")
+    Lb = buf_w.shape[1]
+    _shape("buf_w", buf_w, (N, Lb, HV, V))
+    _shape("buf_ld", buf_ld, (N, Lb, HV, K) if family == "kda" else (N, Lb, HV))
+    _shape("buf_k", buf_k, (N, Lb, Hk, K))
+    _dtype("buf_ld", buf_ld, (torch.float32,))
+    _dtype("buf_w", buf_w, _RECORD_DTYPES)
+    _dtype("buf_k", buf_k, _RECORD_DTYPES)
+    _shape("cursor", cursor, (N,))
+    _dtype("cursor", cursor, (torch.int32,))
+    _shape("epoch", epoch, (N,))
+    _dtype("epoch", epoch, (torch.int64,))
+    _shape("arrive", arrive, (N,))
+    _dtype("arrive", arrive, (torch.int32,))
+    for name, t in (("ckpt", ckpt), ("buf_ld", buf_ld), ("buf_w", buf_w), ("buf_k", buf_k),
+                    ("cursor", cursor), ("epoch", epoch), ("arrive", arrive)):
+        _contig(name, t)
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= Lb:
+        raise ValueError(f"window={window!r} must be an int in [1, Lb={Lb}]")
+    return N, Lb
+
+
+def check_cursor_values(cursor: Tensor, slot_ids: Tensor, Lb: int, window: int) -> None:
+    """The rows' cursors leave room for the new record and do not pass the window, which
+    sizes the kernel's record tiles (host sync; skipped when capturing)."""
+    if capturing() or torch.compiler.is_compiling():
+        return
+    ids = slot_ids.detach().cpu().long()
+    ids = ids[ids >= 0]
+    if ids.numel():
+        h = cursor.detach().cpu()[ids]
+        # window 1 (the eager step) folds whatever the buffer holds
+        bad = (h < 0) | (h >= Lb) | ((h > window) & (window > 1))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            lim = f"min(window={window}, Lb-1={Lb - 1})" if window > 1 else f"Lb-1={Lb - 1}"
+            raise ValueError(f"cursor[{int(ids[i])}]={int(h[i])} is outside 0..{lim}")
+
+
+def _scale(scale, K: int) -> float:
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r} must be a finite float or None")
+    return float(scale)

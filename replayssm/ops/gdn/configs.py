@@ -1,0 +1,182 @@
+"""Launch configurations of the GDN and KDA kernels: fixed tables per shape and batch (no
+autotune: the kernels write state in place), their resolution with a caller's overrides, and the
+eager step's batches (`replay_decode` with window 1).
+
+Tables map `(family, V, K)` (the eager step's: `(family, HV, V, K)`) to a config, or to a list
+of `(max_batch, config)` whose first entry with `max_batch` >= the batch applies. Chosen by
+H200 sweeps; the measurements are indexed in benchmarks/results/.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from ..utils.launch import table_entry
+from ..utils.tiles import check_slices
+
+__all__ = ["replay_config", "conventional_config", "eager_config", "eager_max_batch"]
+
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
+# replay only: recmask (record loads predicated on the cursor, or issued at once over the
+# window, without waiting for it), BC (GDN: records read in chunks of BC up to the cursor; 0:
+# one tile covering the window), KS (the checkpoint tile held as KS slices of K per thread,
+# see ops/utils/tiles.py; 1: a plain [BV, K] tile), mat (GDN: `_replay_decode_mat_kernel`, the
+# state tile rebuilt per chunk of BKT key columns by one tensor-core product; recmask, BC and
+# KS then do not apply), matprec (its product: "tf32x3", or for bf16 records "bf16x2": exact
+# keys, the weighted u in two bf16 terms, about 16 bits, or "bf16": one term, the weighted u
+# rounded to bf16 once more), gluon (GDN, GPU only: the Gluon kernel of gluon_decode.py, the
+# record-contracting program with the checkpoint tile copied asynchronously into shared memory
+# while the records are read; recmask and maxnreg apply, the other replay keys do not; where
+# `gluon_unsupported` gives a reason (K other than 128, BV other than 16 * num_warps, windows
+# above 32) and on the CPU interpreter the Triton kernels run with the other keys)
+_REPLAY_KEYS = ("recmask", "BC", "KS", "mat", "BKT", "matprec", "gluon")
+_REPLAY_DEFAULTS = {"recmask": True, "BC": 0, "KS": 1, "mat": False, "BKT": 64, "matprec": "tf32x3",
+                    "gluon": False}
+_MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1, "bf16": 2}
+
+# Small batches are latency-bound: small programs, record loads issued without waiting for the
+# cursor.
+_REPLAY_TABLE = {
+    # GDN: one warp per program at small batch; records in chunks of 8 up to the cursor
+    ("gdn", 128, 128): [(2, {"BV": 16, "num_warps": 1, "recmask": False}),
+                        (8, {"BV": 16, "num_warps": 1, "recmask": False, "BC": 8, "KS": 8}),
+                        # from batch 9 the Gluon kernel (GPU only; elsewhere the Triton kernel
+                        # with the same keys): it overlaps the tile's copy with the record reads
+                        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True,
+                                   "maxnreg": 80})],
+    # KDA: one program per head at large batch (its decay weights are computed per program)
+    ("kda", 128, 128): [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
+                        (1 << 30, {"BV": 128, "num_warps": 4, "recmask": True, "KS": 8})],
+}
+
+# With bf16 records (keys exact in bf16) the materialising kernel's two-term bf16 product wins
+# at mid batches: one warp per 64-row program, K in two chunks, the chunk loads pipelined.
+_BF16_RECORDS_TABLE = {
+    ("gdn", 128, 128): [(8, {}),
+                        (32, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
+                              "num_stages": 3, "gluon": False, "maxnreg": 0}),
+                        # the Gluon kernel at large batch: 80 registers fit six programs per SM
+                        # (as many as its shared memory allows); predicated record loads move
+                        # half the record bytes on average
+                        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True, "maxnreg": 80})],
+}
+
+# Small batches are latency-bound and prefer small programs; large ones one-warp programs of
+# 32 rows, which keep their bandwidth with bf16 token inputs (as the models pass them).
+_CONVENTIONAL_TABLE = {
+    ("gdn", 128, 128): [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
+                        (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
+    ("kda", 128, 128): [(1, {"BV": 16, "num_warps": 4}), (4, {"BV": 8, "num_warps": 1}),
+                        (8, {"BV": 32, "num_warps": 1}), (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
+}
+
+# The eager step (window 1, see replay_decode) per (family, HV, V, K): batches up to the last
+# max_batch take it (the slot pool decodes them with window 1), each with the first entry's
+# launch config whose max_batch >= the batch ({}: the conventional table's). At small batches a
+# window only lengthens each program's chain; KDA's windowed kernel (per-program decay weights)
+# loses to the eager step at every batch.
+_EAGER_CONFIGS = {
+    ("gdn", 32, 128, 128): [(8, {"BV": 8, "num_warps": 1}), (16, {})],     # Qwen3.5-4B, Qwen3-Next
+    ("gdn", 64, 128, 128): [(8, {"BV": 8, "num_warps": 1})],              # Qwen3.5-122B
+    ("kda", 32, 128, 128): [(1 << 30, {"BV": 8, "num_warps": 1})],        # Kimi-Linear-48B
+}
+
+# The tables' Gluon entries at windows above 16 (record tiles of 32 positions): their register
+# cap of 80 spills there
+_GLUON_LONG_WINDOW = {"maxnreg": 0}
+
+
+def eager_config(family: str, HV: int, V: int, K: int, batch: int) -> dict:
+    """The eager step's launch-config overrides at this shape and batch ({}: none)."""
+    return dict(table_entry(_EAGER_CONFIGS, (family, HV, V, K), batch) or {})
+
+
+def eager_max_batch(HV: int, V: int, K: int, family: str = "gdn") -> int:
+    """The largest batch for which the tables prefer the eager step (window 1) at this shape
+    (0: never). The slot pool decodes such batches with window 1."""
+    entry = _EAGER_CONFIGS.get((family, HV, V, K))
+    return entry[-1][0] if entry else 0
+
+
+def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[int] = None) -> dict:
+    entry = table_entry(table, (family, V, K), batch)
+    if entry is not None:
+        return dict({"num_stages": 1, "maxnreg": 0}, **entry)
+    BV = min(32, triton.next_power_of_2(V))
+    return {"BV": BV, "num_warps": 4 if BV * triton.next_power_of_2(K) >= 4096 else 2,
+            "num_stages": 1, "maxnreg": 0}
+
+
+def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[dict], *,
+                    replay: bool = False, batch: Optional[int] = None,
+                    bf16_records: bool = False, window: Optional[int] = None) -> dict:
+    """Launch config from the table (or defaults) and `config`; `replay`: a replay config, with
+    the replay-only keys (and, for bf16 records, the overrides of `_BF16_RECORDS_TABLE`; for a
+    Gluon entry at a `window` above 16, `_GLUON_LONG_WINDOW`)."""
+    cfg = _default_config(table, family, V, K, batch)
+    if replay and bf16_records:
+        cfg.update(table_entry(_BF16_RECORDS_TABLE, (family, V, K), batch) or {})
+    if replay and cfg.get("gluon") and window is not None and window > 16:
+        cfg.update(_GLUON_LONG_WINDOW)
+    keys = _CONFIG_KEYS
+    if replay:
+        keys = _CONFIG_KEYS + _REPLAY_KEYS
+        cfg = dict(_REPLAY_DEFAULTS, **cfg)
+    else:
+        cfg = {key: val for key, val in cfg.items() if key in keys}
+    if config:
+        unknown = set(config) - set(keys)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; allowed {list(keys)}")
+        cfg.update(config)
+    BV, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
+    if not isinstance(BV, int) or BV < 1 or BV & (BV - 1):
+        raise ValueError(f"config BV={BV!r} must be a power of two")
+    if nw not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config num_warps={nw!r} must be one of 1, 2, 4, 8, 16")
+    if not isinstance(ns, int) or ns < 1:
+        raise ValueError(f"config num_stages={ns!r} must be a positive int")
+    if not isinstance(cfg["maxnreg"], int) or cfg["maxnreg"] < 0:
+        raise ValueError(f"config maxnreg={cfg['maxnreg']!r} must be a non-negative int (0: no cap)")
+    if replay:
+        bc = cfg["BC"]
+        if isinstance(bc, bool) or not isinstance(bc, int) or bc < 0 or (bc and bc & (bc - 1)):
+            raise ValueError(f"config BC={bc!r} must be 0 (one tile of the window) or a power of two")
+        if bc and family == "kda":
+            raise ValueError(f"config BC={bc!r}: record chunks are implemented for GDN only")
+        check_slices(cfg["KS"], triton.next_power_of_2(K))
+        if cfg["mat"]:
+            bkt, bk = cfg["BKT"], triton.next_power_of_2(K)
+            if isinstance(bkt, bool) or not isinstance(bkt, int) or bkt < 16 or bkt & (bkt - 1) or bk % bkt:
+                raise ValueError(f"config BKT={bkt!r} must be a power of two >= 16 dividing {bk}")
+            if family != "gdn":
+                raise ValueError("config mat=True: the materialising kernel is implemented for GDN only")
+            if min(BV, triton.next_power_of_2(V)) < 16:
+                raise ValueError(f"config mat=True needs BV >= 16 (the smallest tl.dot tile), got {BV}")
+            if cfg["matprec"] not in _MAT_PRECISIONS:
+                raise ValueError(f"config matprec={cfg['matprec']!r} must be one of {sorted(_MAT_PRECISIONS)}")
+        if not isinstance(cfg["gluon"], bool):
+            raise ValueError(f"config gluon={cfg['gluon']!r} must be a bool")
+        if cfg["gluon"] and family != "gdn":
+            raise ValueError("config gluon=True: the Gluon kernel is implemented for GDN only")
+    return cfg
+
+
+def replay_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
+                  HG: int = 1, batch: Optional[int] = None, records: torch.dtype = torch.float32,
+                  window: Optional[int] = None, G: Optional[int] = None) -> dict:
+    """The launch config `replay_decode` uses for value dim `V`, key dim `K`, `HG` value heads
+    per key head (`G`: its former name, still accepted; the tables do not depend on it), a
+    batch of `batch` rows, records of dtype `records` and window `window` (None: as for windows
+    up to 16), with overrides."""
+    return _resolve_config(_REPLAY_TABLE, family, V, K, config, replay=True, batch=batch,
+                           bf16_records=records == torch.bfloat16, window=window)
+
+
+def conventional_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
+                        batch: Optional[int] = None) -> dict:
+    """The launch config `conventional_decode` (and the eager step) uses for `V`, `K` and a
+    batch of `batch` rows (with overrides)."""
+    return _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config, batch=batch)
