@@ -144,6 +144,13 @@ def _bench(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from .bench import tune
+
+    tune.main(args.rest)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="replayssm", description=__doc__, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,10 +180,18 @@ def main(argv=None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
                    help="the benchmark's own arguments")
     b.set_defaults(func=_bench, parser=b)
+    tu = sub.add_parser("tune", help="GPU: time launch configs for one shape and write table entries to keep",
+                        description="Arguments go to the tuner: `replayssm tune --help` after `tune`.",
+                        add_help=False)
+    tu.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the tuner's arguments")
+    tu.set_defaults(func=_tune)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["test"]:
         # `./run.sh test` is the documented way in; typed here it deserves the way, not "invalid choice"
         ap.error("`test` is not a replayssm command: `./run.sh test [pytest args]` runs the test suite")
+    if argv[:1] == ["tune"]:
+        # every argument belongs to the tuner (argparse's REMAINDER drops a leading option)
+        return _tune(argparse.Namespace(rest=argv[1:]))
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -47,3 +47,20 @@ def shape(name: str) -> Shape:
 def of_family(family: str) -> dict:
     """`{name: Shape}` of one family's models."""
     return {n: s for n, s in MODEL_SHAPES.items() if s.family == family}
+
+
+def parse(spec: str) -> Shape:
+    """A model's name, or `family/HV/Hk/V/K` for a shape of one's own (e.g. `mamba2/112/8/64/128`:
+    112 heads of 64 x 128 in 8 groups)."""
+    if spec in MODEL_SHAPES:
+        return MODEL_SHAPES[spec]
+    parts = spec.split("/")
+    if len(parts) == 5 and parts[0] in ("mamba2", "gdn", "kda"):
+        try:
+            HV, Hk, V, K = (int(p) for p in parts[1:])
+        except ValueError:
+            HV = 0
+        if HV > 0 and Hk > 0 and V > 0 and K > 0 and HV % Hk == 0:
+            return Shape(parts[0], HV, Hk, V, K)
+    raise ValueError(f"shape {spec!r}: expected one of {sorted(MODEL_SHAPES)} or family/HV/Hk/V/K "
+                     "with family mamba2, gdn or kda and Hk dividing HV (e.g. mamba2/112/8/64/128)")

@@ -22,7 +22,7 @@ import itertools
 
 import torch
 
-from .. import traffic
+from .. import shapes, traffic
 from ..testing import make_inputs, make_params
 from .common import copy_bandwidth_tbs, graph_time_us, header, write_results
 
@@ -52,7 +52,7 @@ class Case:
                  input_dtype=torch.bfloat16, device="cuda"):
         """`input_dtype`: token inputs and outputs of both schemes (the same tensors for both);
         layer parameters and state fp32. `device`: "cuda" (the CPU only for tests)."""
-        fam, HV, Hk, V, K = traffic.MODEL_SHAPES[shape]
+        fam, HV, Hk, V, K = shapes.parse(shape)
         self.shape, self.family, self.batch, self.window = shape, fam, batch, window
         self.HV, self.Hk, self.V, self.K = HV, Hk, V, K
         self.record_dtype, self.input_dtype = record_dtype, input_dtype
@@ -195,7 +195,8 @@ def main(argv=None):
     # an explicit prog: the default, sys.argv[0], reads "cli.py" when run through `replayssm bench`
     ap = argparse.ArgumentParser(prog="replayssm bench decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help="model names or family/HV/Hk/V/K specs, comma-separated (default: %(default)s)")
     ap.add_argument("--batches", default="1,8,64,256,512")
     ap.add_argument("--windows", default="8,16,32")
     ap.add_argument("--cursors", default="staggered,lockstep")
@@ -210,8 +211,13 @@ def main(argv=None):
     ap.add_argument("--variants", default=None,
                     help="JSON list of replay configs to time against one conventional run per point "
                          "(a config's \"eager\" key forces the eager step on or off)")
-    ap.add_argument("--out", default="benchmarks/results/decode_h200.json")
+    ap.add_argument("--out", default="decode.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
+    try:
+        for spec in args.shapes.split(","):
+            shapes.parse(spec)
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         raise SystemExit(f"{ap.prog}: error: the decode benchmark needs a CUDA device "
                          "(torch.cuda.is_available() is False on this machine)")
@@ -221,12 +227,12 @@ def main(argv=None):
     doc["copy_tb_per_s"] = copy_bandwidth_tbs()
     print(f"{doc['device']}: device-to-device copy {doc['copy_tb_per_s']:.2f} TB/s; "
           f"records {args.record_dtype}, token inputs {args.input_dtype}", flush=True)
-    shapes = args.shapes.split(",")
+    shape_list = args.shapes.split(",")
     chosen = {}
     if args.sweep:
         doc["sweep"] = []
-        for shape in shapes:
-            fam, _, _, V, _ = traffic.MODEL_SHAPES[shape]
+        for shape in shape_list:
+            fam, _, _, V, _ = shapes.parse(shape)
             # replay kernels only: the conventional tables already reach 3.75-3.94 TB/s
             rep = [dict(BV=bv, num_warps=w, maxnreg=r) for bv, w, r in
                    ((16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 4, 0), (64, 8, 0), (16, 2, 128))
@@ -243,7 +249,7 @@ def main(argv=None):
         import json
 
         doc["variants"] = []
-        for shape, window, batch in itertools.product(shapes, map(int, args.windows.split(",")),
+        for shape, window, batch in itertools.product(shape_list, map(int, args.windows.split(",")),
                                                       map(int, args.batches.split(","))):
             case = Case(shape, batch, window, record_dtype=rdt, input_dtype=idt)
             t_conv = graph_time_us(case.conventional_window, reps=args.reps) / window
@@ -264,7 +270,7 @@ def main(argv=None):
         write_results(args.out, doc)
         return doc
     rows = []
-    for shape, window, batch, cur in itertools.product(shapes, map(int, args.windows.split(",")),
+    for shape, window, batch, cur in itertools.product(shape_list, map(int, args.windows.split(",")),
                                                        map(int, args.batches.split(",")), args.cursors.split(",")):
         cfg = chosen.get(shape, {})
         r = measure(shape, batch, window, cur, rdt, args.reps, cfg.get("replay"), cfg.get("conventional"),

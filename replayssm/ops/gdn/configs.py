@@ -16,7 +16,7 @@ import triton
 from ..utils.launch import table_entry
 from ..utils.tiles import check_slices
 
-__all__ = ["replay_config", "conventional_config", "eager_config", "eager_max_batch"]
+__all__ = ["replay_config", "conventional_config", "eager_config", "eager_max_batch", "install", "derived"]
 
 _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # replay only: recmask (record loads predicated on the cursor, or issued at once over the
@@ -88,14 +88,67 @@ _EAGER_CONFIGS = {
 _GLUON_LONG_WINDOW = {"maxnreg": 0}
 
 
+def derived(family: str, HV: int, V: int, K: int) -> dict:
+    """Table entries for a shape the tables do not name, derived from its dimensions as the
+    tuned shapes' entries are: the eager step up to batch 8 (KDA: at every batch) in one-warp
+    programs of 8 rows; GDN's Gluon program beyond, in blocks of 16 rows per warp dividing V
+    (the Triton kernel where Gluon does not apply); small batches in one-warp programs of 16
+    rows. `replayssm tune` measures a shape's own."""
+    bv = next((b for b in (64, 32, 16) if V % b == 0), 16)
+    conventional = [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
+                    (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})]
+    if family == "kda":
+        return {"replay": [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
+                           (1 << 30, {"BV": min(128, triton.next_power_of_2(V)), "num_warps": 4,
+                                      "recmask": True})],
+                "conventional": conventional, "eager": [(1 << 30, {"BV": 8, "num_warps": 1})]}
+    large = {"gluon": True, "BV": bv, "num_warps": bv // 16, "recmask": True, "maxnreg": 80 if bv == 64 else 0}
+    return {"replay": [(2, {"BV": 16, "num_warps": 1, "recmask": False}),
+                       (8, {"BV": 16, "num_warps": 1, "recmask": False, "BC": 8}), (1 << 30, large)],
+            "bf16_records": [(8, {}), (1 << 30, large)],
+            "conventional": conventional, "eager": [(8, {"BV": 8, "num_warps": 1})]}
+
+
+_TABLES = {"replay": _REPLAY_TABLE, "bf16_records": _BF16_RECORDS_TABLE,
+           "conventional": _CONVENTIONAL_TABLE, "eager": _EAGER_CONFIGS}
+
+
+def install(family: str, HV: int, V: int, K: int, **entries) -> None:
+    """Put a shape's entries into the tables (`replay=`, `bf16_records=`, `conventional=`,
+    `eager=`: lists of `(max_batch, config)`), e.g. those `replayssm tune` wrote. The replay,
+    bf16-record and conventional tables are keyed by `(family, V, K)`, so they serve every
+    head count; the eager step's by `(family, HV, V, K)`. `eager=[]`: never the eager step."""
+    unknown = set(entries) - set(_TABLES)
+    if unknown:
+        raise ValueError(f"install: unknown tables {sorted(unknown)}; expected {sorted(_TABLES)}")
+    for name, entry in entries.items():
+        key = (family, HV, V, K) if name == "eager" else (family, V, K)
+        _TABLES[name][key] = [(int(b), dict(c)) for b, c in entry]
+
+
+def _known(family: str, HV: Optional[int], V: int, K: int) -> None:
+    """Install derived entries for a shape the tables lack (`HV` None: the (V, K) tables only)."""
+    d = None
+    if (family, V, K) not in _REPLAY_TABLE:
+        d = derived(family, HV or 1, V, K)
+        install(family, HV or 1, V, K, **{k: v for k, v in d.items() if k != "eager"})
+    if HV is not None and (family, HV, V, K) not in _EAGER_CONFIGS:
+        # a tuned (V, K) keeps its head counts' eager entries; other head counts take the
+        # derived one
+        d = d or derived(family, HV, V, K)
+        install(family, HV, V, K, eager=d["eager"])
+
+
 def eager_config(family: str, HV: int, V: int, K: int, batch: int) -> dict:
     """The eager step's launch-config overrides at this shape and batch ({}: none)."""
+    _known(family, HV, V, K)
     return dict(table_entry(_EAGER_CONFIGS, (family, HV, V, K), batch) or {})
 
 
 def eager_max_batch(HV: int, V: int, K: int, family: str = "gdn") -> int:
     """The largest batch for which the tables prefer the eager step (window 1) at this shape
     (0: never). The slot pool decodes such batches with window 1."""
+    _known(family, HV, V, K)
     entry = _EAGER_CONFIGS.get((family, HV, V, K))
     return entry[-1][0] if entry else 0
 
@@ -115,6 +168,7 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
     """Launch config from the table (or defaults) and `config`; `replay`: a replay config, with
     the replay-only keys (and, for bf16 records, the overrides of `_BF16_RECORDS_TABLE`; for a
     Gluon entry at a `window` above 16, `_GLUON_LONG_WINDOW`)."""
+    _known(family, None, V, K)
     cfg = _default_config(table, family, V, K, batch)
     if replay and bf16_records:
         cfg.update(table_entry(_BF16_RECORDS_TABLE, (family, V, K), batch) or {})

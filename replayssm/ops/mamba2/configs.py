@@ -40,7 +40,7 @@ from ..utils.launch import table_entry
 from ..utils.tiles import check_slices
 
 __all__ = ["REPLAY_CONFIGS", "LONG_WINDOW_CONFIGS", "EAGER_CONFIGS", "CONVENTIONAL_CONFIGS",
-           "resolve_config", "conventional_config", "eager_max_batch"]
+           "resolve_config", "conventional_config", "eager_max_batch", "install", "derived"]
 
 # Small batches are latency-bound: small programs (one warp at batch <= 2), record loads issued
 # before the cursor is known.
@@ -77,6 +77,8 @@ EAGER_CONFIGS = {
                         (4, dict(BV=32, num_warps=1)), (8, dict(BV=16, num_warps=1))],
     (96, 80, 128, 8): [(1, dict(BV=16, num_warps=2)), (2, dict(BV=32, num_warps=4)),      # Nano-4B
                        (4, {}), (8, dict(BV=16, num_warps=1))],
+    (64, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),      # Nano-30B
+                       (4, dict(BV=32, num_warps=1)), (8, dict(BV=16, num_warps=1))],
 }
 
 # The conventional kernel: small batches are latency-bound and prefer small programs.
@@ -91,10 +93,61 @@ CONVENTIONAL_CONFIGS = {
 }
 
 
+def _fit(bv: int, rows: int) -> int:
+    """The largest power of two <= bv dividing `rows` (a conventional block within a group)."""
+    while bv > 1 and rows % bv:
+        bv //= 2
+    return bv
+
+
+def derived(HV: int, V: int, K: int, Hk: int) -> dict:
+    """Table entries for a shape the tables do not name, derived from its dimensions as the
+    tuned shapes' entries are: the eager step up to batch 8 in small programs (latency-bound),
+    the Gluon per-head program beyond, in blocks of 16 rows per warp dividing V (every lane
+    busy; the Triton per-head kernel where Gluon does not apply). `replayssm tune` measures a
+    shape's own."""
+    rows = HV // Hk * V
+    bv = next((b for b in (64, 32, 16) if V % b == 0), 16)
+    small = [(1, dict(BV=_fit(32, rows), num_warps=4)), (2, dict(BV=_fit(64, rows), num_warps=8)),
+             (4, dict(BV=_fit(32, rows), num_warps=1)), (8, dict(BV=_fit(16, rows), num_warps=1))]
+    return {"replay": [_TINY, _SMALL, (1 << 30, dict(BV=bv, num_warps=bv // 16, recmask=False,
+                                                     warpsum=bv >= 32, gluon=True))],
+            "long_window": dict(maxnreg=80 if bv == 64 else 128),
+            "eager": small,
+            "conventional": small[:2] + [(4, dict(BV=_fit(16, rows), num_warps=2)),
+                                         (8, dict(BV=_fit(32, rows), num_warps=1)),
+                                         (1 << 30, dict(_LARGE, BV=_fit(64, rows)))]}
+
+
+_TABLES = {"replay": REPLAY_CONFIGS, "long_window": LONG_WINDOW_CONFIGS, "eager": EAGER_CONFIGS,
+           "conventional": CONVENTIONAL_CONFIGS}
+
+
+def install(HV: int, V: int, K: int, Hk: int, **entries) -> None:
+    """Put a shape's entries into the tables (`replay=`, `eager=`, `conventional=`: lists of
+    `(max_batch, config)`; `long_window=`: a config), e.g. those `replayssm tune` wrote.
+    `eager=[]` means never the eager step."""
+    unknown = set(entries) - set(_TABLES)
+    if unknown:
+        raise ValueError(f"install: unknown tables {sorted(unknown)}; expected {sorted(_TABLES)}")
+    for name, entry in entries.items():
+        if isinstance(entry, list):
+            entry = [(int(b), dict(c)) for b, c in entry]
+        _TABLES[name][(HV, V, K, Hk)] = entry
+
+
+def _known(HV: int, V: int, K: int, Hk: int) -> tuple:
+    """The tables' key of a shape, after installing derived entries for a shape they lack."""
+    key = (HV, V, K, Hk)
+    if key not in REPLAY_CONFIGS and key not in CONVENTIONAL_CONFIGS:
+        install(*key, **derived(*key))
+    return key
+
+
 def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:
     """The largest batch for which the tables prefer the eager step (window 1) at this shape
     (0: never). The slot pool decodes such batches with window 1."""
-    entry = EAGER_CONFIGS.get((HV, V, K, Hk))
+    entry = EAGER_CONFIGS.get(_known(HV, V, K, Hk))
     return entry[-1][0] if entry else 0
 
 
@@ -123,6 +176,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, Hk: int, config: Option
     """The launch config for a shape and batch: the table's entry (or a default; for a Gluon
     entry at a `window` above 16, with `LONG_WINDOW_CONFIGS`), updated by `config`; raises
     ValueError for unknown keys or values. `with_flush`: a replay config, else a conventional one."""
+    _known(HV, V, K, Hk)
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if not with_flush:
         cfg.update(perhead=False)
@@ -167,6 +221,7 @@ def conventional_config(HV: int, V: int, K: int, Hk: int, config: Optional[dict]
                         batch: Optional[int] = None) -> dict:
     """The launch config of the conventional kernel (and of the eager step) for a shape and a
     batch of `batch` rows: CONVENTIONAL_CONFIGS's entry or a default, updated by `config`."""
+    _known(HV, V, K, Hk)
     table = CONVENTIONAL_CONFIGS
     if (HV, V, K, Hk) not in table:
         table = {(HV, V, K, Hk): dict(BV=_default_rows(HV, V, Hk))}

@@ -36,8 +36,8 @@ def table_entry(table: dict, key, batch=None):
     `(max_batch, config)` whose `max_batch` >= `batch` (the last one past them all; the first
     when `batch` is None). None when the table has no entry."""
     entry = table.get(key)
-    if entry is None or isinstance(entry, dict):
-        return entry
+    if not entry or isinstance(entry, dict):
+        return entry or None
     return next((cfg for max_batch, cfg in entry if batch is None or batch <= max_batch), entry[-1][1])
 
 
