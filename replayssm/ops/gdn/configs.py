@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import triton
 
-from ..utils.launch import table_entry
+from ..utils.launch import eager_reach, table_entry
 from ..utils.tiles import check_slices
 
 __all__ = ["replay_config", "conventional_config", "eager_config", "eager_max_batch", "install", "derived"]
@@ -90,8 +90,9 @@ _GLUON_LONG_WINDOW = {"maxnreg": 0}
 
 def derived(family: str, HV: int, V: int, K: int) -> dict:
     """Table entries for a shape the tables do not name, derived from its dimensions as the
-    tuned shapes' entries are: the eager step up to batch 8 (KDA: at every batch) in one-warp
-    programs of 8 rows; GDN's Gluon program beyond, in blocks of 16 rows per warp dividing V
+    tuned shapes' entries are: the eager step in one-warp programs of 8 rows up to the batch
+    `utils.launch.eager_reach` gives (KDA: at every batch, its windowed kernel measured
+    slower everywhere); GDN's Gluon program beyond, in blocks of 16 rows per warp dividing V
     (the Triton kernel where Gluon does not apply); small batches in one-warp programs of 16
     rows. `replayssm tune` measures a shape's own."""
     bv = next((b for b in (64, 32, 16) if V % b == 0), 16)
@@ -101,12 +102,14 @@ def derived(family: str, HV: int, V: int, K: int) -> dict:
         return {"replay": [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
                            (1 << 30, {"BV": min(128, triton.next_power_of_2(V)), "num_warps": 4,
                                       "recmask": True})],
-                "conventional": conventional, "eager": [(1 << 30, {"BV": 8, "num_warps": 1})]}
+                "conventional": conventional,
+                "eager": [(1 << 30, {"BV": 8, "num_warps": 1})] if eager_reach(HV, V, K) else []}
     large = {"gluon": True, "BV": bv, "num_warps": bv // 16, "recmask": True, "maxnreg": 80 if bv == 64 else 0}
     return {"replay": [(2, {"BV": 16, "num_warps": 1, "recmask": False}),
                        (8, {"BV": 16, "num_warps": 1, "recmask": False, "BC": 8}), (1 << 30, large)],
             "bf16_records": [(8, {}), (1 << 30, large)],
-            "conventional": conventional, "eager": [(8, {"BV": 8, "num_warps": 1})]}
+            "conventional": conventional,
+            "eager": [(b, {"BV": 8, "num_warps": 1}) for b in (eager_reach(HV, V, K),) if b]}
 
 
 _TABLES = {"replay": _REPLAY_TABLE, "bf16_records": _BF16_RECORDS_TABLE,

@@ -36,7 +36,7 @@ from typing import Optional
 
 import triton
 
-from ..utils.launch import table_entry
+from ..utils.launch import eager_reach, table_entry
 from ..utils.tiles import check_slices
 
 __all__ = ["REPLAY_CONFIGS", "LONG_WINDOW_CONFIGS", "EAGER_CONFIGS", "CONVENTIONAL_CONFIGS",
@@ -73,23 +73,23 @@ LONG_WINDOW_CONFIGS = {
 # each with the first entry's config whose max_batch >= the batch ({}: the conventional
 # table's). Small batches are latency-bound: a window only lengthens each program's chain there.
 EAGER_CONFIGS = {
-    (128, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),     # Super
-                        (4, dict(BV=32, num_warps=1)), (8, dict(BV=16, num_warps=1))],
+    (128, 64, 128, 8): [(1, dict(BV=32, num_warps=8)), (2, dict(BV=64, num_warps=8)),     # Super
+                        (4, dict(BV=32, num_warps=1)), (8, dict(BV=8, num_warps=1))],
     (96, 80, 128, 8): [(1, dict(BV=16, num_warps=2)), (2, dict(BV=32, num_warps=4)),      # Nano-4B
                        (4, {}), (8, dict(BV=16, num_warps=1))],
-    (64, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),      # Nano-30B
-                       (4, dict(BV=32, num_warps=1)), (8, dict(BV=16, num_warps=1))],
+    (64, 64, 128, 8): [(2, dict(BV=32, num_warps=8)), (8, dict(BV=64, num_warps=8))],     # Nano-30B
 }
 
 # The conventional kernel: small batches are latency-bound and prefer small programs.
 _LARGE = dict(BV=64, num_warps=8, num_stages=1)
 CONVENTIONAL_CONFIGS = {
-    (128, 64, 128, 8): [(1, dict(BV=32, num_warps=4)), (2, dict(BV=64, num_warps=8)),      # Super
-                        (4, dict(BV=16, num_warps=2)), (8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],
+    (128, 64, 128, 8): [(2, dict(BV=32, num_warps=8)), (4, dict(BV=64, num_warps=2)),      # Super
+                        (8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],
     # Nano-4B: per-head scalars at large batch, faster for its 80-row heads (not for Super's)
     (96, 80, 128, 8): [(2, dict(BV=32, num_warps=4)), (8, dict(BV=32, num_warps=1)),
                        (1 << 30, dict(_LARGE, perhead=True))],
-    (64, 64, 128, 8): _LARGE,                                     # Nemotron-3-Nano-30B
+    (64, 64, 128, 8): [(1, dict(BV=16, num_warps=8)), (2, dict(BV=32, num_warps=8)),      # Nano-30B
+                       (4, dict(BV=64, num_warps=8)), (8, dict(BV=64, num_warps=2)), (1 << 30, _LARGE)],
 }
 
 
@@ -102,18 +102,20 @@ def _fit(bv: int, rows: int) -> int:
 
 def derived(HV: int, V: int, K: int, Hk: int) -> dict:
     """Table entries for a shape the tables do not name, derived from its dimensions as the
-    tuned shapes' entries are: the eager step up to batch 8 in small programs (latency-bound),
-    the Gluon per-head program beyond, in blocks of 16 rows per warp dividing V (every lane
-    busy; the Triton per-head kernel where Gluon does not apply). `replayssm tune` measures a
-    shape's own."""
+    tuned shapes' entries are: the eager step in small programs up to the batch
+    `utils.launch.eager_reach` gives (latency-bound steps), the Gluon per-head program beyond,
+    in blocks of 16 rows per warp dividing V (every lane busy; the Triton per-head kernel where
+    Gluon does not apply). `replayssm tune` measures a shape's own."""
     rows = HV // Hk * V
     bv = next((b for b in (64, 32, 16) if V % b == 0), 16)
-    small = [(1, dict(BV=_fit(32, rows), num_warps=4)), (2, dict(BV=_fit(64, rows), num_warps=8)),
-             (4, dict(BV=_fit(32, rows), num_warps=1)), (8, dict(BV=_fit(16, rows), num_warps=1))]
+    small = [(1, dict(BV=_fit(32, rows), num_warps=8)), (2, dict(BV=_fit(64, rows), num_warps=8)),
+             (4, dict(BV=_fit(32, rows), num_warps=1)), (8, dict(BV=_fit(16, rows), num_warps=1)),
+             (16, dict(BV=_fit(16, rows), num_warps=1))]
+    reach = eager_reach(HV, V, K)
     return {"replay": [_TINY, _SMALL, (1 << 30, dict(BV=bv, num_warps=bv // 16, recmask=False,
-                                                     warpsum=bv >= 32, gluon=True))],
+                                                     gluon=True))],
             "long_window": dict(maxnreg=80 if bv == 64 else 128),
-            "eager": small,
+            "eager": [(b, c) for b, c in small if b <= reach],
             "conventional": small[:2] + [(4, dict(BV=_fit(16, rows), num_warps=2)),
                                          (8, dict(BV=_fit(32, rows), num_warps=1)),
                                          (1 << 30, dict(_LARGE, BV=_fit(64, rows)))]}
@@ -190,6 +192,8 @@ def resolve_config(table: dict, HV: int, V: int, K: int, Hk: int, config: Option
         if unknown:
             raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
         cfg.update(config)
+        if with_flush and "gluon" not in config and (cfg["rows"] or cfg["KS"] != 1):
+            cfg["gluon"] = False     # asking for a Triton kernel's option overrides a Gluon entry
     bv, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
     if not (isinstance(bv, int) and bv >= 1 and bv & (bv - 1) == 0):
         raise ValueError(f"config: BV must be a power of two, got {bv!r}")
