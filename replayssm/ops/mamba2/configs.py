@@ -112,8 +112,8 @@ def derived(HV: int, V: int, K: int, Hk: int) -> dict:
              (4, dict(BV=_fit(32, rows), num_warps=1)), (8, dict(BV=_fit(16, rows), num_warps=1)),
              (16, dict(BV=_fit(16, rows), num_warps=1))]
     reach = eager_reach(HV, V, K)
-    return {"replay": [_TINY, _SMALL, (1 << 30, dict(BV=bv, num_warps=bv // 16, recmask=False,
-                                                     gluon=True))],
+    # one windowed entry: model-sized states take the eager step at small batches
+    return {"replay": [(1 << 30, dict(BV=bv, num_warps=bv // 16, recmask=False, gluon=True))],
             "long_window": dict(maxnreg=80 if bv == 64 else 128),
             "eager": [(b, c) for b, c in small if b <= reach],
             "conventional": small[:2] + [(4, dict(BV=_fit(16, rows), num_warps=2)),
