@@ -39,34 +39,3 @@ def test_input_dtype_option_defaults_to_bf16():
     with pytest.raises(SystemExit):         # only bfloat16 and float32
         decode.main(["--input-dtype", "float16"])
     assert decode.Case.__init__.__kwdefaults__["input_dtype"] is torch.bfloat16
-
-
-def test_sass_stalls_sums_a_source_level_profile(capsys, monkeypatch):
-    """`benchmarks/tools/sass_stalls.py` on a synthetic ncu source-level export
-    (tests/data/ncu_source_sass.csv: ncu's two header lines, ten SASS instructions, an empty
-    sample cell, "Not Issued" stall columns that must not be counted) reproduces the totals
-    worked out by hand: 150 samples, 15.0M executed, the stall reasons and the split."""
-    import pathlib
-    import runpy
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    prof = root / "tests/data/ncu_source_sass.csv"
-    monkeypatch.setattr(sys, "argv", ["sass_stalls.py", str(prof), "--top", "3", "--split", "4,8"])
-    runpy.run_path(str(root / "benchmarks/tools/sass_stalls.py"), run_name="__main__")
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "10 instructions, 150 samples, 15.0M executed"
-    # shares of the 150 samples; the Not Issued columns (1000x larger) are left out
-    assert lines[1] == "by reason: long_sb 46.7%, barrier 16.7%, lg 13.3%, wait 12.0%, short_sb 11.3%"
-    # the three instructions with the most samples, in index order, with their top two reasons
-    top = [line.split() for line in lines[2:5]]
-    assert [(int(r[0]), int(r[1]), r[2]) for r in top] == [(2, 40, "26.7%"), (3, 25, "16.7%"),
-                                                            (5, 30, "20.0%")]
-    assert lines[2].split("exec")[1].split()[:2] == ["1000000", "LDGSTS.E.BYPASS.128"]
-    assert lines[2].rstrip().endswith("long_sb 40, wait 0")
-    assert lines[3].rstrip().endswith("barrier 25, wait 0")
-    parts = [line for line in lines if line.startswith("[")]
-    assert parts == ["[    0,     4) samples     80 (53.3%),    4.0M executed",
-                     "[    4,     8) samples     50 (33.3%),    9.0M executed",
-                     "[    8,    10) samples     20 (13.3%),    2.0M executed"]
-    assert len(lines) == 8

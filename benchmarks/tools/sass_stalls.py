@@ -6,7 +6,7 @@ with `--split i,j,...`, the samples and executed instructions of the index range
     python benchmarks/tools/sass_stalls.py $OUT/ncu_nemotron3-super_256_replay_sass.csv \
         --top 25 --split 352,590,1098
 
-(tests/data/ncu_source_sass.csv is a small synthetic file of the same shape.)
+(data/ncu_source_sass.csv beside it is a small synthetic file of the same shape.)
 """
 import argparse
 import csv

@@ -1,0 +1,65 @@
+"""The tools' own tests (run with the suite: pyproject's testpaths).
+
+The Gluon kernels (GPU only) compile for sm_90 with the installed Triton, on a machine without
+a GPU: Gluon's API has changed between Triton releases (3.6 on the H200 machine, newer here),
+and the kernels cannot run on the CPU interpreter, so this is the CPU-side check that they
+still build. Each compile runs `regcount.py` in a process of its own, without the interpreter
+switch (`TRITON_INTERPRET=1`) that the test run sets. Their results are tested on the GPU
+(`-k gluon` in tests/test_ops_mamba2.py and tests/test_ops_delta.py). This module imports
+nothing of the package, so that collecting it never defines kernels before that switch is set.
+"""
+import importlib.util
+import os
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+HAVE_GLUON = importlib.util.find_spec("triton") is not None and \
+    importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
+@pytest.mark.skipif(not HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("args", [
+    ["mamba2-gluon", "inputs=bf16", "recmask=0"],                           # Nemotron-3-Super's table config
+    ["mamba2-gluon", "recmask=1", "BV=16", "num_warps=1"],                  # Nano-4B's program size, fp32 inputs
+    ["gdn-gluon", "inputs=bf16", "recmask=0"],                              # Qwen3.5-4B's table config
+], ids=["mamba2-super", "mamba2-one-warp", "gdn"])
+def test_gluon_kernels_compile_for_sm90(args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(HERE / "regcount.py"), *args], env=env,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode and ("ptxas" in r.stderr or "cuobjdump" in r.stderr) and "No such file" in r.stderr:
+        pytest.skip("no CUDA toolchain bundled with this Triton")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "registers" in r.stdout and "registers ?" not in r.stdout, r.stdout
+
+
+def test_sass_stalls_sums_a_source_level_profile(capsys, monkeypatch):
+    """`sass_stalls.py` on a synthetic ncu source-level export (data/ncu_source_sass.csv: ncu's two header lines, ten SASS instructions, an empty
+    sample cell, "Not Issued" stall columns that must not be counted) reproduces the totals
+    worked out by hand: 150 samples, 15.0M executed, the stall reasons and the split."""
+    prof = HERE / "data" / "ncu_source_sass.csv"
+    monkeypatch.setattr(sys, "argv", ["sass_stalls.py", str(prof), "--top", "3", "--split", "4,8"])
+    runpy.run_path(str(HERE / "sass_stalls.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "10 instructions, 150 samples, 15.0M executed"
+    # shares of the 150 samples; the Not Issued columns (1000x larger) are left out
+    assert lines[1] == "by reason: long_sb 46.7%, barrier 16.7%, lg 13.3%, wait 12.0%, short_sb 11.3%"
+    # the three instructions with the most samples, in index order, with their top two reasons
+    top = [line.split() for line in lines[2:5]]
+    assert [(int(r[0]), int(r[1]), r[2]) for r in top] == [(2, 40, "26.7%"), (3, 25, "16.7%"),
+                                                            (5, 30, "20.0%")]
+    assert lines[2].split("exec")[1].split()[:2] == ["1000000", "LDGSTS.E.BYPASS.128"]
+    assert lines[2].rstrip().endswith("long_sb 40, wait 0")
+    assert lines[3].rstrip().endswith("barrier 25, wait 0")
+    parts = [line for line in lines if line.startswith("[")]
+    assert parts == ["[    0,     4) samples     80 (53.3%),    4.0M executed",
+                     "[    4,     8) samples     50 (33.3%),    9.0M executed",
+                     "[    8,    10) samples     20 (13.3%),    2.0M executed"]
+    assert len(lines) == 8
