@@ -29,7 +29,7 @@ def install(entry: Union[str, Path, dict]) -> dict:
         from .gdn import configs
         if family == "gdn" and t.get("record_dtype") == "bfloat16":
             tables["bf16_records"] = tables["replay"]    # measured with the records it serves
-        configs.install(family, HV, V, K, **tables)
+        configs.install(family, HV, V, K, Hk=Hk, **tables)   # exact for its head counts
     else:
         raise ValueError(f"tuned entry of unknown family {family!r}")
     return t

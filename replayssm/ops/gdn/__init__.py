@@ -26,4 +26,4 @@ __all__ = ["replay_decode", "conventional_decode", "replay_config", "conventiona
 def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:
     """The largest batch for which the tables prefer the eager step (`replay_decode` with
     window 1) at this shape (0: never). The slot pool decodes such batches with window 1."""
-    return _eager_max_batch(HV, V, K, "gdn")
+    return _eager_max_batch(HV, V, K, "gdn", Hk=Hk)

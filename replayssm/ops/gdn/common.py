@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.launch import capturing
+from ..utils.checks import (check_devices, check_slot_ids, check_slot_values, check_tensor, check_window,
+                            may_sync)
 
 __all__ = ["check_token_inputs", "check_state", "check_slot_ids", "check_slot_values", "check_devices",
            "check_cursor_values"]
@@ -103,33 +104,12 @@ def _load_token(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, o_v, m_v, o_k, m
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation at the Python boundary (shared by both families and both schemes).
+# Validation at the Python boundary: which arguments GDN and KDA take and their shapes (both
+# schemes); the checks themselves are every family's (ops/utils/checks.py).
 # ---------------------------------------------------------------------------------------------
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _shape(name: str, t: Tensor, shape: tuple) -> None:
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-
-
-def _dtype(name: str, t: Tensor, allowed: tuple) -> None:
-    if t.dtype not in allowed:
-        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")
-
-
-def _contig(name: str, t: Tensor) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
-
-
-def _last_contig(name: str, t: Tensor) -> None:
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dim (strides {t.stride()})")
 
 
 def check_token_inputs(family: str, q, k, v, a, b, A_log, dt_bias, out) -> tuple:
@@ -137,61 +117,30 @@ def check_token_inputs(family: str, q, k, v, a, b, A_log, dt_bias, out) -> tuple
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a [Bt, Hk, K] tensor, got shape {getattr(q, 'shape', None)}")
     Bt, Hk, K = q.shape
-    _shape("k", k, (Bt, Hk, K))
+    check_tensor("k", k, (Bt, Hk, K))
     if not isinstance(v, Tensor) or v.dim() != 3 or v.shape[0] != Bt:
         raise ValueError(f"v must be a [Bt={Bt}, HV, V] tensor, got shape {getattr(v, 'shape', None)}")
     HV, V = v.shape[1], v.shape[2]
     if Hk < 1 or HV % Hk:
         raise ValueError(f"value heads HV={HV} must be a multiple of key heads Hk={Hk}")
     if family == "kda":
-        _shape("a", a, (Bt, HV, K))
-        _shape("dt_bias", dt_bias, (HV, K))
+        check_tensor("a", a, (Bt, HV, K))
+        check_tensor("dt_bias", dt_bias, (HV, K))
     else:
-        _shape("a", a, (Bt, HV))
-        _shape("dt_bias", dt_bias, (HV,))
-    _shape("b", b, (Bt, HV))
-    _shape("A_log", A_log, (HV,))
+        check_tensor("a", a, (Bt, HV))
+        check_tensor("dt_bias", dt_bias, (HV,))
+    check_tensor("b", b, (Bt, HV))
+    check_tensor("A_log", A_log, (HV,))
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log),
                     ("dt_bias", dt_bias)):
-        _dtype(name, t, _FLOATS)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _last_contig(name, t)
-    if family == "kda":
-        _last_contig("a", a)
-    _contig("A_log", A_log)
-    _contig("dt_bias", dt_bias)
+        check_tensor(name, t, dtypes=_FLOATS)
+    for name, t in (("q", q), ("k", k), ("v", v)) + ((("a", a),) if family == "kda" else ()):
+        check_tensor(name, t, inner=True)
+    check_tensor("A_log", A_log, contiguous=True)
+    check_tensor("dt_bias", dt_bias, contiguous=True)
     if out is not None:
-        _shape("out", out, (Bt, HV, V))
-        _dtype("out", out, _FLOATS)
-        _contig("out", out)
+        check_tensor("out", out, (Bt, HV, V), _FLOATS, contiguous=True)
     return Bt, Hk, K, HV, V
-
-
-def check_slot_ids(slot_ids, Bt: int, N: int) -> None:
-    _shape("slot_ids", slot_ids, (Bt,))
-    _dtype("slot_ids", slot_ids, (torch.int32, torch.int64))
-    _contig("slot_ids", slot_ids)
-
-
-def check_slot_values(slot_ids: Tensor, N: int) -> None:
-    """Slot range and uniqueness (host sync; skipped while capturing a CUDA graph or compiling)."""
-    if capturing() or torch.compiler.is_compiling():
-        return
-    ids = slot_ids.detach().cpu()
-    valid = ids[ids >= 0]
-    if valid.numel() and int(valid.max()) >= N:
-        raise ValueError(f"slot_ids holds {int(valid.max())}, but the pool has N={N} slots")
-    if valid.numel() != torch.unique(valid).numel():
-        dup = [int(x) for x in valid.unique() if int((valid == x).sum()) > 1]
-        raise ValueError(f"slot_ids repeats slot(s) {dup} in one call")
-
-
-def check_devices(**tensors) -> None:
-    devs = {name: t.device for name, t in tensors.items() if isinstance(t, Tensor)}
-    first = next(iter(devs.values()))
-    for name, d in devs.items():
-        if d != first:
-            raise ValueError(f"{name} is on {d}, expected {first} (all tensors on one device)")
 
 
 def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
@@ -200,35 +149,30 @@ def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
     if not isinstance(ckpt, Tensor) or ckpt.dim() != 4:
         raise ValueError(f"ckpt must be an [N, HV, V, K] tensor, got shape {getattr(ckpt, 'shape', None)}")
     N = ckpt.shape[0]
-    _shape("ckpt", ckpt, (N, HV, V, K))
-    _dtype("ckpt", ckpt, (torch.float32,))
+    check_tensor("ckpt", ckpt, (N, HV, V, K), (torch.float32,))
     if not isinstance(buf_w, Tensor) or buf_w.dim() != 4:
         raise ValueError(f"buf_w must be an [N, Lb, HV, V] tensor, got shape {getattr(buf_w, 'shape', None)}")
     Lb = buf_w.shape[1]
-    _shape("buf_w", buf_w, (N, Lb, HV, V))
-    _shape("buf_ld", buf_ld, (N, Lb, HV, K) if family == "kda" else (N, Lb, HV))
-    _shape("buf_k", buf_k, (N, Lb, Hk, K))
-    _dtype("buf_ld", buf_ld, (torch.float32,))
-    _dtype("buf_w", buf_w, _RECORD_DTYPES)
-    _dtype("buf_k", buf_k, _RECORD_DTYPES)
-    _shape("cursor", cursor, (N,))
-    _dtype("cursor", cursor, (torch.int32,))
-    _shape("epoch", epoch, (N,))
-    _dtype("epoch", epoch, (torch.int64,))
-    _shape("arrive", arrive, (N,))
-    _dtype("arrive", arrive, (torch.int32,))
+    check_tensor("buf_w", buf_w, (N, Lb, HV, V))
+    check_tensor("buf_ld", buf_ld, (N, Lb, HV, K) if family == "kda" else (N, Lb, HV))
+    check_tensor("buf_k", buf_k, (N, Lb, Hk, K))
+    check_tensor("buf_ld", buf_ld, dtypes=(torch.float32,))
+    check_tensor("buf_w", buf_w, dtypes=_RECORD_DTYPES)
+    check_tensor("buf_k", buf_k, dtypes=_RECORD_DTYPES)
+    check_tensor("cursor", cursor, (N,), (torch.int32,))
+    check_tensor("epoch", epoch, (N,), (torch.int64,))
+    check_tensor("arrive", arrive, (N,), (torch.int32,))
     for name, t in (("ckpt", ckpt), ("buf_ld", buf_ld), ("buf_w", buf_w), ("buf_k", buf_k),
                     ("cursor", cursor), ("epoch", epoch), ("arrive", arrive)):
-        _contig(name, t)
-    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= Lb:
-        raise ValueError(f"window={window!r} must be an int in [1, Lb={Lb}]")
+        check_tensor(name, t, contiguous=True)
+    check_window(window, Lb)
     return N, Lb
 
 
 def check_cursor_values(cursor: Tensor, slot_ids: Tensor, Lb: int, window: int) -> None:
     """The rows' cursors leave room for the new record and do not pass the window, which
-    sizes the kernel's record tiles (host sync; skipped when capturing)."""
-    if capturing() or torch.compiler.is_compiling():
+    sizes the kernel's record tiles (a host sync: skipped where `utils.checks.may_sync` says no)."""
+    if not may_sync():
         return
     ids = slot_ids.detach().cpu().long()
     ids = ids[ids >= 0]

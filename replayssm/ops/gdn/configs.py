@@ -2,8 +2,10 @@
 autotune: the kernels write state in place), their resolution with a caller's overrides, and the
 eager step's batches (`replay_decode` with window 1).
 
-Tables map `(family, V, K)` (the eager step's: `(family, HV, V, K)`) to a config, or to a list
-of `(max_batch, config)` whose first entry with `max_batch` >= the batch applies. Chosen by
+Tables map a shape `(family, HV, Hk, V, K)` (the field order of `replayssm.shapes.Shape`, the
+key of every family's tables; `None` for `Hk`, or for `HV` and `Hk`: an entry for every head
+count, which an exact key overrides, see `utils.launch.table_key`) to a config, or to a list of
+`(max_batch, config)` whose first entry with `max_batch` >= the batch applies. Chosen by
 H200 sweeps; the measurements are indexed in benchmarks/results/.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Optional
 import torch
 import triton
 
-from ..utils.launch import eager_reach, table_entry
+from ..utils.launch import eager_reach, table_entry, table_key
 from ..utils.tiles import check_slices
 
 __all__ = ["replay_config", "conventional_config", "eager_config", "eager_max_batch", "install", "derived"]
@@ -40,47 +42,49 @@ _MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1, "bf16": 2}
 # cursor.
 _REPLAY_TABLE = {
     # GDN: one warp per program at small batch; records in chunks of 8 up to the cursor
-    ("gdn", 128, 128): [(2, {"BV": 16, "num_warps": 1, "recmask": False}),
-                        (8, {"BV": 16, "num_warps": 1, "recmask": False, "BC": 8, "KS": 8}),
-                        # from batch 9 the Gluon kernel (GPU only; elsewhere the Triton kernel
-                        # with the same keys): it overlaps the tile's copy with the record reads
-                        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True,
-                                   "maxnreg": 80})],
+    ("gdn", None, None, 128, 128): [(2, {"BV": 16, "num_warps": 1, "recmask": False}),
+                                    (8, {"BV": 16, "num_warps": 1, "recmask": False, "BC": 8, "KS": 8}),
+                                    # from batch 9 the Gluon kernel (GPU only; elsewhere the Triton
+                                    # kernel with the same keys): it overlaps the tile's copy with
+                                    # the record reads
+                                    (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True,
+                                               "maxnreg": 80})],
     # KDA: one program per head at large batch (its decay weights are computed per program)
-    ("kda", 128, 128): [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
-                        (1 << 30, {"BV": 128, "num_warps": 4, "recmask": True, "KS": 8})],
+    ("kda", None, None, 128, 128): [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
+                                    (1 << 30, {"BV": 128, "num_warps": 4, "recmask": True, "KS": 8})],
 }
 
 # With bf16 records (keys exact in bf16) the materialising kernel's two-term bf16 product wins
 # at mid batches: one warp per 64-row program, K in two chunks, the chunk loads pipelined.
 _BF16_RECORDS_TABLE = {
-    ("gdn", 128, 128): [(8, {}),
-                        (32, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
-                              "num_stages": 3, "gluon": False, "maxnreg": 0}),
-                        # the Gluon kernel at large batch: 80 registers fit six programs per SM
-                        # (as many as its shared memory allows); predicated record loads move
-                        # half the record bytes on average
-                        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True, "maxnreg": 80})],
+    ("gdn", None, None, 128, 128): [
+        (8, {}),
+        (32, {"mat": True, "matprec": "bf16x2", "BV": 64, "num_warps": 1, "BKT": 64,
+              "num_stages": 3, "gluon": False, "maxnreg": 0}),
+        # the Gluon kernel at large batch: 80 registers fit six programs per SM (as many as its
+        # shared memory allows); predicated record loads move half the record bytes on average
+        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True, "maxnreg": 80})],
 }
 
 # Small batches are latency-bound and prefer small programs; large ones one-warp programs of
 # 32 rows, which keep their bandwidth with bf16 token inputs (as the models pass them).
 _CONVENTIONAL_TABLE = {
-    ("gdn", 128, 128): [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
-                        (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
-    ("kda", 128, 128): [(1, {"BV": 16, "num_warps": 4}), (4, {"BV": 8, "num_warps": 1}),
-                        (8, {"BV": 32, "num_warps": 1}), (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
+    ("gdn", None, None, 128, 128): [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
+                                    (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
+    ("kda", None, None, 128, 128): [(1, {"BV": 16, "num_warps": 4}), (4, {"BV": 8, "num_warps": 1}),
+                                    (8, {"BV": 32, "num_warps": 1}),
+                                    (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
 }
 
-# The eager step (window 1, see replay_decode) per (family, HV, V, K): batches up to the last
-# max_batch take it (the slot pool decodes them with window 1), each with the first entry's
-# launch config whose max_batch >= the batch ({}: the conventional table's). At small batches a
-# window only lengthens each program's chain; KDA's windowed kernel (per-program decay weights)
-# loses to the eager step at every batch.
+# The eager step (window 1, see replay_decode) per value-head count (`Hk` None: for every key-head
+# count): batches up to the last max_batch take it (the slot pool decodes them with window 1),
+# each with the first entry's launch config whose max_batch >= the batch ({}: the conventional
+# table's). At small batches a window only lengthens each program's chain; KDA's windowed kernel
+# (per-program decay weights) loses to the eager step at every batch.
 _EAGER_CONFIGS = {
-    ("gdn", 32, 128, 128): [(8, {"BV": 8, "num_warps": 1}), (16, {})],     # Qwen3.5-4B, Qwen3-Next
-    ("gdn", 64, 128, 128): [(8, {"BV": 8, "num_warps": 1})],              # Qwen3.5-122B
-    ("kda", 32, 128, 128): [(1 << 30, {"BV": 8, "num_warps": 1})],        # Kimi-Linear-48B
+    ("gdn", 32, None, 128, 128): [(8, {"BV": 8, "num_warps": 1}), (16, {})],   # Qwen3.5-4B, Qwen3-Next
+    ("gdn", 64, None, 128, 128): [(8, {"BV": 8, "num_warps": 1})],            # Qwen3.5-122B
+    ("kda", 32, None, 128, 128): [(1 << 30, {"BV": 8, "num_warps": 1})],      # Kimi-Linear-48B
 }
 
 # The tables' Gluon entries at windows above 16 (record tiles of 32 positions): their register
@@ -116,48 +120,52 @@ _TABLES = {"replay": _REPLAY_TABLE, "bf16_records": _BF16_RECORDS_TABLE,
            "conventional": _CONVENTIONAL_TABLE, "eager": _EAGER_CONFIGS}
 
 
-def install(family: str, HV: int, V: int, K: int, **entries) -> None:
+def install(family: str, HV: Optional[int], V: int, K: int, Hk: Optional[int] = None, **entries) -> None:
     """Put a shape's entries into the tables (`replay=`, `bf16_records=`, `conventional=`,
-    `eager=`: lists of `(max_batch, config)`), e.g. those `replayssm tune` wrote. The replay,
-    bf16-record and conventional tables are keyed by `(family, V, K)`, so they serve every
-    head count; the eager step's by `(family, HV, V, K)`. `eager=[]`: never the eager step."""
+    `eager=`: lists of `(max_batch, config)`), e.g. those `replayssm tune` wrote, under the key
+    `(family, HV, Hk, V, K)`: exact for the head counts given, `None` for `Hk` (or `HV` and
+    `Hk`) an entry for every key-head count (every head count) that an exact one overrides.
+    `eager=[]`: never the eager step."""
     unknown = set(entries) - set(_TABLES)
     if unknown:
         raise ValueError(f"install: unknown tables {sorted(unknown)}; expected {sorted(_TABLES)}")
     for name, entry in entries.items():
-        key = (family, HV, V, K) if name == "eager" else (family, V, K)
-        _TABLES[name][key] = [(int(b), dict(c)) for b, c in entry]
+        _TABLES[name][(family, HV, Hk, V, K)] = [(int(b), dict(c)) for b, c in entry]
 
 
-def _known(family: str, HV: Optional[int], V: int, K: int) -> None:
-    """Install derived entries for a shape the tables lack (`HV` None: the (V, K) tables only)."""
+def _known(family: str, HV: Optional[int], Hk: Optional[int], V: int, K: int) -> tuple:
+    """The tables' key of a shape, after installing derived entries for a shape they lack (`HV`
+    None: the replay, bf16-record and conventional tables only). Derived entries serve every head
+    count (the eager step's: every key-head count), as they depend on `HV` at most."""
+    key = (family, HV, Hk, V, K)
     d = None
-    if (family, V, K) not in _REPLAY_TABLE:
+    if table_key(_REPLAY_TABLE, key) is None:
         d = derived(family, HV or 1, V, K)
-        install(family, HV or 1, V, K, **{k: v for k, v in d.items() if k != "eager"})
-    if HV is not None and (family, HV, V, K) not in _EAGER_CONFIGS:
-        # a tuned (V, K) keeps its head counts' eager entries; other head counts take the
+        install(family, None, V, K, **{k: v for k, v in d.items() if k != "eager"})
+    if HV is not None and table_key(_EAGER_CONFIGS, key) is None:
+        # a tuned shape keeps its head counts' eager entries; other head counts take the
         # derived one
         d = d or derived(family, HV, V, K)
         install(family, HV, V, K, eager=d["eager"])
+    return key
 
 
-def eager_config(family: str, HV: int, V: int, K: int, batch: int) -> dict:
+def eager_config(family: str, HV: int, V: int, K: int, batch: int, Hk: Optional[int] = None) -> dict:
     """The eager step's launch-config overrides at this shape and batch ({}: none)."""
-    _known(family, HV, V, K)
-    return dict(table_entry(_EAGER_CONFIGS, (family, HV, V, K), batch) or {})
+    return dict(table_entry(_EAGER_CONFIGS, _known(family, HV, Hk, V, K), batch) or {})
 
 
-def eager_max_batch(HV: int, V: int, K: int, family: str = "gdn") -> int:
+def eager_max_batch(HV: int, V: int, K: int, family: str = "gdn", Hk: Optional[int] = None) -> int:
     """The largest batch for which the tables prefer the eager step (window 1) at this shape
     (0: never). The slot pool decodes such batches with window 1."""
-    _known(family, HV, V, K)
-    entry = _EAGER_CONFIGS.get((family, HV, V, K))
+    found = table_key(_EAGER_CONFIGS, _known(family, HV, Hk, V, K))
+    entry = _EAGER_CONFIGS[found] if found is not None else None
     return entry[-1][0] if entry else 0
 
 
-def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[int] = None) -> dict:
-    entry = table_entry(table, (family, V, K), batch)
+def _default_config(table: dict, key: tuple, batch: Optional[int] = None) -> dict:
+    entry = table_entry(table, key, batch)
+    V, K = key[3], key[4]
     if entry is not None:
         return dict({"num_stages": 1, "maxnreg": 0}, **entry)
     BV = min(32, triton.next_power_of_2(V))
@@ -167,14 +175,16 @@ def _default_config(table: dict, family: str, V: int, K: int, batch: Optional[in
 
 def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[dict], *,
                     replay: bool = False, batch: Optional[int] = None,
-                    bf16_records: bool = False, window: Optional[int] = None) -> dict:
+                    bf16_records: bool = False, window: Optional[int] = None,
+                    HV: Optional[int] = None, Hk: Optional[int] = None) -> dict:
     """Launch config from the table (or defaults) and `config`; `replay`: a replay config, with
     the replay-only keys (and, for bf16 records, the overrides of `_BF16_RECORDS_TABLE`; for a
-    Gluon entry at a `window` above 16, `_GLUON_LONG_WINDOW`)."""
-    _known(family, None, V, K)
-    cfg = _default_config(table, family, V, K, batch)
+    Gluon entry at a `window` above 16, `_GLUON_LONG_WINDOW`). `HV`, `Hk`: the head counts, for
+    entries installed for them (None: the entries that serve every head count)."""
+    key = _known(family, HV, Hk, V, K)
+    cfg = _default_config(table, key, batch)
     if replay and bf16_records:
-        cfg.update(table_entry(_BF16_RECORDS_TABLE, (family, V, K), batch) or {})
+        cfg.update(table_entry(_BF16_RECORDS_TABLE, key, batch) or {})
     if replay and cfg.get("gluon") and window is not None and window > 16:
         cfg.update(_GLUON_LONG_WINDOW)
     keys = _CONFIG_KEYS
@@ -223,17 +233,20 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
 
 def replay_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
                   HG: int = 1, batch: Optional[int] = None, records: torch.dtype = torch.float32,
-                  window: Optional[int] = None, G: Optional[int] = None) -> dict:
+                  window: Optional[int] = None, G: Optional[int] = None, HV: Optional[int] = None,
+                  Hk: Optional[int] = None) -> dict:
     """The launch config `replay_decode` uses for value dim `V`, key dim `K`, `HG` value heads
     per key head (`G`: its former name, still accepted; the tables do not depend on it), a
     batch of `batch` rows, records of dtype `records` and window `window` (None: as for windows
-    up to 16), with overrides."""
+    up to 16), with overrides. `HV`, `Hk`: the head counts, for entries installed for them
+    (None: the entries that serve every head count)."""
     return _resolve_config(_REPLAY_TABLE, family, V, K, config, replay=True, batch=batch,
-                           bf16_records=records == torch.bfloat16, window=window)
+                           bf16_records=records == torch.bfloat16, window=window, HV=HV, Hk=Hk)
 
 
 def conventional_config(V: int, K: int, config: Optional[dict] = None, family: str = "gdn", *,
-                        batch: Optional[int] = None) -> dict:
+                        batch: Optional[int] = None, HV: Optional[int] = None,
+                        Hk: Optional[int] = None) -> dict:
     """The launch config `conventional_decode` (and the eager step) uses for `V`, `K` and a
-    batch of `batch` rows (with overrides)."""
-    return _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config, batch=batch)
+    batch of `batch` rows (with overrides); `HV`, `Hk` as for `replay_config`."""
+    return _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config, batch=batch, HV=HV, Hk=Hk)

@@ -17,8 +17,9 @@ from torch import Tensor
 
 from ..utils.cursor import eager_bookkeeping, fold_pending
 from ..utils.launch import eager_launch_overrides
-from .common import (_contig, _dtype, _for_store, _interpreting, _load_token, _scale, _shape, check_devices,
-                     check_slot_ids, check_slot_values, check_token_inputs)
+from .common import (_for_store, _interpreting, _load_token, _scale, check_devices,
+                     check_slot_ids, check_slot_values, check_tensor,
+                     check_token_inputs)
 from .configs import _CONVENTIONAL_TABLE, _resolve_config, eager_config
 
 __all__ = ["conventional_decode", "run_conventional", "run_eager"]
@@ -173,8 +174,9 @@ def run_eager(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w,
     batch (else the conventional table's; the `BV`, `num_warps`, `num_stages` of `config`
     override it), after folding each row's pending records; every row flushes."""
     V, K = v.shape[-1], q.shape[-1]
-    over = eager_launch_overrides(eager_config(family, v.shape[1], V, K, q.shape[0]), config)
-    cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, over, batch=q.shape[0])
+    HV, Hk = v.shape[1], q.shape[1]
+    over = eager_launch_overrides(eager_config(family, HV, V, K, q.shape[0], Hk=Hk), config)
+    cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, over, batch=q.shape[0], HV=HV, Hk=Hk)
     _EAGER_OPS[family](q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
                        epoch, arrive, slot_ids, out, bool(use_qk_l2norm), cfg["BV"],
                        cfg["num_warps"], cfg["num_stages"])
@@ -190,16 +192,15 @@ def prepare_conventional(family, q, k, v, a, b, A_log, dt_bias, scale, state, sl
             raise ValueError(f"state must be an [N, HV, V, K] tensor, got shape "
                              f"{getattr(state, 'shape', None)}")
         N = state.shape[0]
-        _shape("state", state, (N, HV, V, K))
-        _dtype("state", state, (torch.float32,))
-        _contig("state", state)
-        check_slot_ids(slot_ids, Bt, N)
+        check_tensor("state", state, (N, HV, V, K), (torch.float32,), contiguous=True)
+        check_slot_ids(slot_ids, Bt)
         check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state,
                       slot_ids=slot_ids, out=out)
         check_slot_values(slot_ids, N)
     else:
         K, V = q.shape[-1], v.shape[-1]
-    cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config, batch=q.shape[0])
+    cfg = _resolve_config(_CONVENTIONAL_TABLE, family, V, K, config, batch=q.shape[0],
+                          HV=v.shape[1], Hk=q.shape[1])
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _scale(scale, K), out, cfg

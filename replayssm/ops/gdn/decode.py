@@ -499,7 +499,7 @@ def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, b
                 and ckpt.dim() == 4 else None
         N, Lb = check_state(family, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
                             HV, Hk, V, K, window)
-        check_slot_ids(slot_ids, Bt, N)
+        check_slot_ids(slot_ids, Bt)
         check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ckpt=ckpt,
                       buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch,
                       arrive=arrive, slot_ids=slot_ids, out=out)
@@ -509,8 +509,9 @@ def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, b
         K, V = q.shape[-1], v.shape[-1]
         if arrive is None:
             arrive = arrive_counter(ckpt.device, ckpt.shape[0])
-    cfg = _resolve_config(_REPLAY_TABLE, family, V, K, config, replay=True,
-                          batch=q.shape[0], bf16_records=buf_k.dtype == torch.bfloat16, window=window)
+    cfg = _resolve_config(_REPLAY_TABLE, family, V, K, config, replay=True, batch=q.shape[0],
+                          bf16_records=buf_k.dtype == torch.bfloat16, window=window,
+                          HV=v.shape[1], Hk=q.shape[1])
     if cfg["mat"] and cfg["matprec"] != "tf32x3" and buf_k.dtype != torch.bfloat16:
         raise ValueError(f"config matprec={cfg['matprec']!r} needs bf16 key records, got {buf_k.dtype}")
     if out is None:

@@ -34,4 +34,4 @@ def conventional_config(V: int, K: int, config: Optional[dict] = None, *,
 def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:
     """The largest batch for which the tables prefer the eager step (`replay_decode` with
     window 1) at this shape (0: never)."""
-    return _eager_max_batch(HV, V, K, "kda")
+    return _eager_max_batch(HV, V, K, "kda", Hk=Hk)

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.launch import capturing
+from ..utils.checks import check_slot_values, check_tensor
 
 __all__ = ["softplus", "load_tile", "token_decay", "record_masks", "group_keys", "records_dot",
            "head_values", "head_weights", "check_tensor", "check_slots", "check_token_inputs",
@@ -137,42 +137,16 @@ def head_weights(p_ld, stride_l, b_ld, b_rA, h, o_l, m_j, m_j1, m_lj, m_lj1):
 # Python boundary
 
 
-def check_tensor(name: str, t, shape, dtypes, device, *, contiguous: bool = False,
-                 inner: bool = False) -> None:
-    """Raise ValueError naming `name` unless `t` is a tensor of `shape`, a dtype in `dtypes`,
-    on `device`; `contiguous`: fully contiguous; `inner`: last dim contiguous."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: dtype {t.dtype} not supported; expected one of {list(dtypes)}")
-    if t.device != device:
-        raise ValueError(f"{name}: on device {t.device}, expected {device} (the device of x)")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
-    if inner and t.numel() > 0 and t.stride(-1) != 1:
-        raise ValueError(f"{name}: last dim must be contiguous, got strides {t.stride()}")
-
-
 def check_slots(slot_ids: Tensor, N: int, force: bool) -> None:
-    """Range and uniqueness of slot ids. Reading them needs a device sync, so on an accelerator
-    this runs only when asked (`force`), and never during CUDA-graph capture or tracing."""
-    if torch.compiler.is_compiling() or capturing() or (slot_ids.device.type != "cpu" and not force):
-        return
-    s = slot_ids.detach().to("cpu", torch.int64)
-    live = s[s >= 0]
-    if live.numel() and int(live.max()) >= N:
-        raise ValueError(f"slot_ids: id {int(live.max())} out of range for a pool of {N} slots")
-    if live.unique().numel() != live.numel():
-        u, c = live.unique(return_counts=True)
-        raise ValueError(f"slot_ids: slot {int(u[c > 1][0])} appears more than once")
+    """Range and uniqueness of slot ids (`utils.checks.check_slot_values`). Reading them needs a
+    device sync, so on an accelerator this runs only when asked (`force`), and never during
+    CUDA-graph capture or tracing."""
+    check_slot_values(slot_ids, N, on_device=force)
 
 
 def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
     """Shapes of one decode step's inputs; returns (Bt, HV, V, Hk, K)."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x: expected [Bt, HV, V], got shape {tuple(x.shape)}")
     if not isinstance(B, torch.Tensor) or B.dim() != 3:

@@ -1,4 +1,5 @@
-"""Launch configurations of the Mamba-2 kernels, fixed per shape `(HV, V, K, Hk)` and batch size.
+"""Launch configurations of the Mamba-2 kernels, fixed per shape `("mamba2", HV, Hk, V, K)` (the
+field order of `replayssm.shapes.Shape`, the key of every family's tables) and batch size.
 
 Never autotuned: the kernels write state in place, and autotuning would replay them on the
 live state. An entry is a config or a list of `(max_batch, config)`, the first whose
@@ -36,11 +37,11 @@ from typing import Optional
 
 import triton
 
-from ..utils.launch import eager_reach, table_entry
+from ..utils.launch import eager_reach, table_entry, table_key
 from ..utils.tiles import check_slices
 
 __all__ = ["REPLAY_CONFIGS", "LONG_WINDOW_CONFIGS", "EAGER_CONFIGS", "CONVENTIONAL_CONFIGS",
-           "resolve_config", "conventional_config", "eager_max_batch", "install", "derived"]
+           "resolve_config", "conventional_config", "eager_config", "eager_max_batch", "install", "derived"]
 
 # Small batches are latency-bound: small programs (one warp at batch <= 2), record loads issued
 # before the cursor is known.
@@ -52,20 +53,20 @@ _SUPER = [_TINY, _SMALL,
           (16, dict(BV=32, num_warps=1, KS=1, recmask=False, rows=True)),
           (1 << 30, dict(BV=64, num_warps=4, recmask=False, warpsum=True, gluon=True))]
 REPLAY_CONFIGS = {
-    (128, 64, 128, 8): _SUPER,                                                  # Nemotron-3-Super
+    ("mamba2", 128, 8, 64, 128): _SUPER,                                        # Nemotron-3-Super
     # Nano-4B from batch 9 on: the Gluon kernel in one-warp programs of 16 rows of one head
     # (80 = 5 x 16 fills every lane)
-    (96, 80, 128, 8): [_TINY, _SMALL,
-                       (1 << 30, dict(BV=16, num_warps=1, recmask=False, rows=False, gluon=True))],
-    (64, 64, 128, 8): _SUPER,                                                   # Nemotron-3-Nano-30B
+    ("mamba2", 96, 8, 80, 128): [_TINY, _SMALL,
+                                 (1 << 30, dict(BV=16, num_warps=1, recmask=False, rows=False, gluon=True))],
+    ("mamba2", 64, 8, 64, 128): _SUPER,                                         # Nemotron-3-Nano-30B
 }
 
 # The Gluon entries above at windows above 16: record tiles of 32 positions take more
 # registers; a cap keeps enough programs per SM.
 LONG_WINDOW_CONFIGS = {
-    (128, 64, 128, 8): dict(maxnreg=80),                                        # Super
-    (96, 80, 128, 8): dict(maxnreg=128),                                        # Nano-4B
-    (64, 64, 128, 8): dict(maxnreg=80),                                         # Nano-30B
+    ("mamba2", 128, 8, 64, 128): dict(maxnreg=80),                              # Super
+    ("mamba2", 96, 8, 80, 128): dict(maxnreg=128),                              # Nano-4B
+    ("mamba2", 64, 8, 64, 128): dict(maxnreg=80),                               # Nano-30B
 }
 
 # The eager step (window 1, see decode.replay_decode) per shape: a list of `(max_batch, launch
@@ -73,23 +74,24 @@ LONG_WINDOW_CONFIGS = {
 # each with the first entry's config whose max_batch >= the batch ({}: the conventional
 # table's). Small batches are latency-bound: a window only lengthens each program's chain there.
 EAGER_CONFIGS = {
-    (128, 64, 128, 8): [(1, dict(BV=32, num_warps=8)), (2, dict(BV=64, num_warps=8)),     # Super
-                        (4, dict(BV=32, num_warps=1)), (8, dict(BV=8, num_warps=1))],
-    (96, 80, 128, 8): [(1, dict(BV=16, num_warps=2)), (2, dict(BV=32, num_warps=4)),      # Nano-4B
-                       (4, {}), (8, dict(BV=16, num_warps=1))],
-    (64, 64, 128, 8): [(2, dict(BV=32, num_warps=8)), (8, dict(BV=64, num_warps=8))],     # Nano-30B
+    ("mamba2", 128, 8, 64, 128): [(1, dict(BV=32, num_warps=8)), (2, dict(BV=64, num_warps=8)),   # Super
+                                  (4, dict(BV=32, num_warps=1)), (8, dict(BV=8, num_warps=1))],
+    ("mamba2", 96, 8, 80, 128): [(1, dict(BV=16, num_warps=2)), (2, dict(BV=32, num_warps=4)),    # Nano-4B
+                                 (4, {}), (8, dict(BV=16, num_warps=1))],
+    ("mamba2", 64, 8, 64, 128): [(2, dict(BV=32, num_warps=8)), (8, dict(BV=64, num_warps=8))],   # Nano-30B
 }
 
 # The conventional kernel: small batches are latency-bound and prefer small programs.
 _LARGE = dict(BV=64, num_warps=8, num_stages=1)
 CONVENTIONAL_CONFIGS = {
-    (128, 64, 128, 8): [(2, dict(BV=32, num_warps=8)), (4, dict(BV=64, num_warps=2)),      # Super
-                        (8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],
+    ("mamba2", 128, 8, 64, 128): [(2, dict(BV=32, num_warps=8)), (4, dict(BV=64, num_warps=2)),   # Super
+                                  (8, dict(BV=32, num_warps=1)), (1 << 30, _LARGE)],
     # Nano-4B: per-head scalars at large batch, faster for its 80-row heads (not for Super's)
-    (96, 80, 128, 8): [(2, dict(BV=32, num_warps=4)), (8, dict(BV=32, num_warps=1)),
-                       (1 << 30, dict(_LARGE, perhead=True))],
-    (64, 64, 128, 8): [(1, dict(BV=16, num_warps=8)), (2, dict(BV=32, num_warps=8)),      # Nano-30B
-                       (4, dict(BV=64, num_warps=8)), (8, dict(BV=64, num_warps=2)), (1 << 30, _LARGE)],
+    ("mamba2", 96, 8, 80, 128): [(2, dict(BV=32, num_warps=4)), (8, dict(BV=32, num_warps=1)),
+                                 (1 << 30, dict(_LARGE, perhead=True))],
+    ("mamba2", 64, 8, 64, 128): [(1, dict(BV=16, num_warps=8)), (2, dict(BV=32, num_warps=8)),   # Nano-30B
+                                 (4, dict(BV=64, num_warps=8)), (8, dict(BV=64, num_warps=2)),
+                                 (1 << 30, _LARGE)],
 }
 
 
@@ -135,21 +137,31 @@ def install(HV: int, V: int, K: int, Hk: int, **entries) -> None:
     for name, entry in entries.items():
         if isinstance(entry, list):
             entry = [(int(b), dict(c)) for b, c in entry]
-        _TABLES[name][(HV, V, K, Hk)] = entry
+        _TABLES[name][_key(HV, V, K, Hk)] = entry
+
+
+def _key(HV: int, V: int, K: int, Hk: int) -> tuple:
+    return ("mamba2", HV, Hk, V, K)
 
 
 def _known(HV: int, V: int, K: int, Hk: int) -> tuple:
     """The tables' key of a shape, after installing derived entries for a shape they lack."""
-    key = (HV, V, K, Hk)
-    if key not in REPLAY_CONFIGS and key not in CONVENTIONAL_CONFIGS:
-        install(*key, **derived(*key))
+    key = _key(HV, V, K, Hk)
+    if table_key(REPLAY_CONFIGS, key) is None and table_key(CONVENTIONAL_CONFIGS, key) is None:
+        install(HV, V, K, Hk, **derived(HV, V, K, Hk))
     return key
+
+
+def eager_config(HV: int, V: int, K: int, Hk: int, batch: int) -> dict:
+    """The eager step's launch-config overrides at this shape and batch ({}: none)."""
+    return dict(table_entry(EAGER_CONFIGS, _known(HV, V, K, Hk), batch) or {})
 
 
 def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:
     """The largest batch for which the tables prefer the eager step (window 1) at this shape
     (0: never). The slot pool decodes such batches with window 1."""
-    entry = EAGER_CONFIGS.get(_known(HV, V, K, Hk))
+    found = table_key(EAGER_CONFIGS, _known(HV, V, K, Hk))
+    entry = EAGER_CONFIGS[found] if found is not None else None
     return entry[-1][0] if entry else 0
 
 
@@ -178,15 +190,15 @@ def resolve_config(table: dict, HV: int, V: int, K: int, Hk: int, config: Option
     """The launch config for a shape and batch: the table's entry (or a default; for a Gluon
     entry at a `window` above 16, with `LONG_WINDOW_CONFIGS`), updated by `config`; raises
     ValueError for unknown keys or values. `with_flush`: a replay config, else a conventional one."""
-    _known(HV, V, K, Hk)
+    key = _known(HV, V, K, Hk)
     cfg = dict(BV=_default_bv(V), num_warps=4, num_stages=1)
     if not with_flush:
         cfg.update(perhead=False)
     else:
         cfg.update(recmask=True, KS=1, rows=False, warpsum=False, gluon=False, maxnreg=0)
-    cfg.update(table_entry(table, (HV, V, K, Hk), batch) or {})
+    cfg.update(table_entry(table, key, batch) or {})
     if with_flush and cfg["gluon"] and window is not None and window > 16:
-        cfg.update(LONG_WINDOW_CONFIGS.get((HV, V, K, Hk), {}))
+        cfg.update(table_entry(LONG_WINDOW_CONFIGS, key) or {})
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -225,10 +237,10 @@ def conventional_config(HV: int, V: int, K: int, Hk: int, config: Optional[dict]
                         batch: Optional[int] = None) -> dict:
     """The launch config of the conventional kernel (and of the eager step) for a shape and a
     batch of `batch` rows: CONVENTIONAL_CONFIGS's entry or a default, updated by `config`."""
-    _known(HV, V, K, Hk)
+    key = _known(HV, V, K, Hk)
     table = CONVENTIONAL_CONFIGS
-    if (HV, V, K, Hk) not in table:
-        table = {(HV, V, K, Hk): dict(BV=_default_rows(HV, V, Hk))}
+    if table_key(table, key) is None:
+        table = {key: dict(BV=_default_rows(HV, V, Hk))}
     cfg = resolve_config(table, HV, V, K, Hk, config, with_flush=False, batch=batch)
     if (HV // Hk * V) % cfg["BV"]:
         raise ValueError(f"config: BV={cfg['BV']} must divide the {HV // Hk * V} state rows of a group")

@@ -19,10 +19,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..utils.checks import check_slot_ids
 from ..utils.cursor import eager_bookkeeping, fold_pending
-from ..utils.launch import eager_launch_overrides, table_entry
+from ..utils.launch import eager_launch_overrides
 from .common import check_slots, check_tensor, check_token_inputs, head_values, softplus
-from .configs import EAGER_CONFIGS, conventional_config
+from .configs import conventional_config, eager_config
 
 __all__ = ["conventional_decode", "eager_decode"]
 
@@ -210,7 +211,7 @@ def eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
     (else the conventional table's; the `BV`, `num_warps`, `num_stages` of `config` override
     it), after folding each row's pending records; every row flushes."""
     HV, V, Hk, K = x.shape[1], x.shape[2], B.shape[1], B.shape[2]
-    over = eager_launch_overrides(table_entry(EAGER_CONFIGS, (HV, V, K, Hk), x.shape[0]), config)
+    over = eager_launch_overrides(eager_config(HV, V, K, Hk, x.shape[0]), config)
     cfg = conventional_config(HV, V, K, Hk, over, batch=x.shape[0])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w,
@@ -243,7 +244,7 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
             raise ValueError(f"state: expected [N, HV, V, K], got {getattr(state, 'shape', type(state).__name__)}")
         N = state.shape[0]
         check_tensor("state", state, (N, HV, V, K), (torch.float32,), dev, contiguous=True)
-        check_tensor("slot_ids", slot_ids, (Bt,), (torch.int32, torch.int64), dev, contiguous=True)
+        check_slot_ids(slot_ids, Bt, dev)
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_slots(slot_ids, N, check_slots_on_device)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..utils.checks import check_slot_ids, check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
 from ..utils.tiles import tile_dot, tile_offsets
@@ -381,13 +382,12 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
         check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, dev, contiguous=True)
         check_tensor("cursor", cursor, (N,), (torch.int32,), dev, contiguous=True)
         check_tensor("epoch", epoch, (N,), (torch.int64,), dev, contiguous=True)
-        check_tensor("slot_ids", slot_ids, (Bt,), (torch.int32, torch.int64), dev, contiguous=True)
+        check_slot_ids(slot_ids, Bt, dev)
         if arrive is not None:
             check_tensor("arrive", arrive, (N,), (torch.int32,), dev, contiguous=True)
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
-        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= Lb:
-            raise ValueError(f"window: must be an int in [1, Lb={Lb}], got {window!r}")
+        check_window(window, Lb)
         check_slots(slot_ids, N, check_slots_on_device)
     cfg = resolve_config(REPLAY_CONFIGS, x.shape[1], x.shape[2], B.shape[2], B.shape[1], config,
                          with_flush=True, batch=x.shape[0], window=window)

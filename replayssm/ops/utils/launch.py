@@ -31,11 +31,26 @@ def arrive_counter(device, N: int) -> Tensor:
     return t
 
 
-def table_entry(table: dict, key, batch=None):
-    """A launch-config table's entry for `key`: a config dict, or the first of a list of
-    `(max_batch, config)` whose `max_batch` >= `batch` (the last one past them all; the first
-    when `batch` is None). None when the table has no entry."""
-    entry = table.get(key)
+def table_key(table: dict, key: tuple):
+    """The key under which a launch-config table holds the entry of `key`, a shape
+    `(family, HV, Hk, V, K)` (the field order of `replayssm.shapes.Shape`): the exact key, else
+    the key with `Hk` None (an entry for every key-head count), else with `HV` and `Hk` None
+    (every head count); None when the table has none. An entry present but empty counts (for
+    the eager tables it means never the eager step)."""
+    family, HV, Hk, V, K = key
+    for k in (key, (family, HV, None, V, K), (family, None, None, V, K)):
+        if k in table:
+            return k
+    return None
+
+
+def table_entry(table: dict, key: tuple, batch=None):
+    """A launch-config table's entry for the shape `key` (`(family, HV, Hk, V, K)`, looked up as
+    `table_key` says): a config dict, or the first of a list of `(max_batch, config)` whose
+    `max_batch` >= `batch` (the last one past them all; the first when `batch` is None). None
+    when the table has no entry."""
+    found = table_key(table, key)
+    entry = table[found] if found is not None else None
     if not entry or isinstance(entry, dict):
         return entry or None
     return next((cfg for max_batch, cfg in entry if batch is None or batch <= max_batch), entry[-1][1])
