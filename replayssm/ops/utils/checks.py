@@ -24,8 +24,8 @@ SLOT_DTYPES = (torch.int32, torch.int64)
 
 def may_sync() -> bool:
     """Whether a check may read device values back (not while capturing a CUDA graph or
-    compiling)."""
-    return not (capturing() or torch.compiler.is_compiling())
+    compiling). The compiler is asked first: its tracer cannot step into the capture query."""
+    return not (torch.compiler.is_compiling() or capturing())
 
 
 def check_tensor(name: str, t, shape: Optional[Sequence[int]] = None, dtypes: Optional[Sequence] = None,
