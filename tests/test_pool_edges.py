@@ -165,6 +165,7 @@ def test_out_is_checked_and_written(backend):
     (dict(seed="abc"), "seed"),
     (dict(seed=-1), "seed"),
     (dict(seed=1.5), "seed"),
+    (dict(seed=None), "seed"),
     (dict(layer="x"), "layer"),
     (dict(device="meta"), "meta"),
     (dict(device="no-such-device"), "no-such-device"),

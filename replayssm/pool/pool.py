@@ -103,8 +103,8 @@ class SlotPool:
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         check.record_dtype(record_dtype)
-        check.optional_count("seed", seed)
-        check.optional_count("layer", layer)
+        check.count("seed", seed)
+        check.count("layer", layer, optional=True)
         HV = params.num_heads
         if HV % num_k_heads:
             raise ValueError(f"num_k_heads {num_k_heads} must divide the {HV} value heads")

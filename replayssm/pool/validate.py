@@ -25,9 +25,11 @@ def positive_ints(**values) -> None:
             raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
 
 
-def optional_count(name: str, val) -> None:
-    """None or an integer >= 0 (`numbers.Integral`: numpy integers too)."""
-    if val is not None and (not isinstance(val, numbers.Integral) or isinstance(val, bool) or val < 0):
+def count(name: str, val, *, optional: bool = False) -> None:
+    """An integer >= 0 (`numbers.Integral`: numpy integers too), or None when `optional`."""
+    if val is None and optional:
+        return
+    if not isinstance(val, numbers.Integral) or isinstance(val, bool) or val < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
 
 
