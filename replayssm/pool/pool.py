@@ -14,7 +14,6 @@ pool runs the reference of `replayssm.reference.algorithms`; on CUDA the kernels
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import itertools
 import os
@@ -33,16 +32,6 @@ from .layout import Layout
 _STREAM_SLOT_STRIDE = 1 << 32
 # default `layer` ids: distinct for every pool built in this process, in construction order
 _LAYER_IDS = itertools.count()
-
-
-def _no_grad(fn):
-    """Run a pool operation without autograd: decode-time state is never differentiated, and a
-    graph through the pool's tensors would grow with every step."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with torch.no_grad():
-            return fn(*args, **kwargs)
-    return wrapper
 
 
 class SlotPool:
@@ -198,7 +187,7 @@ class SlotPool:
         self.epoch[s] += 1
 
     # ------------------------------------------------------------------ operations
-    @_no_grad
+    @torch.no_grad()   # decode-time state is never differentiated; a graph would grow every step
     def decode(self, slot_ids: Tensor, *, out: Optional[Tensor] = None, validate: bool = True,
                **inputs: Tensor) -> Tensor:
         """One standard decode step (SPEC section 3) for a batch of rows.
@@ -254,7 +243,7 @@ class SlotPool:
         self.layout.pending_all[torch.where(slot_ids < 0, self.N, slot_ids.long())] = 0
         return y
 
-    @_no_grad
+    @torch.no_grad()
     def verify(self, slot_ids: Tensor, **inputs: Tensor) -> Tensor:
         """Output-only verification of `T` tokens per row (SPEC section 4).
 
@@ -285,7 +274,7 @@ class SlotPool:
             self.pending[s] = T
         return self._finish(out, slot_ids, inputs)
 
-    @_no_grad
+    @torch.no_grad()
     def commit(self, slot_ids: Tensor, accepted: Tensor) -> None:
         """Accept the first `accepted[b]` (`1..T`) tokens of each row's last `verify`.
 
@@ -299,7 +288,7 @@ class SlotPool:
         self.cursor[s] += a.to(torch.int32)
         self.pending[s] = 0
 
-    @_no_grad
+    @torch.no_grad()
     def reset(self, slot_ids: Tensor) -> None:
         """Free slots: zero state, cursor 0, no pending drafts (a new sequence starts empty)."""
         slot_ids = check.slots(self, slot_ids)
@@ -312,7 +301,7 @@ class SlotPool:
 
     free = reset
 
-    @_no_grad
+    @torch.no_grad()
     def load(self, slot_ids: Tensor, state: Tensor) -> None:
         """Install states (e.g. after prefill): `state` `[B, HV, V, K]` becomes each slot's
         checkpoint (rounded to the pool's formats), with an empty buffer."""
@@ -325,7 +314,7 @@ class SlotPool:
                 self.cursor[s] = 0
                 self.pending[s] = 0
 
-    @_no_grad
+    @torch.no_grad()
     def materialize(self, slot_ids: Tensor) -> Tensor:
         """The current state of each slot, `[B, HV, V, K]` (checkpoint plus committed records,
         along the high-precision path); zero for padding rows. Changes nothing."""
