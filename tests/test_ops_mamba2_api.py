@@ -184,7 +184,7 @@ def test_replay_validation(name, value, text):
     args[name] = value
     before = args["ckpt"].clone()
     with pytest.raises(ValueError, match=_pattern(name, text)):
-        replay_decode(**args, check_slots_on_device=True)   # slot checks sync off the CPU
+        replay_decode(**args)
     assert torch.equal(args["ckpt"], before)
 
 
@@ -217,4 +217,4 @@ def test_conventional_validation(name, value, text):
     args["state"] = a["ckpt"]
     args[name] = value
     with pytest.raises(ValueError, match=_pattern(name, text)):
-        conventional_decode(**args, check_slots_on_device=True)
+        conventional_decode(**args)

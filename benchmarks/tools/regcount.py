@@ -2,7 +2,7 @@
 registers and stack (cuobjdump on the cubin; Triton's 3.9 toolchain, so figures may differ
 a little from triton 3.6's), for register-pressure checks without a GPU.
 
-    python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|gdn|kda|gdn-mat|gdn-gluon] [key=value config overrides]
+    python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|mamba2-verify|gdn|kda|gdn-mat|gdn-gluon] [key=value config overrides]
 
 (mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
 for fp32 key records, bf16 by default; the Gluon kernels: `values=fp32` for fp32 value records.)
@@ -18,6 +18,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.autotuner import Autotuner, Heuristics  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -36,6 +37,14 @@ def report(cubin: bytes, name: str) -> str:
     regs = re.findall(r"REG:(\d+)", text)
     stack = re.findall(r"STACK:(\d+)", text)
     return f"{name}: registers {regs[-1] if regs else '?'}, stack {stack[-1] if stack else '?'} bytes"
+
+
+def jit_function(kernel):
+    """The JIT function under a kernel's `@triton.heuristics` / `@triton.autotune` wrappers: the
+    offline compile takes the constexprs those would set from the caller (every one given)."""
+    while isinstance(kernel, (Heuristics, Autotuner)):
+        kernel = kernel.fn
+    return kernel
 
 
 def compile_kernel(fn, signature, constexprs, num_warps, source=ASTSource):
@@ -78,7 +87,7 @@ def mamba2(cfg):
     HV, G, V, K, L = 128, 8, 64, 128, 16
     c = dict(BV=64, num_warps=4, recmask=1)
     c.update(cfg)
-    fn = m._replay_decode_kernel
+    fn = jit_function(m._replay_decode_kernel)
     ptr = {"x": "*fp32", "dt": "*fp32", "B": "*fp32", "C": "*fp32", "A": "*fp32", "dt_bias": "*fp32",
            "D": "*fp32", "z": "*fp32", "out": "*fp32", "ckpt": "*fp32", "buf_ld": "*fp32",
            "buf_w": "*bf16", "buf_k": "*" + c.get("keys", "bf16"), "cursor": "*i32", "epoch": "*i64",
@@ -105,6 +114,7 @@ def _gluon(kernel, label, ptr, vals, c):
                epoch="*i64", arrive="*i32", slot_ids="*i64")
     vals = dict(vals, BV=c["BV"], BL=c.get("BL", 16), RC=c.get("RC", 4 * c["num_warps"]), NW=c["num_warps"],
                 RECMASK=bool(c.get("recmask", 1)))
+    kernel = jit_function(kernel)
     sig, const = signature(kernel, ptr, vals, floats=("scale",))
     return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource), f"{label} {c}")
 
@@ -140,7 +150,7 @@ def mamba2_rows(cfg):
     HV, G, V, K, L = 96, 8, 80, 128, 16
     c = dict(BV=32, num_warps=1, recmask=1)
     c.update(cfg)
-    fn = m._replay_decode_rows_kernel
+    fn = jit_function(m._replay_decode_rows_kernel)
     ptr = {n: "*fp32" for n in ("x", "dt", "B", "C", "A", "dt_bias", "D", "z", "out", "ckpt", "buf_ld")}
     ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64")
     LB = L + 1
@@ -149,6 +159,29 @@ def mamba2_rows(cfg):
                 RECMASK=bool(c["recmask"]), RC=min(16, c["BV"]), WS=c["num_warps"] if c.get("warpsum") else 0)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 rows {c}")
+
+
+def mamba2_verify(cfg):
+    """Mamba-2's verify kernel (ops/mamba2/verify.py) at Super's shape (`model=nano`: Nano-4B's),
+    `T` drafts, bf16 records, fp32 token inputs, window 16."""
+    from replayssm.ops.mamba2 import verify as m
+
+    HV, G, V, K = (96, 8, 80, 128) if cfg.get("model") == "nano" else (128, 8, 64, 128)
+    c = dict(BV=64 if V == 64 else 16, num_warps=2 if V == 64 else 1, T=8, window=16)
+    c.update(cfg)
+    fn = jit_function(m._replay_verify_kernel)
+    ptr = {n: "*fp32" for n in ("x", "dt", "B", "C", "A", "dt_bias", "D", "z", "out", "ckpt", "buf_ld")}
+    ptr.update(buf_w="*" + c.get("values", "bf16"), buf_k="*" + c.get("keys", "bf16"), cursor="*i32",
+               pending="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64", num_drafts="*i32")
+    T, L = c["T"], c["window"]
+    LB = L + T
+    vals = dict(HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T, TP=max(16, triton.next_power_of_2(T)),
+                BV=c["BV"], BK=K, BL=max(16, triton.next_power_of_2(min(L, LB))), NVB=triton.cdiv(V, c["BV"]),
+                HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(G), HAS_D=True, HAS_Z=True,
+                HAS_N=True, EVEN=V % c["BV"] == 0)
+    vals.update({k: v for k, v in c.items() if k.isupper() and k not in ("BV", "T")})
+    sig, const = signature(fn, ptr, vals)
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 verify {c}")
 
 
 # pointer arguments of the GDN/KDA replay kernels (bf16 records)
@@ -162,7 +195,7 @@ def gdn(cfg, family="gdn"):
     HV, HK, V, K, L = (32, 16, 128, 128, 16) if family == "gdn" else (32, 32, 128, 128, 16)
     c = dict(BV=32, num_warps=4, window=L, HPP=1, recmask=1, prefetch=0, BC=8 if family == "gdn" else 0)
     c.update(cfg)
-    fn = m._replay_decode_kernel
+    fn = jit_function(m._replay_decode_kernel)
     ptr = _DELTA_PTRS
     Lb = c["window"] + 1
     vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=Lb, LB=max(2, triton.next_power_of_2(min(c["window"], Lb))),
@@ -181,7 +214,7 @@ def gdn_mat(cfg):
     HV, HK, V, K, L = 32, 16, 128, 128, 16
     c = dict(BV=64, num_warps=1, BKT=64, matprec="bf16x2")
     c.update(cfg)
-    fn = m._replay_decode_mat_kernel
+    fn = jit_function(m._replay_decode_mat_kernel)
     ptr = _DELTA_PTRS
     vals = dict(HV=HV, HK=HK, V=V, K=K, LBCAP=L + 1, LR=16, BV=c["BV"], BK=K, BKT=c["BKT"],
                 USE_QK_L2NORM=True, EXACT_BF16=False, MP=m._MAT_PRECISIONS[c["matprec"]])
@@ -196,5 +229,5 @@ if __name__ == "__main__":
         k, v = kv.split("=")
         cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
     print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat,
-           "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon,
+           "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon, "mamba2-verify": mamba2_verify,
            "gdn-gluon": gdn_gluon}[fam](cfg))

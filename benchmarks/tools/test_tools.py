@@ -63,3 +63,15 @@ def test_sass_stalls_sums_a_source_level_profile(capsys, monkeypatch):
                      "[    4,     8) samples     50 (33.3%),    9.0M executed",
                      "[    8,    10) samples     20 (13.3%),    2.0M executed"]
     assert len(lines) == 8
+
+
+def test_results_doc_matches_the_result_files():
+    """docs/results.md is what `results_doc.py` writes from the JSON files that
+    benchmarks/results/README.md indexes (regenerate it with `python
+    benchmarks/tools/results_doc.py`), and the index names every JSON file of the folder."""
+    tool = runpy.run_path(str(HERE / "results_doc.py"))
+    results = ROOT / "benchmarks" / "results"
+    indexed = {n for _, names in tool["indexed_files"]((results / "README.md").read_text()) for n in names}
+    assert indexed == {p.name for p in results.glob("*.json")}
+    assert (ROOT / "docs" / "results.md").read_text() == tool["render"](results), \
+        "docs/results.md is stale: run python benchmarks/tools/results_doc.py"

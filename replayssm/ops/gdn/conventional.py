@@ -108,6 +108,8 @@ def launch_conventional(family: str, q, k, v, a, b, A_log, dt_bias, scale: float
     NV = triton.cdiv(V, BV)
     fold = pending is not None
     # without FOLD the kernel never reads the pool's buffers: any pointers of the right types
+    # (not None: that would drop them from the signature, move the other parameters and change
+    # the SASS a little)
     buf_ld, buf_w, buf_k, cursor, epoch, arrive = pending if fold else (state, state, state, slot_ids, slot_ids,
                                                                         slot_ids)
     _conventional_decode_kernel[(Bt * HV * NV,)](
@@ -215,6 +217,8 @@ def conventional_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A
 
     Inputs as :func:`replayssm.ops.gdn.replay_decode`: `q, k` `[Bt, Hk, K]`, `v` `[Bt, HV, V]`,
     `a, b` `[Bt, HV]` raw, `A_log, dt_bias` `[HV]`; negative `slot_ids` are padding rows.
+    `validate`: as in `replay_decode` (the slot ids' values checked, a host sync on the device
+    except during graph capture or tracing); False skips every check.
     """
     return run_conventional("gdn", q, k, v, a, b, A_log, dt_bias, scale, state, slot_ids, out,
                             use_qk_l2norm, config, validate)

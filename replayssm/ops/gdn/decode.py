@@ -547,7 +547,8 @@ def replay_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
             `recmask`, `BC`, `KS`, `mat`, `BKT`, `matprec`, `gluon`; see `configs._REPLAY_KEYS`).
         arrive: `[N]` int32 zeroed counters (default: a cached buffer, see `arrive_counter`).
         validate: check shapes, dtypes, devices, slot ids and cursors (host syncs for the
-            last two, skipped during CUDA-graph capture). False skips every check.
+            last two on the device, skipped only during CUDA-graph capture or torch.compile
+            tracing: ops/utils/checks.py). False skips every check.
 
     Returns:
         `out`: `[Bt, HV, V]`.

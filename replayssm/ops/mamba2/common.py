@@ -12,10 +12,20 @@ from ..utils.checks import check_slot_values, check_tensor
 
 __all__ = ["softplus", "load_tile", "token_decay", "record_masks", "group_keys", "records_dot",
            "head_values", "head_weights", "check_tensor", "check_slots", "check_token_inputs",
-           "FLOAT_DTYPES", "RECORD_DTYPES"]
+           "given", "OPTIONAL_INPUTS", "FLOAT_DTYPES", "RECORD_DTYPES"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def given(name: str):
+    """A `triton.heuristics` rule: whether the kernel argument `name` is a tensor (not None)."""
+    return lambda args: args[name] is not None
+
+
+# the kernels' flags of the optional inputs, from the arguments: an absent D or z is passed as
+# None (a constexpr, never read), so a launcher never spells the flags out
+OPTIONAL_INPUTS = {"HAS_D": given("D"), "HAS_Z": given("z")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,11 +147,11 @@ def head_weights(p_ld, stride_l, b_ld, b_rA, h, o_l, m_j, m_j1, m_lj, m_lj1):
 # Python boundary
 
 
-def check_slots(slot_ids: Tensor, N: int, force: bool) -> None:
-    """Range and uniqueness of slot ids (`utils.checks.check_slot_values`). Reading them needs a
-    device sync, so on an accelerator this runs only when asked (`force`), and never during
-    CUDA-graph capture or tracing."""
-    check_slot_values(slot_ids, N, on_device=force)
+def check_slots(slot_ids: Tensor, N: int) -> None:
+    """Range and uniqueness of slot ids: `utils.checks.check_slot_values`, whose policy is every
+    family's (checked on the CPU and on the device, a host sync there, except during CUDA-graph
+    capture or tracing)."""
+    check_slot_values(slot_ids, N)
 
 
 def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):

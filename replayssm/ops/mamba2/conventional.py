@@ -22,7 +22,7 @@ from torch import Tensor
 from ..utils.checks import check_slot_ids
 from ..utils.cursor import eager_bookkeeping, fold_pending
 from ..utils.launch import eager_launch_overrides
-from .common import check_slots, check_tensor, check_token_inputs, head_values, softplus
+from .common import OPTIONAL_INPUTS, check_slots, check_tensor, check_token_inputs, head_values, softplus
 from .configs import conventional_config, eager_config
 
 __all__ = ["conventional_decode", "eager_decode"]
@@ -37,6 +37,7 @@ def _head_decays(r_a, r_b, A_a, A_b, in_b):
     return tl.where(in_b, dt_b, dt_a), tl.where(in_b, tl.exp(dt_b * A_b), tl.exp(dt_a * A_a))
 
 
+@triton.heuristics(OPTIONAL_INPUTS)
 @triton.jit
 def _conventional_decode_kernel(
     x, dt, B, C, A, dt_bias, D, z, out, state, slot_ids,
@@ -155,20 +156,20 @@ def _launch_conventional(x, dt, B, C, A, dt_bias, D, z, state, slot_ids, out, BV
         return
     grid = (HV * V // BV, Bt)
     fold = pending is not None
-    # without pending records, and without D or z, any pointer stands in (FOLD, HAS_D, HAS_Z
-    # keep it unread)
+    # without pending records any pointers stand in, FOLD keeps them unread (None would drop
+    # them from the signature, and that moves the other parameters); D and z absent: None (the
+    # heuristics set HAS_D, HAS_Z)
     buf_ld, buf_w, buf_k, cursor, epoch, arrive = pending if fold else (state, state, state, slot_ids,
                                                                         slot_ids, slot_ids)
     _conventional_decode_kernel[grid](
-        x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D if D is not None else A,
-        z=z if z is not None else x, out=out, state=state, slot_ids=slot_ids,
+        x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out, state=state, slot_ids=slot_ids,
         buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch, arrive=arrive,
         stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
         stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
         HV=HV, Hk=Hk, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
-        HAS_D=D is not None, HAS_Z=z is not None, FOLD=fold, LB=pending[0].shape[1] if fold else 1,
+        FOLD=fold, LB=pending[0].shape[1] if fold else 1,
         PERHEAD=bool(perhead), num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -228,7 +229,7 @@ def eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
 def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
                         D: Optional[Tensor], z: Optional[Tensor], state: Tensor, slot_ids: Tensor,
                         out: Optional[Tensor] = None, config: Optional[dict] = None, *,
-                        validate: bool = True, check_slots_on_device: bool = False) -> Tensor:
+                        validate: bool = True) -> Tensor:
     """One conventional Mamba-2 decode step, updating `state` in place; returns `y`.
 
     Inputs as in `replay_decode`; `state` `[N, HV, V, K]` fp32, contiguous. `slot_ids` `[Bt]`
@@ -236,6 +237,8 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
     `config`: overrides of CONVENTIONAL_CONFIGS (`BV` rows of `[HV * V, K]` per program, a
     power of two dividing a group's `HV // Hk * V` rows; `num_warps`; `num_stages`; `perhead`:
     with BV <= V, dt, decay and D formed once for each of the block's at most two heads).
+    `validate`: as in `replay_decode` (slot ids' values checked, a host sync on the device
+    except during graph capture or tracing); False skips every check.
     """
     if validate:
         Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
@@ -247,7 +250,7 @@ def conventional_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, 
         check_slot_ids(slot_ids, Bt, dev)
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
-        check_slots(slot_ids, N, check_slots_on_device)
+        check_slots(slot_ids, N)
     cfg = conventional_config(x.shape[1], x.shape[2], B.shape[2], B.shape[1], config, batch=x.shape[0])
     if out is None:
         out = torch.empty_like(x)

@@ -34,8 +34,9 @@ from ..utils.checks import check_slot_ids, check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
 from ..utils.tiles import tile_dot, tile_offsets
-from .common import (RECORD_DTYPES, check_slots, check_tensor, check_token_inputs, group_keys,
-                     head_values, head_weights, load_tile, record_masks, records_dot, token_decay)
+from .common import (OPTIONAL_INPUTS, RECORD_DTYPES, check_slots, check_tensor, check_token_inputs,
+                     group_keys, head_values, head_weights, load_tile, record_masks, records_dot,
+                     token_decay)
 from .configs import REPLAY_CONFIGS, resolve_config
 from .conventional import eager_decode
 from .gluon_decode import gluon_supported, launch_gluon
@@ -46,6 +47,8 @@ __all__ = ["replay_decode"]
 # ----------------------------------------------------------------------------------------------
 # Kernels
 
+@triton.heuristics(dict(OPTIONAL_INPUTS,
+                         EVEN=lambda args: args["V"] % args["BV"] == 0 and args["BK"] == args["K"]))
 @triton.jit
 def _replay_decode_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
@@ -158,6 +161,7 @@ def _replay_decode_kernel(
     hand_off(arrive, cursor, epoch, slot, h, is_flush, HV * NVB)
 
 
+@triton.heuristics(OPTIONAL_INPUTS)
 @triton.jit
 def _replay_decode_rows_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
@@ -295,24 +299,23 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
     # record tiles cover positions 0..min(window, Lb) - 1 (cursors never pass the window)
     BL = max(16, triton.next_power_of_2(min(window, LB)))
     extra = {"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}
-    # D and z absent: any pointer stands in, HAS_D / HAS_Z keep it unread
-    args = dict(x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D if D is not None else A,
-                z=z if z is not None else x, out=out, ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
+    # D and z absent: None (the kernels' heuristics set HAS_D / HAS_Z; EVEN too, from V, BV, K)
+    args = dict(x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out, ckpt=ckpt,
+                buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
                 cursor=cursor, epoch=epoch, arrive=arrive, slot_ids=slot_ids,
                 stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
                 stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
                 stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
                 stride_o_b=out.stride(0), stride_o_h=out.stride(1))
     meta = dict(HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BK=triton.next_power_of_2(K), BL=BL,
-                HAS_D=D is not None, HAS_Z=z is not None, RECMASK=bool(recmask), RC=min(16, BV),
+                RECMASK=bool(recmask), RC=min(16, BV),
                 WS=num_warps if warpsum and BL <= 16 else 0, num_warps=num_warps, num_stages=num_stages,
                 **extra)
     if rows:
         _replay_decode_rows_kernel[(HV * V // BV, Bt)](**args, **meta)
     else:
         nvb = triton.cdiv(V, BV)
-        _replay_decode_kernel[(HV * nvb, Bt)](**args, NVB=nvb, KS=KS,
-                                              EVEN=(V % BV == 0) and triton.next_power_of_2(K) == K, **meta)
+        _replay_decode_kernel[(HV * nvb, Bt)](**args, NVB=nvb, KS=KS, **meta)
 
 
 @torch.library.custom_op(
@@ -341,8 +344,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
                   D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
                   buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, slot_ids: Tensor,
                   window: int, out: Optional[Tensor] = None, config: Optional[dict] = None, *,
-                  arrive: Optional[Tensor] = None, validate: bool = True,
-                  check_slots_on_device: bool = False) -> Tensor:
+                  arrive: Optional[Tensor] = None, validate: bool = True) -> Tensor:
     """One Mamba-2 standard decode step on ReplaySSM state, in place; returns `y`.
 
     Token inputs: `x` `[Bt, HV, V]`; `dt` `[Bt, HV]` (raw, before `softplus(dt + dt_bias)`);
@@ -364,8 +366,9 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     capturable in a CUDA graph). `config`: overrides of the launch config (see configs.py).
     `arrive` `[N]` int32, zero-initialised: per-slot arrival counters (left at zero after each
     call); by default a cached per-device tensor, allocated on first use: pass one allocated
-    before graph capture. `validate=False` skips all checks. Slot ids are range- and
-    duplicate-checked only when they are on the CPU or `check_slots_on_device` (a sync).
+    before graph capture. `validate=True` checks shapes, dtypes, devices and the slot ids'
+    values (range, duplicates: a host sync on the device, skipped while a CUDA graph is captured
+    or torch.compile traces; ops/utils/checks.py); `validate=False` skips every check.
     """
     if validate:
         Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
@@ -388,7 +391,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_window(window, Lb)
-        check_slots(slot_ids, N, check_slots_on_device)
+        check_slots(slot_ids, N)
     cfg = resolve_config(REPLAY_CONFIGS, x.shape[1], x.shape[2], B.shape[2], B.shape[1], config,
                          with_flush=True, batch=x.shape[0], window=window)
     if out is None:

@@ -25,8 +25,10 @@ from __future__ import annotations
 from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from .common import OPTIONAL_INPUTS
 
 if HAVE_GLUON:
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -52,6 +54,7 @@ def gluon_unsupported(HV: int, V: int, K: int, Hk: int, window: int, Lb: int, BV
 
 if HAVE_GLUON:
 
+    @triton.heuristics(OPTIONAL_INPUTS)
     @gluon.jit
     def _gluon_replay_kernel(
         x, dt, B, C, A, dt_bias, D, z, out,
@@ -213,14 +216,14 @@ def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
+    # D and z absent: None (the heuristics set HAS_D / HAS_Z)
     _gluon_replay_kernel[(HV * (V // BV), Bt)](
-        x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
-        ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
-        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
-        out.stride(0), out.stride(1),
+        x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out,
+        ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch, arrive=arrive,
+        slot_ids=slot_ids, stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
+        stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
+        stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
+        stride_o_b=out.stride(0), stride_o_h=out.stride(1),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=gluon_record_tile(window, LB),
-        RC=4 * num_warps,
-        HAS_D=D is not None, HAS_Z=z is not None, NW=num_warps, num_warps=num_warps,
-        RECMASK=bool(recmask),
+        RC=4 * num_warps, NW=num_warps, num_warps=num_warps, RECMASK=bool(recmask),
         **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -3,9 +3,12 @@ contiguity), slot ids (dtype, shape, range, duplicates) and the window. Each rai
 naming the offending argument and value; which arguments a kernel takes, and their shapes, are
 the family's (`ops/<family>/common.py`).
 
-Checks of values held on the device (slot range and duplicates, cursors) read them back, a host
-sync: they run only when the caller validates, never while a CUDA graph is being captured or
-torch.compile traces (`may_sync`).
+One policy for the values held in tensors, in every family's kernels: a call that validates
+(`validate=True`, the default) checks its slot ids' values (range, duplicates;
+`check_slot_values`) and, where the family checks them, its cursors, on the CPU and on the
+device alike. On the device that reads them back, a host sync, which is skipped only while a
+CUDA graph is being captured or torch.compile traces (`may_sync`): there the shapes, dtypes and
+devices are still checked. `validate=False` checks nothing at all.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ SLOT_DTYPES = (torch.int32, torch.int64)
 
 
 def may_sync() -> bool:
-    """Whether a check may read device values back (not while capturing a CUDA graph or
-    compiling). The compiler is asked first: its tracer cannot step into the capture query."""
+    """Whether a check may read device values back: always, except while a CUDA graph is being
+    captured or torch.compile traces (the policy's one exception, module docstring). The
+    compiler is asked first: its tracer cannot step into the capture query."""
     return not (torch.compiler.is_compiling() or capturing())
 
 
@@ -68,10 +72,11 @@ def check_slot_ids(slot_ids, Bt: int, device=None) -> None:
     check_tensor("slot_ids", slot_ids, (Bt,), SLOT_DTYPES, device, contiguous=True)
 
 
-def check_slot_values(slot_ids: Tensor, N: int, *, on_device: bool = True) -> None:
-    """Live slot ids (the non-negative ones) below `N` and each at most once. A host sync: skipped
-    when `may_sync` says no, and for ids off the CPU unless `on_device`."""
-    if not may_sync() or (slot_ids.device.type != "cpu" and not on_device):
+def check_slot_values(slot_ids: Tensor, N: int) -> None:
+    """Live slot ids (the non-negative ones) below `N` and each at most once, wherever the ids
+    are. On the device a host sync: skipped only where `may_sync` says no (graph capture,
+    compilation)."""
+    if not may_sync():
         return
     ids = slot_ids.detach().to("cpu", torch.int64)
     live = ids[ids >= 0]

@@ -1,0 +1,214 @@
+"""Write docs/results.md from the result files that benchmarks/results/README.md indexes.
+
+    python benchmarks/tools/results_doc.py [--check]
+
+For each JSON file named in the index's tables (in the index's order, under its section
+headings): the file's own provenance (command, GPU, date, code version) and a compact table of
+its rows, with the columns that matter for its benchmark (`decode`, `eager_sweep`, `tune`,
+`records`). `--check` writes nothing and exits 1 when docs/results.md differs from what would
+be written (benchmarks/tools/test_tools.py runs the same comparison). Reads JSON only: it
+imports nothing of the package.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+from collections import defaultdict
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "results.md"
+
+
+# ----------------------------------------------------------------------------------------------
+# The index: sections and the JSON files of each table row's first cell
+
+def indexed_files(index: str) -> list:
+    """`[(section heading, [json names])]` in the index's order; a file named twice is kept once."""
+    sections, seen = [], set()
+    for line in index.splitlines():
+        if line.startswith("## "):
+            sections.append((line[3:].strip(), []))
+        elif line.startswith("| `") and sections:
+            first = line.split("|")[1]
+            for name in re.findall(r"`([^`]+\.json)`", first):
+                if name not in seen:
+                    seen.add(name)
+                    sections[-1][1].append(name)
+    return [(title, names) for title, names in sections if names]
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+
+def _table(header: list, rows: list) -> list:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def _us(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _config(c) -> str:
+    # the table's own config is stored as null
+    if not c:
+        return "table"
+    return ", ".join(f"{k}={json.dumps(v)}" for k, v in c.items())
+
+
+def _err(x) -> str:
+    return f"{x:.2e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# One table per benchmark
+
+def decode_table(rows: list) -> list:
+    """One line per (shape, window, cursors): ReplaySSM's speed-up over the conventional
+    kernel at each batch ("e": the eager step), and both kernels' TB/s at the largest batch."""
+    batches = sorted({r["batch"] for r in rows})
+    cells = defaultdict(dict)
+    for r in rows:
+        cells[(r["shape"], r["window"], r["cursors"])][(r["batch"], r["scheme"])] = r
+    top = batches[-1]
+    header = ["shape", "window", "rows"] + [f"B={b}" for b in batches] + \
+        [f"B={top} conventional / replay TB/s"]
+    out = []
+    for (shape, window, cursors), c in cells.items():
+        line = [shape, window, cursors]
+        for b in batches:
+            r = c.get((b, "replay"))
+            line.append("-" if r is None else
+                        f"{r['ratio_vs_conventional']:.2f}x" + (" e" if r.get("path") == "eager" else ""))
+        conv, rep = c.get((top, "conventional")), c.get((top, "replay"))
+        line.append(f"{conv['tb_per_s']:.2f} / {rep['tb_per_s']:.2f}" if conv and rep else "-")
+        out.append(line)
+    return _table(header, out)
+
+
+def eager_sweep_table(rows: list) -> list:
+    """One line per (shape, batch): the tables' configs (conventional, windowed, eager) and the
+    fastest candidate config of the conventional kernel and of the eager step, in us a step."""
+    by = defaultdict(list)
+    for r in rows:
+        by[(r["shape"], r["batch"])].append(r)
+    header = ["shape", "batch", "conventional us", "windowed us", "eager us",
+              "fastest conventional config (us)", "fastest eager config (us)", "failed configs"]
+    out = []
+    for (shape, batch), rs in by.items():
+        table = {r["kind"]: r["us_per_step"] for r in rs if r["config"] is None}
+        line = [shape, batch, _us(table.get("conventional")), _us(table.get("windowed")),
+                _us(table.get("eager"))]
+        for kind in ("conventional", "eager"):
+            ok = [r for r in rs if r["kind"] == kind and r["config"] and r["us_per_step"] is not None]
+            best = min(ok, key=lambda r: r["us_per_step"], default=None)
+            line.append("-" if best is None else f"{_config(best['config'])} ({_us(best['us_per_step'])})")
+        line.append(sum(1 for r in rs if r.get("error")))
+        out.append(line)
+    return _table(header, out)
+
+
+def tune_table(rows: list, tuned: dict) -> list:
+    """One line per (batch, scheme): the candidates timed and the fastest; then the entries
+    that the tuning wrote."""
+    by = defaultdict(list)
+    for r in rows:
+        by[(r["batch"], r["scheme"])].append(r)
+    header = ["batch", "scheme", "candidates", "failed", "fastest config", "us"]
+    out = []
+    for (batch, scheme), rs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        ok = [r for r in rs if r.get("us_per_step") is not None]
+        best = min(ok, key=lambda r: r["us_per_step"], default=None)
+        out.append([batch, scheme, len(rs), len(rs) - len(ok),
+                    "-" if best is None else _config(best["config"]),
+                    "-" if best is None else _us(best["us_per_step"])])
+    lines = _table(header, out)
+    if tuned:
+        lines.append("")
+        lines.append(f"Tuned entries (`eager_max_batch` {tuned.get('eager_max_batch')}; "
+                     "up to batch: config; 1073741824 stands for every larger batch):")
+        lines.append("")
+        for scheme in ("eager", "replay", "conventional"):
+            entries = tuned.get(scheme) or []
+            text = "; ".join(f"{b}: {_config(c)}" for b, c in entries) if entries else "none"
+            lines.append(f"- {scheme}: {text}")
+    return lines
+
+
+def records_table(rows: list) -> list:
+    """One line per (shape, scheme): the mean relative output error against the float64
+    recurrence in the first and the last bin of steps (equal: no drift) and over all bins."""
+    header = ["shape", "family", "heads", "batch", "steps", "scheme", "first bin", "last bin", "mean"]
+    out = []
+    for r in rows:
+        for scheme, errs in r["output_rel_err_by_bin"].items():
+            out.append([r["shape"], r["family"], r["heads"], r["batch"], r["steps"], f"`{scheme}`",
+                        _err(errs[0]), _err(errs[-1]), _err(sum(errs) / len(errs))])
+    return _table(header, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# The document
+
+def file_section(name: str, data: dict) -> list:
+    out = [f"### `{name}`", ""]
+    note = f" ({data['git_commit_note']})" if data.get("git_commit_note") else ""
+    out.append(f"- command: `{data['command']}`")
+    out.append(f"- GPU: {data['device']} (torch {data['torch']}, triton {data['triton']})")
+    out.append(f"- date: {data['date']}")
+    out.append(f"- code: {data['git_commit']}{note}")
+    dtypes = [f"{k.replace('_', ' ')} {data[k]}" for k in ("record_dtype", "input_dtype") if k in data]
+    if "copy_tb_per_s" in data:
+        dtypes.append(f"device-to-device copy {data['copy_tb_per_s']:.2f} TB/s")
+    if dtypes:
+        out.append("- " + ", ".join(dtypes))
+    out.append("")
+    kind = data["benchmark"]
+    if kind == "decode":
+        out += decode_table(data["rows"])
+    elif kind == "eager_sweep":
+        out += eager_sweep_table(data["rows"])
+    elif kind == "tune":
+        out += tune_table(data["rows"], data.get("tuned") or {})
+    elif kind == "records":
+        out += records_table(data["rows"])
+    else:
+        out.append(f"{len(data['rows'])} rows of benchmark `{kind}` (no table for it here).")
+    return out + [""]
+
+
+def render(results_dir: pathlib.Path = RESULTS) -> str:
+    """The text of docs/results.md."""
+    index = (results_dir / "README.md").read_text()
+    out = ["# Results", "",
+           "Generated by `python benchmarks/tools/results_doc.py` from the JSON files indexed in",
+           "[`benchmarks/results/README.md`](../benchmarks/results/README.md), which says what each",
+           "run measured; do not edit by hand (benchmarks/tools/test_tools.py checks that this file",
+           "is what the script writes). Each file's command is as recorded: its `--out` pointed at a",
+           "scratch folder on the GPU machine. Times are microseconds a decode step; speed-ups are",
+           "the conventional kernel's time over ReplaySSM's, timed in the same run.", ""]
+    for title, names in indexed_files(index):
+        out += [f"## {title}", ""]
+        for name in names:
+            out += file_section(name, json.loads((results_dir / name).read_text()))
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv: list) -> int:
+    text = render()
+    if "--check" in argv:
+        if not DOC.exists() or DOC.read_text() != text:
+            print(f"{DOC.relative_to(ROOT)} is not what results_doc.py writes: run it")
+            return 1
+        return 0
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
