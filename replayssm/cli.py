@@ -131,7 +131,8 @@ def _traffic(args) -> int:
     return 0
 
 
-BENCHES = {"decode": "replayssm.bench.decode", "records": "replayssm.bench.records"}
+BENCHES = {"decode": "replayssm.bench.decode", "records": "replayssm.bench.records",
+           "verify": "replayssm.bench.verify"}
 
 
 def _bench(args) -> int:
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
     t.add_argument("--format", default="fp32", choices=formats.FORMATS,
                    help="the state's storage format (default %(default)s)")
     t.set_defaults(func=_traffic)
-    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep) or records (precision study)",
+    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep), verify (speculative verification) or records (precision study)",
                        description="GPU benchmarks. Arguments after the benchmark's name go to it: "
                                    "`replayssm bench decode --help`.")
     b.add_argument("which", nargs="?", choices=sorted(BENCHES), metavar="{" + ",".join(sorted(BENCHES)) + "}",

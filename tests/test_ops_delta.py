@@ -4,7 +4,6 @@ test runs for both families (KDA: channel-wise decay).
 Without CUDA the kernels run under TRITON_INTERPRET=1 at small shapes; the `gpu` tests repeat
 the checks at real shapes (Qwen3.5-4B / -122B) on a GPU.
 """
-import inspect
 import os
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton.language as tl  # noqa: E402
 
 from replayssm.ops import gdn, kda  # noqa: E402
 from replayssm.reference import GDNParams, KDAParams  # noqa: E402
@@ -35,36 +33,6 @@ def family(request):
     OPS = {"gdn": gdn, "kda": kda}[FAMILY]
     PARAMS = {"gdn": GDNParams, "kda": KDAParams}[FAMILY]
     return FAMILY
-
-
-def _speed_up_interpreter():
-    """Test speed only. The CPU interpreter re-patches `triton.language` on every call of a
-    nested @jit function (tl.sum, tl.cumsum, tl.sigmoid ...), which is most of its run time
-    here. While the enclosing launch's patch is active the re-patch is a no-op, so skip it."""
-    try:
-        import triton.runtime.interpreter as interp
-        orig = interp._patch_lang
-    except (ImportError, AttributeError):
-        return
-    if getattr(orig, "_replayssm_fast", False):
-        return
-
-    class _Noop:
-        def restore(self):
-            pass
-
-    def fast(fn):
-        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
-        if langs and all(not tl.core.is_builtin(getattr(m, "load", None)) for m in langs):
-            return _Noop()
-        return orig(fn)
-
-    fast._replayssm_fast = True
-    interp._patch_lang = fast
-
-
-if not GPU:
-    _speed_up_interpreter()
 
 
 # ---------------------------------------------------------------------------------------------

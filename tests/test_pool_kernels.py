@@ -1,6 +1,6 @@
 """The slot pool on its Triton backend (interpreted on the CPU) against the same pool on the
-reference: decode steps through the kernels, verify/commit on the reference, sharing one
-layout, with padding rows and rows at different window positions."""
+reference: decode, verify (per-row draft counts) and commit through the kernels, against the
+reference on the same layout, with padding rows and rows at different window positions."""
 import pytest
 import torch
 
@@ -34,9 +34,11 @@ def test_triton_pool_matches_reference_pool(family, eager):
         if step % 5 == 3:
             x = {k: v.to(DEV) for k, v in make_inputs(params, len(rows), V, K, HK, steps=T,
                                                         dtype=torch.float32, generator=g).items()}
-            outs = [p.verify(ids, **x) for p in (fast, ref)]
+            # rows carry different draft counts; each accepts some of its own
+            nd = torch.tensor([1 + (r + step) % T for r in rows], device=DEV)
+            outs = [p.verify(ids, num_drafts=nd, **x) for p in (fast, ref)]
             for p in (fast, ref):
-                p.commit(ids, torch.tensor([1 + (r % T) for r in rows], device=DEV))
+                p.commit(ids, torch.tensor([1 + (r % int(n)) for r, n in zip(rows, nd)], device=DEV))
         else:
             x = {k: v.to(DEV) for k, v in make_inputs(params, len(rows), V, K, HK, dtype=torch.float32,
                                                         generator=g).items()}

@@ -25,7 +25,7 @@ def get(family: str, op: str, backend: str = "triton"):
 
 
 # ---------------------------------------------------------------------------------------------
-# triton: standard decode (verify, commit and two-checkpoint pools run on the reference)
+# triton: standard decode (two-checkpoint pools run on the reference)
 
 def _mamba2():
     from ..ops import mamba2
@@ -75,3 +75,38 @@ register("gdn", "decode")(_delta_decode(_gdn))
 register("kda", "decode")(_delta_decode(_kda))
 for _family, _kernels in (("mamba2", _mamba2), ("gdn", _gdn), ("kda", _kda)):
     register(_family, "eager_max_batch", "any")(_eager_max_batch(_kernels))
+
+
+# ---------------------------------------------------------------------------------------------
+# triton: speculative verification and its commit (docs/state-layout.md, `verify`, `commit`)
+
+def _verify_state(layout, slot_ids, window, num_drafts, out):
+    return dict(ckpt=layout.ckpt["data"], buf_ld=layout.buf["ld"], buf_w=layout.buf["w"],
+                buf_k=layout.buf["k"], cursor=layout.cursor, pending=layout.pending,
+                epoch=layout.epoch, arrive=layout.arrive, slot_ids=slot_ids, window=window,
+                num_drafts=num_drafts, out=out, validate=False)
+
+
+def _mamba2_verify(params, layout, slot_ids, inputs, window, num_drafts, out):
+    inputs = dict(inputs)
+    z = inputs.pop("z", None)
+    return _mamba2().replay_verify(A=params.A, dt_bias=params.dt_bias, D=params.D, z=z, **inputs,
+                                   **_verify_state(layout, slot_ids, window, num_drafts, out))
+
+
+def _delta_verify(kernels):
+    def run(params, layout, slot_ids, inputs, window, num_drafts, out):
+        return kernels().replay_verify(A_log=params.A_log, dt_bias=params.dt_bias, scale=params.scale,
+                                       use_qk_l2norm=params.use_qk_l2norm, **inputs,
+                                       **_verify_state(layout, slot_ids, window, num_drafts, out))
+    return run
+
+
+def _commit(layout, slot_ids, accepted):
+    from ..ops.utils.commit import commit
+    commit(layout.cursor, layout.pending, slot_ids, accepted)
+
+
+for _family, _run in (("mamba2", _mamba2_verify), ("gdn", _delta_verify(_gdn)), ("kda", _delta_verify(_kda))):
+    register(_family, "verify")(_run)
+    register(_family, "commit")(_commit)

@@ -244,49 +244,96 @@ class SlotPool:
         return y
 
     @torch.no_grad()
-    def verify(self, slot_ids: Tensor, **inputs: Tensor) -> Tensor:
+    def verify(self, slot_ids: Tensor, *, num_drafts: Optional[Tensor] = None,
+               out: Optional[Tensor] = None, validate: bool = True, **inputs: Tensor) -> Tensor:
         """Output-only verification of `T` tokens per row (SPEC section 4).
 
         Inputs `[B, T, ...]`, `1 <= T <= max_draft`. Returns `[B, T, HV, V]`, the outputs the
-        conventional recurrence would give for the tokens in order. The tokens stay pending
-        until `commit`; if `h + T > window` the committed records are folded first.
+        conventional recurrence would give for the tokens in order. `num_drafts` `[B]` int
+        (default: `T` for every row): row b verifies its first `num_drafts[b]` tokens
+        (`1..T`), its outputs past them are zero. The tokens stay pending until `commit`; a row
+        whose cursor `h` has `h + num_drafts[b] > window` first folds its committed records
+        into the checkpoint (the early flush, decided from the cursor alone).
+
+        `out` `[B, T, HV, V]` as for `decode`. On the triton backend, `out` and
+        `validate=False` make the call free of host synchronisation and allocation (CUDA
+        graphs): validate once, outside the graph.
         """
-        slot_ids = check.slots(self, slot_ids)
+        if validate:
+            slot_ids = check.slots(self, slot_ids)
+            inputs = check.inputs(self, inputs, slot_ids.shape[0], steps=True)
         B = slot_ids.shape[0]
-        inputs = check.inputs(self, inputs, B, steps=True)
         T = next(iter(inputs.values())).shape[1]
+        if validate:
+            check.num_drafts(self, num_drafts, B, T)
+            check.out(self, out, B, T)
         if B == 0:
-            return torch.zeros(0, T, self.HV, self.V, dtype=self.dtype, device=self.device)
+            return out if out is not None else torch.zeros(0, T, self.HV, self.V, dtype=self.dtype,
+                                                           device=self.device)
+        run = backends.get(self.family, "verify") if self.backend == "triton" else None
+        if run is not None:
+            y = run(self.params, self.layout, slot_ids, {k: v.contiguous() for k, v in inputs.items()},
+                    self.window, num_drafts, out)
+            return y
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)
-        out = torch.zeros(B, T, self.HV, self.V, dtype=self.dtype, device=self.device)
+        ns = [T] * B if num_drafts is None else num_drafts.tolist()
+        y_all = torch.zeros(B, T, self.HV, self.V, dtype=self.dtype, device=self.device)
         for b, s in enumerate(slot_ids.tolist()):
             if s < 0:
                 continue
-            toks = {k: v[b] for k, v in prep.items()}
+            n = int(ns[b])
+            toks = {k: v[b, :n] for k, v in prep.items()}
             Y, S, start = R.verify_step(self.params, self._read(self.ckpt, self.hp_format, s),
                                         self._read(self.ckpt_lp, self.lp_format, s), self.layout.slot_records(s),
                                         int(self.cursor[s]), self.window, toks, self.recompute)
-            out[b] = Y
+            y_all[b, :n] = Y
             if S is not None:
                 self._write(s, S)
             self.cursor[s] = start
-            self.pending[s] = T
-        return self._finish(out, slot_ids, inputs)
+            self.pending[s] = n
+        y_all = self._finish(y_all, slot_ids, inputs)
+        if num_drafts is not None:
+            keep = torch.arange(T, device=self.device)[None, :] < num_drafts[:, None].to(self.device)
+            y_all = y_all * keep[:, :, None, None]
+        return y_all if out is None else out.copy_(y_all)
 
     @torch.no_grad()
-    def commit(self, slot_ids: Tensor, accepted: Tensor) -> None:
-        """Accept the first `accepted[b]` (`1..T`) tokens of each row's last `verify`.
+    def commit(self, slot_ids: Tensor, accepted: Tensor, *, validate: bool = True) -> None:
+        """Accept the first `accepted[b]` (`1..num_drafts[b]`) tokens of each row's last
+        `verify`.
 
         Rejected tokens stay behind the cursor and are overwritten later: rollback is the
-        cursor move itself.
+        cursor move itself. `accepted` `[B]` int on the pool's device (as a sampler makes
+        it); on the triton backend one launch, and with `validate=False` no host
+        synchronisation (unvalidated counts are clamped to `0..pending`).
         """
-        slot_ids = check.slots(self, slot_ids)
-        check.accepted(self, slot_ids, accepted)
+        if validate:
+            slot_ids = check.slots(self, slot_ids)
+            check.accepted(self, slot_ids, accepted)
+        if slot_ids.shape[0] == 0:
+            return
+        run = backends.get(self.family, "commit") if self.backend == "triton" else None
+        if run is not None:
+            run(self.layout, slot_ids, accepted)
+            return
         valid = slot_ids >= 0
         s, a = slot_ids[valid].long(), accepted[valid]
-        self.cursor[s] += a.to(torch.int32)
+        a = torch.minimum(a.to(torch.int32).clamp(min=0), self.pending[s])
+        self.cursor[s] += a
         self.pending[s] = 0
+
+    def memory_per_sequence(self) -> dict:
+        """Bytes of recurrent state one sequence holds, per scheme: `"replay"`, this pool's
+        (checkpoints, `L + T` records, cursor, pending and epoch: every per-slot tensor), and
+        `"snapshot"`, the `T + 1` full states per sequence that snapshot verification keeps
+        (one per draft token plus the state it starts from) at the pool's checkpoint format."""
+        lay = self.layout
+        tensors = [*lay.ckpt.values(), *(lay.ckpt_lp or {}).values(), *lay.buf.values(), lay.cursor,
+                   lay.pending, lay.epoch]
+        replay = sum(t.element_size() * t.numel() for t in tensors) // self.N
+        state = sum(t.element_size() * t.numel() for t in lay.ckpt.values()) // self.N
+        return {"replay": int(replay), "snapshot": int((self.max_draft + 1) * state)}
 
     @torch.no_grad()
     def reset(self, slot_ids: Tensor) -> None:

@@ -1,9 +1,10 @@
 """The pool's one validator: arguments checked at the Python boundary, before anything
 changes, with `ValueError` naming the offending value.
 
-Host synchronisation policy: validation reads slot ids and accepted counts on the host (one
-copy each); it is the only part of an operation that does. `decode(validate=False)` skips it
-and is free of host synchronisation, for CUDA graphs (validate once, outside the graph).
+Host synchronisation policy: validation reads slot ids, draft and accepted counts on the host
+(one copy each); it is the only part of an operation that does. `validate=False` (`decode`,
+`verify`, `commit`) skips it, and on the triton backend the operation is then free of host
+synchronisation, for CUDA graphs (validate once, outside the graph).
 """
 from __future__ import annotations
 
@@ -113,11 +114,12 @@ def inputs(pool, given: dict, batch: int, steps: bool) -> dict:
     return out
 
 
-def out(pool, o: Optional[Tensor], batch: int) -> None:
-    """`out=` of decode: `[B, HV, V]` in the pool's dtype, on its device, contiguous."""
+def out(pool, o: Optional[Tensor], batch: int, steps: Optional[int] = None) -> None:
+    """`out=` of decode (`[B, HV, V]`) or verify (`[B, T, HV, V]`, `steps = T`): the pool's
+    dtype, on its device, contiguous."""
     if o is None:
         return
-    expect = (batch, pool.HV, pool.V)
+    expect = (batch, pool.HV, pool.V) if steps is None else (batch, steps, pool.HV, pool.V)
     if not isinstance(o, Tensor):
         raise ValueError(f"out must be a tensor of shape {expect}, got {type(o).__name__}")
     if tuple(o.shape) != expect or o.dtype != pool.dtype or o.device != pool.device:
@@ -127,8 +129,25 @@ def out(pool, o: Optional[Tensor], batch: int) -> None:
         raise ValueError(f"out must be contiguous, got strides {o.stride()}")
 
 
+def num_drafts(pool, n, batch: int, T: int) -> None:
+    """Per-row draft counts of `verify`: None, or a `[B]` int32/int64 tensor on the pool's
+    device with every entry in `1..T`."""
+    if n is None:
+        return
+    if not isinstance(n, Tensor) or tuple(n.shape) != (batch,):
+        raise ValueError(f"num_drafts must be a tensor of shape ({batch},), got "
+                         f"{tuple(n.shape) if isinstance(n, Tensor) else type(n).__name__}")
+    if n.dtype not in (torch.int32, torch.int64) or n.device != pool.device:
+        raise ValueError(f"num_drafts must be an int32/int64 tensor on {pool.device}, "
+                         f"got {n.dtype} on {n.device}")
+    bad = [v for v in n.tolist() if not 1 <= v <= T]
+    if bad:
+        raise ValueError(f"num_drafts holds {bad[0]}, outside 1..{T} (the tokens given)")
+
+
 def accepted(pool, slot_ids: Tensor, acc) -> None:
-    """Accepted counts of `commit`: `1..pending` per valid row."""
+    """Accepted counts of `commit`: `1..pending` per valid row (a row without a verify since
+    its last commit or decode has nothing pending and is refused)."""
     if not isinstance(acc, Tensor) or acc.shape != slot_ids.shape:
         raise ValueError(f"accepted must be a tensor of shape {tuple(slot_ids.shape)}, got "
                          f"{tuple(acc.shape) if isinstance(acc, Tensor) else type(acc).__name__}")

@@ -18,9 +18,11 @@ from .configs import conventional_config, replay_config
 from .configs import eager_max_batch as _eager_max_batch
 from .conventional import conventional_decode
 from .decode import replay_decode
+from .snapshot import snapshot_commit, snapshot_verify
+from .verify import replay_verify
 
 __all__ = ["replay_decode", "conventional_decode", "replay_config", "conventional_config", "eager_max_batch",
-           "arrive_counter"]
+           "arrive_counter", "replay_verify", "snapshot_verify", "snapshot_commit"]
 
 
 def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:

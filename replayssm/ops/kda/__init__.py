@@ -12,9 +12,11 @@ from ..gdn.configs import replay_config as _replay_config
 from ..utils.launch import arrive_counter
 from .conventional import conventional_decode
 from .decode import replay_decode
+from .snapshot import snapshot_commit, snapshot_verify
+from .verify import replay_verify
 
 __all__ = ["replay_decode", "conventional_decode", "replay_config", "conventional_config", "eager_max_batch",
-           "arrive_counter"]
+           "arrive_counter", "replay_verify", "snapshot_verify", "snapshot_commit"]
 
 
 def replay_config(V: int, K: int, config: Optional[dict] = None, *, HG: int = 1,

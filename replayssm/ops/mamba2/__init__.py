@@ -12,6 +12,8 @@ from __future__ import annotations
 from .configs import CONVENTIONAL_CONFIGS, REPLAY_CONFIGS, eager_max_batch
 from .conventional import conventional_decode
 from .decode import replay_decode
+from .snapshot import snapshot_commit, snapshot_verify
+from .verify import replay_verify
 
-__all__ = ["replay_decode", "conventional_decode", "eager_max_batch", "REPLAY_CONFIGS",
-           "CONVENTIONAL_CONFIGS"]
+__all__ = ["replay_decode", "replay_verify", "conventional_decode", "snapshot_verify", "snapshot_commit",
+           "eager_max_batch", "REPLAY_CONFIGS", "CONVENTIONAL_CONFIGS"]

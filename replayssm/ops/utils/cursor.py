@@ -68,3 +68,25 @@ def eager_bookkeeping(arrive, cursor, epoch, i_s, h, e0, first, NPROG: tl.conste
         hand_off(arrive, cursor, epoch, i_s, h, True, NPROG)
     elif first:
         tl.store(epoch + i_s, e0 + 1)
+
+
+@triton.jit
+def verify_hand_off(arrive, cursor, pending, epoch, i_s, h_new, n, flush, NPROG: tl.constexpr):
+    """The verify step's cursor hand-off (docs/state-layout.md, `verify`): once all NPROG
+    programs of slot s have arrived, the last one sets `cursor = h_new` (the position the
+    drafts follow), `pending = n` (drafts written) and, on an early flush, `epoch += 1`.
+    Returns whether this program is the last, so that the caller can write what the slot's
+    other programs may still have been reading (on an early flush the drafts overwrite the
+    committed records at positions 0..n-1, and a group's key or a head's decay is read by
+    programs other than its writer). The arrival is acq_rel: every other program's loads are
+    done before the last one stores."""
+    tl.debug_barrier()
+    n_arrived = tl.atomic_add(arrive + i_s, 1, sem="acq_rel")
+    last = n_arrived == NPROG - 1
+    if last:
+        if flush:
+            tl.store(epoch + i_s, tl.load(epoch + i_s) + 1)
+        tl.store(cursor + i_s, h_new.to(tl.int32))
+        tl.store(pending + i_s, n.to(tl.int32))
+        tl.store(arrive + i_s, 0)
+    return last

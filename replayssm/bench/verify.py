@@ -1,0 +1,256 @@
+"""Speculative-verification benchmark: ReplaySSM verify + commit against the snapshot scheme
+serving engines use, both normalised to one conventional standard decode step, same run.
+
+A verify step is `T` tokens per row verified and the accepted count committed, the accepted
+counts a device tensor (as a sampler makes them). `R` steps are captured in one CUDA graph and
+replayed; the time per step is the median replay over `R`. Rows start at staggered cursors
+(slot `s` at `s mod L`) and every row accepts `accepted` tokens each step, so over the `R`
+steps the early flushes fall as they would at that acceptance length (all accepted at `T = 8`,
+`L = 16`: every other step).
+
+- `replay`: `ops.<family>.replay_verify` + `ops.utils.commit.commit` on the pool's layout
+  (checkpoint plus `L + T` records per sequence).
+- `snapshot`: `ops.<family>.snapshot_verify` + `snapshot_commit`: the conventional recurrence
+  token by token, one full state written per verified token into `T + 1` state slots per
+  sequence, the next step starting from the accepted token's state.
+- `conventional`: one `conventional_decode` step (the unit of `ratio_vs_conventional_step`).
+
+`us_per_accepted_token` is the step's time over `accepted`, the tokens each row keeps (mean
+acceptance length = `accepted`). Token inputs and outputs have `--input-dtype` (bf16 default);
+layer parameters and states fp32, records `--record-dtype`.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+
+import torch
+
+from .. import shapes
+from ..testing import make_inputs, make_params
+from .common import graph_time_us, header, write_results
+
+SHAPES = ["nemotron3-super", "nemotron3-nano-4b", "qwen3.5-122b", "qwen3.5-4b", "kimi-linear-48b"]
+
+
+def _ops(family):
+    if family == "mamba2":
+        from ..ops import mamba2 as m
+    elif family == "gdn":
+        from ..ops import gdn as m
+    else:
+        from ..ops import kda as m
+    return m
+
+
+def _call(fn, kwargs):
+    """Call `fn` with the keyword arguments its signature accepts (families differ slightly)."""
+    names = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in names})
+
+
+class Case:
+    """One benchmark point's inputs and the state of the three schemes."""
+
+    def __init__(self, shape, batch, window, T, *, record_dtype=torch.bfloat16,
+                 input_dtype=torch.bfloat16, seed=0, device="cuda", snapshot=True):
+        fam, HV, Hk, V, K = shapes.parse(shape)
+        self.shape, self.family, self.batch, self.window, self.T = shape, fam, batch, window, T
+        self.HV, self.Hk, self.V, self.K = HV, Hk, V, K
+        dev = device
+        self.params = make_params(fam, HV, K, dtype=torch.float32, device=dev, seed=seed)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        N, Lb = batch, window + T
+        self.slot_ids = torch.randperm(N, generator=g, device=dev).to(torch.int32)
+        self.drafts = make_inputs(self.params, batch, V, K, Hk, steps=T, dtype=input_dtype, device=dev,
+                                  generator=g)
+        self.token = {k: v[:, 0].contiguous() for k, v in self.drafts.items()}
+        init = 0.1 * torch.randn(N, HV, V, K, device=dev)
+        self.ckpt = init.clone()
+        self.state = init.clone()
+        ld_shape = (N, Lb, HV, K) if fam == "kda" else (N, Lb, HV)
+        self.buf_ld = -0.05 * torch.rand(ld_shape, device=dev)
+        self.buf_w = (0.1 * torch.randn(N, Lb, HV, V, device=dev)).to(record_dtype)
+        k = torch.randn(N, Lb, Hk, K, device=dev)
+        self.buf_k = (k / k.norm(dim=-1, keepdim=True)).to(record_dtype)
+        self.cursor = (torch.arange(N, device=dev) % window).to(torch.int32)
+        self.pending = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.epoch = torch.zeros(N, dtype=torch.int64, device=dev)
+        self.arrive = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.out = torch.empty(batch, T, HV, V, device=dev, dtype=input_dtype)
+        self.out1 = torch.empty(batch, HV, V, device=dev, dtype=input_dtype)
+        self.accepted = torch.ones(batch, dtype=torch.int32, device=dev)
+        if snapshot:
+            self.states = init[:, None].repeat(1, T + 1, 1, 1, 1)
+            self.base = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.ops = _ops(fam)
+
+    def _params(self):
+        p = self.params
+        if self.family == "mamba2":
+            return dict(A=p.A, dt_bias=p.dt_bias, D=p.D)
+        return dict(A_log=p.A_log, dt_bias=p.dt_bias, scale=None, use_qk_l2norm=True)
+
+    def replay_step(self):
+        from ..ops.utils.commit import commit
+
+        _call(self.ops.replay_verify, dict(self.drafts, **self._params(), ckpt=self.ckpt, buf_ld=self.buf_ld,
+                                           buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
+                                           pending=self.pending, epoch=self.epoch, arrive=self.arrive,
+                                           slot_ids=self.slot_ids, window=self.window, out=self.out,
+                                           validate=False))
+        commit(self.cursor, self.pending, self.slot_ids, self.accepted)
+
+    def snapshot_step(self):
+        from ..ops.utils.snapshot import snapshot_commit
+
+        _call(self.ops.snapshot_verify, dict(self.drafts, **self._params(), states=self.states, base=self.base,
+                                             slot_ids=self.slot_ids, out=self.out, validate=False))
+        snapshot_commit(self.base, self.slot_ids, self.accepted, self.T + 1)
+
+    def conventional_step(self):
+        _call(self.ops.conventional_decode, dict(self.token, **self._params(), state=self.state,
+                                                 slot_ids=self.slot_ids, out=self.out1, validate=False))
+
+    def memory_per_sequence(self) -> dict:
+        """Bytes per sequence of each scheme's state (cursor and counters left out)."""
+        rep = sum(t.element_size() * t.numel() for t in (self.ckpt, self.buf_ld, self.buf_w, self.buf_k))
+        state = self.ckpt.element_size() * self.ckpt.numel()
+        return {"replay": rep // self.batch, "snapshot": (self.T + 1) * state // self.batch,
+                "conventional": state // self.batch}
+
+    def finite(self) -> bool:
+        ok = bool(torch.isfinite(self.ckpt).all() and torch.isfinite(self.state).all())
+        return ok and (not hasattr(self, "states") or bool(torch.isfinite(self.states).all()))
+
+
+def _time_steps(step, rounds, reps):
+    def run():
+        for _ in range(rounds):
+            step()
+    return graph_time_us(run, reps=reps) / rounds
+
+
+def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record_dtype=torch.bfloat16,
+            input_dtype=torch.bfloat16, snapshot=True, device="cuda"):
+    """Rows of one (shape, batch, T) point: the conventional step, and replay (and snapshot) at
+    each accepted count of `accepted_list`."""
+    case = Case(shape, batch, window, T, record_dtype=record_dtype, input_dtype=input_dtype,
+                device=device, snapshot=snapshot)
+    t_conv = _time_steps(case.conventional_step, rounds, reps)
+    mem = case.memory_per_sequence()
+    base = dict(shape=shape, family=case.family, batch=batch, window=window, T=T,
+                record_dtype=str(record_dtype).replace("torch.", ""),
+                input_dtype=str(input_dtype).replace("torch.", ""))
+    rows = [dict(base, scheme="conventional", accepted=1, us_per_step=t_conv, ratio_vs_conventional_step=1.0,
+                 us_per_accepted_token=t_conv, bytes_per_sequence=mem["conventional"])]
+    schemes = [("replay", case.replay_step)] + ([("snapshot", case.snapshot_step)] if snapshot else [])
+    for (name, step), a in itertools.product(schemes, accepted_list):
+        case.accepted.fill_(a)
+        t = _time_steps(step, rounds, reps)
+        rows.append(dict(base, scheme=name, accepted=a, us_per_step=t, ratio_vs_conventional_step=t / t_conv,
+                         us_per_accepted_token=t / a, bytes_per_sequence=mem[name]))
+    finite = case.finite()
+    for r in rows:
+        r["finite"] = finite
+    case = None        # free this point's tensors before the next one is allocated
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["shape"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.6), squeeze=False)
+    for ax, (shape, batch) in zip(axes[0], keys):
+        for T in sorted({r["T"] for r in rows}):
+            for scheme, style in (("replay", "-o"), ("snapshot", "--x")):
+                pts = sorted((r["accepted"], r["ratio_vs_conventional_step"]) for r in rows
+                             if (r["shape"], r["batch"], r["T"], r["scheme"]) == (shape, batch, T, scheme))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{scheme} T={T}", ms=3)
+        ax.set_title(f"{shape} B={batch}", fontsize=8)
+        ax.set_xlabel("tokens accepted per row")
+        ax.set_yscale("log")
+    axes[0][0].set_ylabel("verify step / conventional step")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(f"Speculative verification, window 16 ({torch.cuda.get_device_name()})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="replayssm bench verify", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help="model names or family/HV/Hk/V/K specs, comma-separated (default: %(default)s)")
+    ap.add_argument("--batches", default="256,512")
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--drafts", default="2,4,8", help="the T values (tokens per verify step)")
+    ap.add_argument("--accepted", default="all", choices=["all", "ends"],
+                    help="accepted counts timed: every 1..T, or only 1 and T")
+    ap.add_argument("--no-snapshot", action="store_true", help="leave the snapshot scheme out")
+    ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--input-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rounds", type=int, default=8, help="verify steps per captured graph")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="verify.json", help="the JSON results file (a plot beside it)")
+    args = ap.parse_args(argv)
+    try:
+        shape_list = [shapes.parse(s) and s for s in args.shapes.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{ap.prog}: error: the verify benchmark needs a CUDA device "
+                         "(torch.cuda.is_available() is False on this machine)")
+    rdt, idt = getattr(torch, args.record_dtype), getattr(torch, args.input_dtype)
+    doc = header("verify")
+    doc.update(record_dtype=args.record_dtype, input_dtype=args.input_dtype, window=args.window,
+               rounds=args.rounds)
+    rows = []
+    for shape, batch, T in itertools.product(shape_list, map(int, args.batches.split(",")),
+                                             map(int, args.drafts.split(","))):
+        acc = list(range(1, T + 1)) if args.accepted == "all" else sorted({1, T})
+        r = measure(shape, batch, args.window, T, acc, rounds=args.rounds, reps=args.reps, record_dtype=rdt,
+                    input_dtype=idt, snapshot=not args.no_snapshot)
+        rows += r
+        doc["rows"] = rows
+        write_results(args.out, doc)      # after every point: a run cut short keeps what it measured
+        rep = {x["accepted"]: x for x in r if x["scheme"] == "replay"}
+        snap = {x["accepted"]: x for x in r if x["scheme"] == "snapshot"}
+        line = (f"{shape:18} B={batch:3d} T={T} conv {r[0]['us_per_step']:7.1f} us | replay "
+                f"{rep[min(rep)]['ratio_vs_conventional_step']:.2f}-{rep[max(rep)]['ratio_vs_conventional_step']:.2f}x")
+        if snap:
+            line += (f" | snapshot {snap[min(snap)]['ratio_vs_conventional_step']:.2f}-"
+                     f"{snap[max(snap)]['ratio_vs_conventional_step']:.2f}x")
+        print(line, flush=True)
+    path = write_results(args.out, doc)
+    try:
+        _plot(rows, path.with_suffix(".png"))
+    except Exception as e:  # plotting is a convenience; the JSON is the result
+        print("plot failed:", e)
+    print(f"\nverify step / conventional step, window {args.window}, drafts all rejected .. all accepted")
+    print("shape               batch  T  conv us   replay        snapshot     per token at A=3 (T=4): replay/snapshot")
+    for shape, batch, T in sorted({(r["shape"], r["batch"], r["T"]) for r in rows}):
+        sel = [r for r in rows if (r["shape"], r["batch"], r["T"]) == (shape, batch, T)]
+        conv = next(r for r in sel if r["scheme"] == "conventional")
+        rng = {}
+        for scheme in ("replay", "snapshot"):
+            s = sorted((r["accepted"], r["ratio_vs_conventional_step"]) for r in sel if r["scheme"] == scheme)
+            rng[scheme] = f"{s[0][1]:.2f}-{s[-1][1]:.2f}x" if s else "-"
+        per = ""
+        if T == 4:
+            a3 = {r["scheme"]: r["us_per_accepted_token"] for r in sel if r["accepted"] == 3}
+            if "replay" in a3 and "snapshot" in a3:
+                per = f"{a3['snapshot'] / a3['replay']:.2f}x fewer us"
+        print(f"{shape:18} {batch:5d} {T:2d} {conv['us_per_step']:8.1f}   {rng['replay']:12} {rng['snapshot']:12} {per}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,501 @@
+"""ReplaySSM speculative verification for Gated DeltaNet (and, through `IS_KDA`, Kimi Delta
+Attention): T tokens per row in one launch, output-only (docs/state-layout.md, `verify`; SPEC
+section 4).
+
+Each program owns one `(row, value head, V-block)` tile `[BV, K]` of the checkpoint `C`, reads
+it once and serves all T drafts. For the row's slot with cursor `h` and `n` drafts, the drafts
+follow `h' = h`, or `h' = 0` after an early flush (`h + n > window`: the committed records are
+folded into the tile first and it is written back). Draft `t` sits at position `h' + t`; with
+`P_t = a_t S_{t-1}` (never materialised) and `G(i..p) = exp(ld_i + ... + ld_p)`:
+
+    P_t k = G(0..h'+t) C k + sum_{j<h'} G(j+1..h'+t) (k_j.k) u_j + sum_{r<t} G(h'+r+1..h'+t) (k_r.k) u_r
+    u_t   = beta_t (v_t - P_t k_t)                    (forward substitution over the drafts)
+    o_t   = P_t q_t + (k_t.q_t) u_t
+
+The delta rule's `u` of a value row depends on that row of `S` only, so the V-blocks of a head
+are independent programs. Everything but the drafts' mutual `u` is known from the inputs, so a
+program (1) gathers the drafts' keys, queries, values and decays into `[TP, ...]` register tiles
+(and their mutual weighted products `Mk`, `Mq`, `[TP, TP]`), (2) forms the checkpoint's and the
+committed records' parts for all drafts at once as fp32 products (`tl.dot`, IEEE precision:
+`C [BV, K] x [K, TP]`, `U_c^T [BV, L] x [L, TP]`), (3) solves the unit-triangular system draft
+by draft on `[BV, TP]` tiles, where draft t reads only the drafts before it. Drafts are never
+read back from the buffer. KDA's decay is a `[K]` vector that scales the key columns instead of
+whole terms.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..utils.checks import check_tensor, may_sync
+from ..utils.cursor import fold_pending, verify_hand_off
+from ..utils.launch import arrive_counter
+from ..utils.tiles import tile_offsets
+from .common import (_FLOATS, _for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
+                     check_devices, check_slot_ids, check_slot_values, check_state)
+
+__all__ = ["replay_verify", "run_verify", "verify_config"]
+
+MAX_DRAFT = 8
+
+# ---------------------------------------------------------------------------------------------
+# The verify kernel.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _log_decay(b_x, b_A):
+    """`-A softplus(x)` with the operations of `common._load_head` (the same bits)."""
+    b_e = tl.exp(-tl.abs(b_x))
+    b_1e = 1.0 + b_e
+    b_d = b_1e - 1.0
+    b_l1p = tl.where(b_d == 0.0, b_e, tl.log(b_1e) * (b_e / tl.where(b_d == 0.0, 1.0, b_d)))
+    return -b_A * (tl.maximum(b_x, 0.0) + b_l1p)
+
+
+@triton.jit
+def _write_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, i_s, n, o_k, m_k,
+                  stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
+                  T: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+                  LBCAP: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr,
+                  IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """On an early flush, the drafts' fields other programs of the slot read as committed
+    records until they all arrived: every value head's log decay and every key head's key at
+    positions `0..n-1`, recomputed from the inputs by the slot's last program."""
+    o_hv = tl.arange(0, HVP)
+    m_hv = o_hv < HV
+    o_hk = tl.arange(0, HKP)
+    m_hk = o_hk < HK
+    b_A = tl.exp(tl.load(A_log + o_hv, mask=m_hv, other=0.).to(tl.float32))
+    if IS_KDA:
+        b_dt = tl.load(dt_bias + o_hv[:, None] * K + o_k[None, :], mask=m_hv[:, None] & m_k[None, :],
+                       other=0.).to(tl.float32)
+    else:
+        b_dt = tl.load(dt_bias + o_hv, mask=m_hv, other=0.).to(tl.float32)
+    for t in tl.static_range(T):
+        ok = t < n
+        p_kt = k + i_b * stride_k_b + t * stride_k_t
+        m_kh = m_hk[:, None] & m_k[None, :]
+        b_k = tl.load(p_kt + o_hk[:, None] * stride_k_h + o_k[None, :], mask=m_kh, other=0.).to(tl.float32)
+        if USE_QK_L2NORM:
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        p_kb = buf_k + ((i_s * LBCAP + t) * HK + o_hk)[:, None] * K + o_k[None, :]
+        tl.store(p_kb, _for_store(b_k, p_kb, EXACT_BF16), mask=tl.where(ok, m_kh, False))
+        p_at = a + i_b * stride_a_b + t * stride_a_t
+        if IS_KDA:
+            m_a = m_hv[:, None] & m_k[None, :]
+            b_a = tl.load(p_at + o_hv[:, None] * stride_a_h + o_k[None, :], mask=m_a, other=0.).to(tl.float32)
+            b_ld = tl.where(m_a, _log_decay(b_a + b_dt, b_A[:, None]), 0.)
+            tl.store(buf_ld + ((i_s * LBCAP + t) * HV + o_hv)[:, None] * K + o_k[None, :], b_ld,
+                     mask=tl.where(ok, m_a, False))
+        else:
+            b_a = tl.load(p_at + o_hv * stride_a_h, mask=m_hv, other=0.).to(tl.float32)
+            tl.store(buf_ld + (i_s * LBCAP + t) * HV + o_hv, _log_decay(b_a + b_dt, b_A),
+                     mask=tl.where(ok, m_hv, False))
+
+
+@triton.jit
+def _replay_verify_kernel(
+    q, k, v, a, b, A_log, dt_bias, o,
+    ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+    scale, window,
+    stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
+    stride_v_b, stride_v_t, stride_v_h, stride_a_b, stride_a_t, stride_a_h,
+    stride_b_b, stride_b_t, stride_b_h,
+    T: tl.constexpr, TP: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
+    K: tl.constexpr, LBCAP: tl.constexpr, LB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    HVP: tl.constexpr, HKP: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    HAS_NDRAFT: tl.constexpr, EXACT_BF16: tl.constexpr,
+):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    HG: tl.constexpr = HV // HK
+    # grid (HV * NV, Bt), V-block fastest: a program owns V-block i_v of value head i_hv
+    pid = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_v = pid % NV
+    i_hv = pid // NV
+    i_hk = i_hv // HG
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_t = tl.arange(0, TP)
+    o_c = tl.arange(0, TP)
+    p_o = o + (i_b * T * HV + i_hv) * V
+    o_o = o_t[:, None] * (HV * V) + o_v[None, :]                             # [TP, BV]
+
+    i_s = tl.load(slot_ids + i_b).to(tl.int64)
+    if i_s < 0:
+        tl.store(p_o + o_o, tl.zeros([TP, BV], dtype=tl.float32).to(p_o.dtype.element_ty),
+                 mask=(o_t < T)[:, None] & m_v[None, :])
+        return
+    h = tl.load(cursor + i_s).to(tl.int64)
+    if HAS_NDRAFT:
+        n = tl.load(num_drafts + i_b).to(tl.int64)
+    else:
+        n = tl.full([], T, tl.int64)
+    flush = h + n > window
+    keep = h + n <= window
+    hc = tl.where(flush, 0, h)              # committed records the drafts follow (h')
+
+    # tile offsets in int32 added to a scalar 64-bit base
+    p_C = ckpt + (i_s * HV + i_hv) * (V * K)
+    o_C, m_C = tile_offsets(o_v, m_v, K, BK, 1)
+    b_C = tl.load(p_C + o_C, mask=m_C, other=0., eviction_policy="evict_first")   # [BV, BK]
+
+    # committed records j < h', predicated on h' (empty after a flush); lane j of the shifted
+    # decays holds ld_{j+1}, so that a reverse scan gives each record's suffix sum directly
+    o_j = tl.arange(0, LB)
+    m_j = o_j < hc
+    m_j1 = (o_j + 1) < hc
+    o_rec = i_s * LBCAP + o_j
+    b_Kc = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
+                   mask=m_j[:, None] & m_k[None, :], other=0.)
+    b_Kc = tl.where(m_j[:, None], b_Kc.to(tl.float32), 0.)                  # [LB, BK]
+    b_Uc = tl.load(buf_w + ((o_rec * HV + i_hv) * V)[:, None] + o_v[None, :],
+                   mask=m_j[:, None] & m_v[None, :], other=0.)
+    b_Uc = tl.where(m_j[:, None], b_Uc.to(tl.float32), 0.)                  # [LB, BV]
+    if IS_KDA:
+        b_LDs = tl.load(buf_ld + ((o_rec + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
+                        mask=m_j1[:, None] & m_k[None, :], other=0.)
+        b_LDs = tl.where(m_j1[:, None], b_LDs, 0.)                          # [LB, BK]
+        b_ld0 = tl.load(buf_ld + (i_s * LBCAP * HV + i_hv) * K + o_k, mask=tl.where(hc > 0, m_k, False),
+                        other=0.)
+        b_ld0 = tl.where(hc > 0, b_ld0, 0.)
+    else:
+        b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_j1, other=0.)
+        b_LDs = tl.where(m_j1, b_LDs, 0.)                                   # [LB]
+        b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv, mask=hc > 0, other=0.)
+        b_ld0 = tl.where(hc > 0, b_ld0, 0.)
+    b_suf = tl.cumsum(b_LDs, axis=0, reverse=True)        # record j: ld_{j+1} + ... + ld_{h'-1}
+    b_Lc = b_ld0 + tl.sum(b_LDs, axis=0)                  # ld_0 + ... + ld_{h'-1}
+
+    if flush:
+        # records 0..h-1 folded into the tile, oldest first (exact fp32, the conventional
+        # arithmetic), re-read from L1/L2; the new checkpoint is stored before the drafts start
+        o_p = i_s * LBCAP
+        if IS_KDA:
+            p_ld = buf_ld + (o_p * HV + i_hv) * K + o_k
+        else:
+            p_ld = buf_ld + o_p * HV + i_hv
+        b_C = fold_pending(b_C, h, p_ld, buf_w + (o_p * HV + i_hv) * V + o_v,
+                           buf_k + (o_p * HK + i_hk) * K + o_k, HV * K if IS_KDA else HV,
+                           HV * V, HK * K, m_v, m_k, 2 if IS_KDA else 0)
+        tl.store(p_C + o_C, b_C, mask=m_C)
+        # this program's own records 0..n-1, read by all its threads above, are overwritten below
+        tl.debug_barrier()
+
+    # Phase 1, per draft t (inputs only, no u): its key, query, value, beta into [TP, ...] tiles
+    # selected by lane; D (lane t: ld of drafts 0..t) and, for the drafts' mutual products,
+    # W (lane r: ld of drafts r+1..t) as running direct sums; column t of Mk (r < t) and Mq
+    # (r <= t): `(k_r . k_t)` and `(k_r . q_t)` weighted by exp(W).
+    b_Kd = tl.zeros([TP, BK], dtype=tl.float32)
+    b_Qd = tl.zeros([TP, BK], dtype=tl.float32)
+    b_Vt = tl.zeros([BV, TP], dtype=tl.float32)
+    b_bt = tl.zeros([TP], dtype=tl.float32)
+    b_Mk = tl.zeros([TP, TP], dtype=tl.float32)
+    b_Mq = tl.zeros([TP, TP], dtype=tl.float32)
+    if IS_KDA:
+        b_D = tl.zeros([TP, BK], dtype=tl.float32)
+        b_Dt = tl.zeros([BK], dtype=tl.float32)
+        b_W = tl.zeros([TP, BK], dtype=tl.float32)
+    else:
+        b_D = tl.zeros([TP], dtype=tl.float32)
+        b_Dt = tl.zeros([], dtype=tl.float32)
+        b_W = tl.zeros([TP], dtype=tl.float32)
+    own_hk = (i_v == 0) & (i_hv % HG == 0)
+    for t in tl.static_range(T):
+        b_q, b_k = _load_qk(q + t * stride_q_t, k + t * stride_k_t, i_b, i_hk, o_k, m_k, scale,
+                            stride_q_b, stride_q_h, stride_k_b, stride_k_h, USE_QK_L2NORM)
+        b_v, b_ld, b_beta = _load_head(v + t * stride_v_t, a + t * stride_a_t, b + t * stride_b_t,
+                                       A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
+                                       stride_v_b, stride_v_h, stride_a_b, stride_a_h,
+                                       stride_b_b, stride_b_h, K, IS_KDA)
+        l_t = o_t == t
+        b_Kd = tl.where(l_t[:, None], b_k[None, :], b_Kd)
+        b_Qd = tl.where(l_t[:, None], b_q[None, :], b_Qd)
+        b_Vt = tl.where(o_c[None, :] == t, b_v[:, None], b_Vt)
+        b_bt = tl.where(l_t, b_beta, b_bt)
+        b_Dt += b_ld
+        m_r = o_t < t
+        if IS_KDA:
+            b_D = tl.where(l_t[:, None], b_Dt[None, :], b_D)
+            b_W = tl.where(m_r[:, None], b_W + b_ld[None, :], 0.)
+            b_Kw = b_Kd * tl.exp(b_W)
+            b_ck = tl.sum(b_Kw * b_k[None, :], axis=1)                     # [TP]
+            b_cq = tl.sum(b_Kw * b_q[None, :], axis=1)
+        else:
+            b_D = tl.where(l_t, b_Dt, b_D)
+            b_W = tl.where(m_r, b_W + b_ld, 0.)
+            b_ew = tl.exp(b_W)
+            b_ck = tl.sum(b_Kd * b_k[None, :], axis=1) * b_ew
+            b_cq = tl.sum(b_Kd * b_q[None, :], axis=1) * b_ew
+        b_Mk = tl.where((o_c[None, :] == t) & m_r[:, None], b_ck[:, None], b_Mk)
+        b_Mq = tl.where((o_c[None, :] == t) & (o_t <= t)[:, None], b_cq[:, None], b_Mq)
+
+        # the draft's decay and key at position h' + t without a flush (V-block 0 of the head,
+        # of the key head's first value head): no program reads positions >= h in this launch
+        o_pt = i_s * LBCAP + hc + t
+        sole = (t < n) & (hc + t < LBCAP) & keep & (i_v == 0)
+        if IS_KDA:
+            tl.store(buf_ld + (o_pt * HV + i_hv) * K + o_k, b_ld, mask=tl.where(sole, m_k, False))
+        else:
+            tl.store(buf_ld + o_pt * HV + i_hv, b_ld, mask=sole)
+        p_kh = buf_k + (o_pt * HK + i_hk) * K + o_k
+        tl.store(p_kh, _for_store(b_k, p_kh, EXACT_BF16), mask=tl.where(sole & own_hk, m_k, False))
+
+    # Phase 2, every draft at once (fp32 FMA products): the checkpoint's and the committed
+    # records' parts of P_t k_t and P_t q_t, `[BV, TP]`. A lane's column depends on its own
+    # inputs only. KDA: record j's weight exp(suf_j + D_t) taken as exp(suf_j) exp(D_t), a
+    # product of factors <= 1 (no difference of sums).
+    if IS_KDA:
+        b_gC = tl.exp(b_Lc[None, :] + b_D)                                  # [TP, BK]
+        b_Ck = tl.dot(b_C, tl.trans(b_Kd * b_gC), input_precision="ieee")
+        b_Cq = tl.dot(b_C, tl.trans(b_Qd * b_gC), input_precision="ieee")
+        b_eD = tl.exp(b_D)
+        b_Kw = b_Kc * tl.where(m_j[:, None], tl.exp(b_suf), 0.)
+        b_Akc = tl.dot(b_Kw, tl.trans(b_Kd * b_eD), input_precision="ieee")  # [LB, TP]
+        b_Aqc = tl.dot(b_Kw, tl.trans(b_Qd * b_eD), input_precision="ieee")
+    else:
+        b_gC = tl.exp(b_Lc + b_D)                                           # [TP]
+        b_Ck = tl.dot(b_C, tl.trans(b_Kd), input_precision="ieee") * b_gC[None, :]
+        b_Cq = tl.dot(b_C, tl.trans(b_Qd), input_precision="ieee") * b_gC[None, :]
+        b_wc = tl.where(m_j[:, None], tl.exp(b_suf[:, None] + b_D[None, :]), 0.)   # [LB, TP]
+        b_Akc = tl.dot(b_Kc, tl.trans(b_Kd), input_precision="ieee") * b_wc
+        b_Aqc = tl.dot(b_Kc, tl.trans(b_Qd), input_precision="ieee") * b_wc
+    b_R = b_Vt - b_Ck - tl.dot(tl.trans(b_Uc), b_Akc, input_precision="ieee")     # [BV, TP]
+    b_Oc = b_Cq + tl.dot(tl.trans(b_Uc), b_Aqc, input_precision="ieee")
+
+    # Phase 3, forward substitution in draft order: u_t = beta_t (R_t - sum_{r<t} Mk[r,t] u_r),
+    # o_t = Oc_t + sum_{r<=t} Mq[r,t] u_r; lanes r >= t of U are still zero, so a later
+    # (poisoned) draft never reaches draft t
+    b_U = tl.zeros([BV, TP], dtype=tl.float32)
+    for t in tl.static_range(T):
+        l_c = o_c == t
+        b_mk = tl.sum(tl.where(l_c[None, :], b_Mk, 0.), axis=1)            # [TP] over r
+        b_u = tl.sum(tl.where(l_c[None, :], b_R, 0.), axis=1) - tl.sum(b_U * b_mk[None, :], axis=1)
+        b_u = tl.sum(tl.where(o_t == t, b_bt, 0.)) * b_u                    # [BV]
+        b_U = tl.where(l_c[None, :], b_u[:, None], b_U)
+        b_mq = tl.sum(tl.where(l_c[None, :], b_Mq, 0.), axis=1)
+        b_o = tl.sum(tl.where(l_c[None, :], b_Oc, 0.), axis=1) + tl.sum(b_U * b_mq[None, :], axis=1)
+        ok = t < n
+        tl.store(p_o + t * (HV * V) + o_v, _for_store(tl.where(ok, b_o, 0.), p_o, EXACT_BF16), mask=m_v)
+        # u rows by their owner, at position h' + t (< LBCAP guards other slots against a bad cursor)
+        p_w = buf_w + ((i_s * LBCAP + hc + t) * HV + i_hv) * V + o_v
+        tl.store(p_w, _for_store(b_u, p_w, EXACT_BF16), mask=tl.where(ok & (hc + t < LBCAP), m_v, False))
+
+    last = verify_hand_off(arrive, cursor, pending, epoch, i_s, hc, n, flush, HV * NV)
+    if last & flush:
+        _write_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, i_s, n, o_k, m_k,
+                      stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
+                      T, HV, HK, K, LBCAP, HVP, HKP, IS_KDA, USE_QK_L2NORM, EXACT_BF16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher, launch configs, custom ops, public function.
+# ---------------------------------------------------------------------------------------------
+
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages")
+
+
+def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = None, *,
+                  batch: Optional[int] = None) -> dict:
+    """The launch config of `replay_verify` for value dim `V`, key dim `K`, `T` tokens (with a
+    caller's overrides of `BV`, `num_warps`, `num_stages`)."""
+    BK = triton.next_power_of_2(K)
+    BV = min(32, triton.next_power_of_2(V))
+    cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 2, "num_stages": 1}
+    if config:
+        unknown = set(config) - set(_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; allowed {list(_CONFIG_KEYS)}")
+        cfg.update(config)
+    BV, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
+    if isinstance(BV, bool) or not isinstance(BV, int) or BV < 1 or BV & (BV - 1):
+        raise ValueError(f"config BV={BV!r} must be a power of two")
+    if nw not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config num_warps={nw!r} must be one of 1, 2, 4, 8, 16")
+    if isinstance(ns, bool) or not isinstance(ns, int) or ns < 1:
+        raise ValueError(f"config num_stages={ns!r} must be a positive int")
+    return cfg
+
+
+def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
+                  buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, window: int, o,
+                  use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int) -> None:
+    """Launch `_replay_verify_kernel`; inputs already validated."""
+    Bt, T, Hk, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    Lb = buf_w.shape[1]
+    if Bt == 0:
+        return
+    # tl.dot tiles are at least 16 on every side (padding lanes are masked)
+    BV = max(16, min(BV, triton.next_power_of_2(V)))
+    NV = triton.cdiv(V, BV)
+    _replay_verify_kernel[(HV * NV, Bt)](
+        q, k, v, a, b, A_log, dt_bias, o,
+        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
+        num_drafts if num_drafts is not None else slot_ids,
+        scale, window,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        T=T, TP=max(16, triton.next_power_of_2(T)), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb,
+        # committed records h' <= window: tiles sized by the window, not the capacity
+        LB=max(16, triton.next_power_of_2(min(window, Lb))), BV=BV, BK=triton.next_power_of_2(K),
+        HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk),
+        IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
+        HAS_NDRAFT=num_drafts is not None, EXACT_BF16=_interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+_MUTATED = ("o", "ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "pending", "epoch", "arrive")
+
+
+def _register_verify_op(family: str):
+    """The custom op `replayssm::{family}_replay_verify` (GDN and KDA share the kernel)."""
+
+    @torch.library.custom_op(f"replayssm::{family}_replay_verify", mutates_args=_MUTATED)
+    def op(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+           dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor,
+           buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor, arrive: Tensor,
+           slot_ids: Tensor, num_drafts: Optional[Tensor], window: int, o: Tensor,
+           use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int) -> None:
+        launch_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
+                      cursor, pending, epoch, arrive, slot_ids, num_drafts, window, o,
+                      use_qk_l2norm, BV, num_warps, num_stages)
+
+    @op.register_fake
+    def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
+          arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages) -> None:
+        return None
+
+    return op
+
+
+_VERIFY_OPS = {family: _register_verify_op(family) for family in ("gdn", "kda")}
+
+
+def check_verify_inputs(family: str, q, k, v, a, b, A_log, dt_bias, out, num_drafts) -> tuple:
+    """Shapes, dtypes and strides of a verify call's inputs; returns `(Bt, T, Hk, K, HV, V)`."""
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a [Bt, T, Hk, K] tensor, got shape {getattr(q, 'shape', None)}")
+    Bt, T, Hk, K = q.shape
+    if not 1 <= T <= MAX_DRAFT:
+        raise ValueError(f"q has T={T} tokens per row, expected 1..{MAX_DRAFT}")
+    check_tensor("k", k, (Bt, T, Hk, K))
+    if not isinstance(v, Tensor) or v.dim() != 4 or tuple(v.shape[:2]) != (Bt, T):
+        raise ValueError(f"v must be a [Bt={Bt}, T={T}, HV, V] tensor, got shape {getattr(v, 'shape', None)}")
+    HV, V = v.shape[2], v.shape[3]
+    if Hk < 1 or HV % Hk:
+        raise ValueError(f"value heads HV={HV} must be a multiple of key heads Hk={Hk}")
+    if family == "kda":
+        check_tensor("a", a, (Bt, T, HV, K))
+        check_tensor("dt_bias", dt_bias, (HV, K))
+    else:
+        check_tensor("a", a, (Bt, T, HV))
+        check_tensor("dt_bias", dt_bias, (HV,))
+    check_tensor("b", b, (Bt, T, HV))
+    check_tensor("A_log", A_log, (HV,))
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log),
+                    ("dt_bias", dt_bias)):
+        check_tensor(name, t, dtypes=_FLOATS)
+    for name, t in (("q", q), ("k", k), ("v", v)) + ((("a", a),) if family == "kda" else ()):
+        check_tensor(name, t, inner=True)
+    check_tensor("A_log", A_log, contiguous=True)
+    check_tensor("dt_bias", dt_bias, contiguous=True)
+    if out is not None:
+        check_tensor("out", out, (Bt, T, HV, V), _FLOATS, contiguous=True)
+    if num_drafts is not None:
+        check_tensor("num_drafts", num_drafts, (Bt,), (torch.int32,), contiguous=True)
+    return Bt, T, Hk, K, HV, V
+
+
+def _check_draft_counts(num_drafts, T: int) -> None:
+    """`1 <= num_drafts[b] <= T` (a host sync: skipped where `may_sync` says no)."""
+    if num_drafts is None or not may_sync() or num_drafts.numel() == 0:
+        return
+    n = num_drafts.detach().cpu()
+    bad = (n < 1) | (n > T)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"num_drafts[{i}]={int(n[i])} is outside 1..T={T}")
+
+
+def run_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor,
+               pending, epoch, slot_ids, window, num_drafts=None, out=None, use_qk_l2norm=True,
+               config=None, arrive=None, validate=True) -> Tensor:
+    """Validate, resolve the config and launch the family's verify op (GDN and KDA wrappers)."""
+    if validate:
+        Bt, T, Hk, K, HV, V = check_verify_inputs(family, q, k, v, a, b, A_log, dt_bias, out, num_drafts)
+        if arrive is None:
+            arrive = arrive_counter(ckpt.device, ckpt.shape[0]) if isinstance(ckpt, Tensor) \
+                and ckpt.dim() == 4 else None
+        N, Lb = check_state(family, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+                            HV, Hk, V, K, window)
+        check_tensor("pending", pending, (N,), (torch.int32,), contiguous=True)
+        if Lb < window + T:
+            raise ValueError(f"buffer capacity Lb={Lb} must be at least window + T = {window} + {T}")
+        check_slot_ids(slot_ids, Bt)
+        check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ckpt=ckpt,
+                      buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, pending=pending,
+                      epoch=epoch, arrive=arrive, slot_ids=slot_ids, num_drafts=num_drafts, out=out)
+        check_slot_values(slot_ids, N)
+        check_cursor_values(cursor, slot_ids, Lb, window)
+        _check_draft_counts(num_drafts, T)
+    elif arrive is None:
+        arrive = arrive_counter(ckpt.device, ckpt.shape[0])
+    K, V, T = q.shape[-1], v.shape[-1], q.shape[1]
+    cfg = verify_config(family, V, K, T, config, batch=q.shape[0])
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    _VERIFY_OPS[family](
+        q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ckpt, buf_ld, buf_w, buf_k, cursor,
+        pending, epoch, arrive, slot_ids, num_drafts, int(window), out, bool(use_qk_l2norm),
+        cfg["BV"], cfg["num_warps"], cfg["num_stages"])
+    return out
+
+
+def replay_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                  dt_bias: Tensor, scale: Optional[float], ckpt: Tensor, buf_ld: Tensor,
+                  buf_w: Tensor, buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor,
+                  slot_ids: Tensor, window: int, num_drafts: Optional[Tensor] = None,
+                  out: Optional[Tensor] = None, use_qk_l2norm: bool = True,
+                  config: Optional[dict] = None, *, arrive: Optional[Tensor] = None,
+                  validate: bool = True) -> Tensor:
+    """Output-only verification of `T` tokens per row of a GDN layer, in one launch
+    (docs/state-layout.md, `verify`; SPEC section 4).
+
+    Args:
+        q, k: `[Bt, T, Hk, K]` raw queries and keys (L2-normalised in the kernel when
+            `use_qk_l2norm`; `q` then scaled by `scale`, None: `K ** -0.5`), `1 <= T <= 8`.
+        v: `[Bt, T, HV, V]`. a: `[Bt, T, HV]` raw decay input; b: `[Bt, T, HV]` raw beta input.
+            Inner-contiguous; any batch and draft strides.
+        A_log, dt_bias: `[HV]`; `log a = -exp(A_log) * softplus(a + dt_bias)`, `beta = sigmoid(b)`.
+        ckpt: `[N, HV, V, K]` fp32; buf_ld: `[N, Lb, HV]` fp32; buf_w: `[N, Lb, HV, V]` (`u`);
+            buf_k: `[N, Lb, Hk, K]` (fp32, bf16 or fp16 records); cursor, pending: `[N]` int32;
+            epoch: `[N]` int64; `Lb >= window + T`. Updated in place.
+        slot_ids: `[Bt]` int; negative ids are padding rows (zero output, no state touched).
+        window: `L`; a row with cursor `h` (`0 <= h <= L`) and `n` drafts flushes first when
+            `h + n > L` (records `0..h-1` folded into `ckpt`, `epoch += 1`, drafts from 0).
+        num_drafts: `[Bt]` int32, `1 <= n_b <= T` drafts per row (None: T). Drafts `t >= n_b`
+            are not written and their outputs are zero.
+        out: optional `[Bt, T, HV, V]` contiguous output (default: new tensor of `v`'s dtype).
+        config: overrides of `BV`, `num_warps`, `num_stages` (see `verify_config`).
+        arrive: `[N]` int32 zeroed counters (default: a cached buffer, see `arrive_counter`).
+        validate: check shapes, dtypes, devices, slot ids, cursors and draft counts (the last
+            three read device values back, skipped during CUDA-graph capture). False: no check.
+
+    Returns:
+        `out`: `[Bt, T, HV, V]`, `out[b, t] = S_{h'+t} q_t` (the conventional recurrence from
+        the committed state through drafts `0..t`). Afterwards `cursor = h'`, `pending = n`.
+    """
+    return run_verify("gdn", q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
+                      cursor, pending, epoch, slot_ids, window, num_drafts, out, use_qk_l2norm,
+                      config, arrive, validate)

@@ -1,0 +1,374 @@
+"""Mamba-2 speculative verification on ReplaySSM state (output-only), in Triton.
+
+One launch verifies `T` tokens per row (SPEC section 4, Algorithm 2; the contract is
+docs/state-layout.md, `verify`). A program owns a `[BV, BK]` tile of one head's checkpoint,
+loads it once and serves all T queries from registers. Per row with slot `s`, cursor
+`h = cursor[s]` and `n` drafts:
+
+    flush = h + n > L:  C_s <- g_{0:h-1} C_s + sum_{j<h} g_{j+1:h-1} dt_j x_j k_j^T  (in registers,
+                        stored), epoch[s] += 1, h' = 0;           else h' = h (C_s only read)
+    y_t   = g_{0:p_t} (C q_t) + sum_{j<=p_t} g_{j+1:p_t} (k_j . q_t) dt_j x_j  (+ D x_t, * silu(z_t))
+
+for t < n at position `p_t = h' + t` (records `j < h'` committed, read from the buffer; drafts
+`h'..p_t` from the inputs, never read back), `g_{i:p} = exp(ld_i + ... + ld_p)`; `y_t = 0` for
+t >= n. The drafts' records go to positions `h'..h'+n-1`; `cursor[s] = h'`, `pending[s] = n`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..utils.checks import check_slot_ids, check_slot_values, check_window
+from ..utils.cursor import verify_hand_off
+from ..utils.launch import arrive_counter
+from ..utils.tiles import tile_offsets
+from .common import FLOAT_DTYPES, RECORD_DTYPES, check_tensor, load_tile, softplus
+
+__all__ = ["replay_verify", "verify_config"]
+
+MAX_DRAFT = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+
+@triton.jit
+def _replay_verify_kernel(
+    x, dt, B, C, A, dt_bias, D, z, out,
+    ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t,
+    stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
+    stride_z_b, stride_z_t, stride_z_h, stride_o_b, stride_o_t, stride_o_h,
+    HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
+    WINDOW: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    BL: tl.constexpr, NVB: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_N: tl.constexpr, EVEN: tl.constexpr,
+):
+    # grid (HV * NVB, Bt): a program owns V-block i_v of head i_h
+    pid = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_v = pid % NVB
+    i_h = pid // NVB
+    HG: tl.constexpr = HV // Hk
+    i_g = i_h // HG
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    o_l = tl.arange(0, BL)
+    o_t = tl.arange(0, TP)
+    m_v = o_v < V
+    m_k = o_k < K
+
+    p_o = out + i_b * stride_o_b + i_h * stride_o_h
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    if slot < 0:
+        b_0 = tl.zeros([TP, BV], dtype=tl.float32).to(p_o.dtype.element_ty)
+        tl.store(p_o + o_t[:, None] * stride_o_t + o_v[None, :], b_0,
+                 mask=(o_t < T)[:, None] & m_v[None, :])
+        return
+
+    h = tl.load(cursor + slot)
+    if HAS_N:
+        # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
+        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b), 0), T)
+    else:
+        n = tl.full([], T, tl.int32)
+    flush = h + n > WINDOW
+    hc = tl.where(flush, 0, h)                      # committed records the queries see
+    m_t = o_t < n
+    m_l = o_l < h
+    m_c = o_l < hc
+
+    # int32 tile offsets on a 64-bit scalar base (a slot's checkpoint is far below 2^31 elements)
+    o_S, m_S = tile_offsets(o_v, m_v, K, BK, 1)
+    p_S = ckpt + slot * (HV * V * K) + i_h * (V * K)
+    b_S = load_tile(p_S + o_S, m_S, EVEN)                                               # [BV, BK]
+
+    # committed records: log decays of this head, keys of its group, values of its rows
+    p_ld = buf_ld + slot * (LB * HV) + i_h
+    p_kb = buf_k + slot * (LB * Hk * K) + i_g * K
+    p_wb = buf_w + slot * (LB * HV * V) + i_h * V
+    b_ldc = tl.load(p_ld + o_l * HV, mask=m_l, other=0.0)                               # [BL]
+    b_ldc = tl.where(m_l, b_ldc, 0.0)
+    b_Kb = tl.load(p_kb + o_l[:, None] * (Hk * K) + o_k[None, :], mask=m_c[:, None] & m_k[None, :],
+                   other=0.0)
+    b_Kb = tl.where(m_c[:, None], b_Kb.to(tl.float32), 0.0)                             # [BL, BK]
+    b_Wb = tl.load(p_wb + o_l[:, None] * (HV * V) + o_v[None, :], mask=m_c[:, None] & m_v[None, :],
+                   other=0.0)
+    b_Wb = tl.where(m_c[:, None], b_Wb.to(tl.float32), 0.0)                             # [BL, BV]
+
+    # the drafts, from the inputs: keys of the group, values of these rows, dt and log decay
+    b_Kd = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_t[:, None] * stride_B_t + o_k[None, :],
+                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)          # [TP, BK]
+    b_Xi = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_t[:, None] * stride_x_t + o_v[None, :],
+                   mask=m_t[:, None] & m_v[None, :], other=0.0)                         # [TP, BV]
+    b_Xd = b_Xi.to(tl.float32)
+    b_A = tl.load(A + i_h).to(tl.float32)
+    b_rA = tl.fdiv(1.0, b_A)
+    b_dtd = softplus(tl.load(dt + i_b * stride_dt_b + o_t * stride_dt_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+                     + tl.load(dt_bias + i_h).to(tl.float32))
+    b_dtd = tl.where(m_t, b_dtd, 0.0)                                                   # [TP]
+    b_ldd = b_dtd * b_A
+
+    # committed suffixes sum_{j<i<h} ld_i, each of same-signed terms (never a difference of
+    # prefix sums: weights near 1 keep full precision)
+    b_sfx = tl.sum(tl.where(o_l[None, :] > o_l[:, None], b_ldc[None, :], 0.0), axis=1)   # [BL]
+
+    if flush:
+        # C <- g_{0:h-1} C + sum_{j<h} g_{j+1:h-1} dt_j x_j k_j^T in registers, one exact fp32
+        # rank-1 update per record (re-read from L1/L2), then stored: the drafts follow from here
+        b_cf = tl.where(m_l, tl.exp(b_sfx) * (b_ldc * b_rA), 0.0)
+        b_S = b_S * tl.exp(tl.sum(b_ldc, axis=0))
+        for j in range(0, h):
+            c_j = tl.sum(tl.where(o_l == j, b_cf, 0.0), axis=0)
+            w_j = tl.load(p_wb + j * (HV * V) + o_v, mask=m_v, other=0.0).to(tl.float32)
+            k_j = tl.load(p_kb + j * (Hk * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_S += (c_j * w_j)[:, None] * k_j[None, :]
+        tl.store(p_S + o_S, b_S, mask=m_S)
+    b_Lc = tl.sum(tl.where(m_c, b_ldc, 0.0), axis=0)                                   # log g_{0:hc-1}
+    b_cc = tl.where(m_c, b_ldc * b_rA, 0.0)                                             # dt_j
+
+    if HAS_D:
+        b_D = tl.load(D + i_h).to(tl.float32)
+    p_x = x + i_b * stride_x_b + i_h * stride_x_h + o_v
+    p_z = z + i_b * stride_z_b + i_h * stride_z_h + o_v
+    for t in tl.static_range(T):
+        b_q = tl.load(C + i_b * stride_C_b + t * stride_C_t + i_g * stride_C_g + o_k, mask=m_k,
+                      other=0.0).to(tl.float32)                                         # [BK]
+        m_r = o_t <= t
+        # the drafts' own partial sums: sum_{r<i<=t} ld_i per draft r, and the total up to t
+        b_dsx = tl.sum(tl.where((o_t[None, :] > o_t[:, None]) & (o_t[None, :] <= t), b_ldd[None, :], 0.0),
+                       axis=1)                                                          # [TP]
+        b_Dt = tl.sum(tl.where(m_r, b_ldd, 0.0), axis=0)
+        b_y = tl.exp(b_Lc + b_Dt) * tl.sum(b_S * b_q[None, :], axis=1)                 # [BV]
+        b_wc = tl.where(m_c, tl.exp(b_sfx + b_Dt) * b_cc * tl.sum(b_Kb * b_q[None, :], axis=1), 0.0)
+        b_y += tl.sum(b_Wb * b_wc[:, None], axis=0)
+        b_wd = tl.where(m_r, tl.exp(b_dsx) * b_dtd * tl.sum(b_Kd * b_q[None, :], axis=1), 0.0)
+        # drafts after t are selected away, not multiplied by zero (a poisoned later draft
+        # must leave no trace in an earlier output)
+        b_y += tl.sum(tl.where(m_r[:, None], b_Xd * b_wd[:, None], 0.0), axis=0)
+        if HAS_D:
+            b_y += b_D * tl.load(p_x + t * stride_x_t, mask=m_v, other=0.0).to(tl.float32)
+        if HAS_Z:
+            b_z = tl.load(p_z + t * stride_z_t, mask=m_v, other=0.0).to(tl.float32)
+            b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
+        b_y = tl.where(t < n, b_y, 0.0)
+        tl.store(p_o + t * stride_o_t + o_v, b_y.to(p_o.dtype.element_ty), mask=m_v)
+
+    # the drafts' records at h'..h'+n-1. A program's own rows of x: after a barrier (its threads
+    # read those positions in the fold). x as given (exact when the buffer has x's dtype).
+    tl.debug_barrier()
+    m_tv = m_t[:, None] & m_v[None, :]
+    tl.store(p_wb + (hc + o_t)[:, None] * (HV * V) + o_v[None, :], b_Xi.to(buf_w.dtype.element_ty), mask=m_tv)
+    if not flush:
+        # positions >= h, which no program reads: the owners write them directly
+        if i_v == 0:
+            tl.store(p_ld + (hc + o_t) * HV, b_ldd, mask=m_t)
+            if i_h % HG == 0:
+                tl.store(p_kb + (hc + o_t)[:, None] * (Hk * K) + o_k[None, :],
+                         b_Kd.to(buf_k.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+
+    last = verify_hand_off(arrive, cursor, pending, epoch, slot, hc, n, flush, HV * NVB)
+    if flush & last:
+        # positions 0..n-1 held committed records that other programs of the slot read (a
+        # head's decay, a group's key): written once all have arrived, from the inputs
+        o_hv = tl.arange(0, HVP)
+        m_hv = o_hv < HV
+        o_g = tl.arange(0, HKP)
+        m_gk = (o_g < Hk)[:, None] & m_k[None, :]
+        b_As = tl.load(A + o_hv, mask=m_hv, other=0.0).to(tl.float32)
+        b_bias = tl.load(dt_bias + o_hv, mask=m_hv, other=0.0).to(tl.float32)
+        p_lds = buf_ld + slot * (LB * HV) + o_hv
+        p_ks = buf_k + slot * (LB * Hk * K) + o_g[:, None] * K + o_k[None, :]
+        for t in tl.static_range(T):
+            if t < n:
+                b_dts = tl.load(dt + i_b * stride_dt_b + t * stride_dt_t + o_hv, mask=m_hv, other=0.0)
+                b_lds = softplus(b_dts.to(tl.float32) + b_bias) * b_As                  # [HVP]
+                tl.store(p_lds + t * HV, b_lds, mask=m_hv)
+                b_Ks = tl.load(B + i_b * stride_B_b + t * stride_B_t + o_g[:, None] * stride_B_g + o_k[None, :],
+                               mask=m_gk, other=0.0)                                    # [HKP, BK]
+                tl.store(p_ks + t * (Hk * K), b_Ks.to(tl.float32).to(buf_k.dtype.element_ty), mask=m_gk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration
+
+
+def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dict] = None) -> dict:
+    """The verify kernel's launch config: `BV` value rows per program (a power of two; ceil(V / BV)
+    blocks per head), `num_warps`, `num_stages`. Defaults from the shape: blocks that divide V
+    (no idle lanes; Nano-4B's 80 = 5 x 16), of at most 64 rows, and warps so that a thread holds
+    128 tile elements (the best of the configs tried on the H200 at batch 256, T = 8: Super
+    BV=64 with 2 warps, Nano-4B BV=16 with 1; more warps were slower). `config` overrides any
+    of the three."""
+    BK = triton.next_power_of_2(K)
+    bv = next((b for b in (64, 32, 16) if V % b == 0), min(64, max(16, triton.next_power_of_2(V))))
+    cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
+        cfg.update(config)
+    for key in ("BV", "num_warps"):
+        val = cfg[key]
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1 or val & (val - 1):
+            raise ValueError(f"config: {key} must be a power of two, got {val!r}")
+    ns = cfg["num_stages"]
+    if isinstance(ns, bool) or not isinstance(ns, int) or ns < 1:
+        raise ValueError(f"config: num_stages must be a positive int, got {ns!r}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch and the Python boundary
+
+
+def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
+                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages):
+    Bt, T, HV, V = x.shape
+    Hk, K = B.shape[2], B.shape[3]
+    LB = buf_ld.shape[1]
+    if Bt == 0:
+        return
+    nvb = triton.cdiv(V, BV)
+    BK = triton.next_power_of_2(K)
+    # D, z and num_drafts absent: any pointer stands in, HAS_* keep it unread
+    _replay_verify_kernel[(HV * nvb, Bt)](
+        x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
+        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
+        num_drafts if num_drafts is not None else cursor,
+        x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
+        B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
+        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
+        z.stride(2) if z is not None else 0, out.stride(0), out.stride(1), out.stride(2),
+        HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, TP=triton.next_power_of_2(T), BV=BV,
+        BK=BK, BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
+        HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_N=num_drafts is not None,
+        EVEN=(V % BV == 0) and BK == K, num_warps=num_warps, num_stages=num_stages)
+
+
+@torch.library.custom_op(
+    "replayssm::mamba2_replay_verify",
+    mutates_args=("out", "ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "pending", "epoch", "arrive"),
+)
+def _replay_verify_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
+                      D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
+                      buf_w: Tensor, buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor,
+                      arrive: Tensor, slot_ids: Tensor, num_drafts: Optional[Tensor], out: Tensor,
+                      window: int, BV: int, num_warps: int, num_stages: int) -> None:
+    _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
+                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages)
+
+
+@_replay_verify_op.register_fake
+def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive,
+      slot_ids, num_drafts, out, window, BV, num_warps, num_stages) -> None:
+    return None
+
+
+def _check_verify_inputs(x, dt, B, C, A, dt_bias, D, z):
+    """Shapes of one verify step's inputs; returns (Bt, T, HV, V, Hk, K)."""
+    check_tensor("x", x)
+    if x.dim() != 4:
+        raise ValueError(f"x: expected [Bt, T, HV, V], got shape {tuple(x.shape)}")
+    if not isinstance(B, Tensor) or B.dim() != 4:
+        raise ValueError(f"B: expected [Bt, T, Hk, K], got {getattr(B, 'shape', type(B).__name__)}")
+    Bt, T, HV, V = x.shape
+    Hk, K = B.shape[2], B.shape[3]
+    dev = x.device
+    check_tensor("x", x, (Bt, T, HV, V), FLOAT_DTYPES, dev, inner=True)
+    if not 1 <= T <= MAX_DRAFT:
+        raise ValueError(f"x: {T} draft tokens, expected 1..{MAX_DRAFT}")
+    if Hk == 0 or HV % Hk:
+        raise ValueError(f"B: {Hk} groups do not divide the {HV} heads of x")
+    check_tensor("dt", dt, (Bt, T, HV), FLOAT_DTYPES, dev, inner=True)
+    check_tensor("B", B, (Bt, T, Hk, K), FLOAT_DTYPES, dev, inner=True)
+    check_tensor("C", C, (Bt, T, Hk, K), FLOAT_DTYPES, dev, inner=True)
+    check_tensor("A", A, (HV,), FLOAT_DTYPES, dev, contiguous=True)
+    check_tensor("dt_bias", dt_bias, (HV,), FLOAT_DTYPES, dev, contiguous=True)
+    if D is not None:
+        check_tensor("D", D, (HV,), FLOAT_DTYPES, dev, contiguous=True)
+    if z is not None:
+        check_tensor("z", z, (Bt, T, HV, V), FLOAT_DTYPES, dev, inner=True)
+    if Bt > 65535 or HV * triton.cdiv(V, 16) > 65535:
+        raise ValueError(f"x: batch {Bt} or heads {HV} above the grid limit 65535")
+    return Bt, T, HV, V, Hk, K
+
+
+def replay_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
+                  D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
+                  buf_w: Tensor, buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor,
+                  slot_ids: Tensor, window: int, num_drafts: Optional[Tensor] = None,
+                  out: Optional[Tensor] = None, config: Optional[dict] = None, *,
+                  arrive: Optional[Tensor] = None, validate: bool = True) -> Tensor:
+    """Output-only verification of `T` tokens per row on ReplaySSM state, in place; returns `y`
+    `[Bt, T, HV, V]` in x's dtype.
+
+    Token inputs (a draft dim after the batch; last dim contiguous, any batch and draft
+    strides): `x` `[Bt, T, HV, V]`; `dt` `[Bt, T, HV]` (raw, before `softplus(dt + dt_bias)`);
+    `B`, `C` `[Bt, T, Hk, K]`; `z` `[Bt, T, HV, V]` or None. Layer parameters `A`, `dt_bias`
+    `[HV]`, `D` `[HV]` or None. State as in `replay_decode` plus `pending` `[N]` int32;
+    `buf_*` hold `Lb >= window + T` positions. `1 <= T <= 8`.
+
+    Row b with slot `s = slot_ids[b] >= 0`, cursor `h = cursor[s]` (`0 <= h <= window`, not
+    checked) and `n = num_drafts[b]` (`[Bt]` int32 on the device, `1..T`; None: T) gets `y[b, t]`
+    for `t < n`, the output of the conventional recurrence from the state at `h` over tokens
+    `0..t`, and `y[b, t] = 0` beyond. If `h + n > window` the committed records are first
+    folded into `ckpt[s]` (early flush, `epoch[s] += 1`) and the drafts start at `h' = 0`, else
+    `h' = h`. The drafts' records go to positions `h'..h'+n-1`; `cursor[s] = h'`,
+    `pending[s] = n` (a commit then moves the cursor by the accepted count). Negative slot ids
+    are padding rows: `y[b] = 0`, nothing touched.
+
+    `out` `[Bt, T, HV, V]` of x's dtype, last dim contiguous: written when given (then, with
+    `validate=False`, the call allocates nothing, syncs nothing and is capturable in a CUDA
+    graph). `config`: overrides of `verify_config` (`BV`, `num_warps`, `num_stages`). `arrive`
+    `[N]` int32 zero-initialised (default: a cached per-device counter). `validate` checks
+    shapes, dtypes and devices, the slot ids' range and uniqueness (`utils.checks`: a host read,
+    skipped while capturing or compiling) and draft counts held on the CPU.
+    """
+    if validate:
+        Bt, T, HV, V, Hk, K = _check_verify_inputs(x, dt, B, C, A, dt_bias, D, z)
+        dev = x.device
+        if not isinstance(ckpt, Tensor) or ckpt.dim() != 4:
+            raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(ckpt, 'shape', type(ckpt).__name__)}")
+        N = ckpt.shape[0]
+        if not isinstance(buf_ld, Tensor) or buf_ld.dim() != 3:
+            raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
+        Lb = buf_ld.shape[1]
+        check_tensor("ckpt", ckpt, (N, HV, V, K), (torch.float32,), dev, contiguous=True)
+        check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), dev, contiguous=True)
+        check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, dev, contiguous=True)
+        check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, dev, contiguous=True)
+        check_tensor("cursor", cursor, (N,), (torch.int32,), dev, contiguous=True)
+        check_tensor("pending", pending, (N,), (torch.int32,), dev, contiguous=True)
+        check_tensor("epoch", epoch, (N,), (torch.int64,), dev, contiguous=True)
+        check_slot_ids(slot_ids, Bt, dev)
+        if num_drafts is not None:
+            check_tensor("num_drafts", num_drafts, (Bt,), (torch.int32,), dev, contiguous=True)
+            if num_drafts.device.type == "cpu" and Bt and not bool(((num_drafts >= 1) & (num_drafts <= T)).all()):
+                raise ValueError(f"num_drafts must lie in 1..{T}, got {num_drafts.tolist()}")
+        if arrive is not None:
+            check_tensor("arrive", arrive, (N,), (torch.int32,), dev, contiguous=True)
+        if out is not None:
+            check_tensor("out", out, (Bt, T, HV, V), (x.dtype,), dev, inner=True)
+        check_window(window, Lb)
+        if Lb < window + T:
+            raise ValueError(f"buf_ld: capacity Lb={Lb} below window + T = {window + T}")
+        check_slot_values(slot_ids, N)
+    cfg = verify_config(x.shape[2], x.shape[3], B.shape[3], B.shape[2], x.shape[1], config)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if arrive is None:
+        arrive = arrive_counter(x.device, ckpt.shape[0])
+    args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive,
+            slot_ids, num_drafts, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"])
+    if torch.compiler.is_compiling():
+        torch.ops.replayssm.mamba2_replay_verify(*args)
+    else:
+        _launch_verify(*args)
+    return out

@@ -1,0 +1,41 @@
+"""Commit of a verify step on the device: the accepted counts move each row's cursor past the
+drafts it keeps; rejected drafts stay behind the cursor and are overwritten later
+(docs/state-layout.md, `commit`). One launch, no host synchronisation, capturable in a CUDA
+graph: the accepted counts arrive as a device tensor, as a serving engine's sampler makes them.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["commit"]
+
+_BLOCK = 128
+
+
+@triton.jit
+def _commit_kernel(cursor, pending, slot_ids, accepted, Bt, BLOCK: tl.constexpr):
+    o_b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_b = o_b < Bt
+    slot = tl.load(slot_ids + o_b, mask=m_b, other=-1).to(tl.int64)
+    live = m_b & (slot >= 0)
+    p = tl.load(pending + slot, mask=live, other=0)
+    # unvalidated counts are clamped to 0..pending, so that no cursor passes the drafts that
+    # were written (a commit without a verify, pending 0, moves nothing)
+    a = tl.minimum(tl.maximum(tl.load(accepted + o_b, mask=live, other=0).to(tl.int32), 0), p)
+    h = tl.load(cursor + slot, mask=live, other=0)
+    tl.store(cursor + slot, h + a, mask=live)
+    tl.store(pending + slot, tl.zeros_like(p), mask=live)
+
+
+def commit(cursor: Tensor, pending: Tensor, slot_ids: Tensor, accepted: Tensor) -> None:
+    """`cursor[s] += clamp(accepted[b], 0, pending[s])`, `pending[s] = 0` for every row b with
+    `s = slot_ids[b] >= 0`, in place. `cursor`, `pending` `[N]` int32; `slot_ids`, `accepted`
+    `[Bt]` int32/int64 on the same device, contiguous. The caller validates (the pool refuses
+    counts outside `1..pending` before this runs)."""
+    Bt = slot_ids.shape[0]
+    if Bt == 0:
+        return
+    _commit_kernel[(triton.cdiv(Bt, _BLOCK),)](cursor=cursor, pending=pending, slot_ids=slot_ids,
+                                               accepted=accepted, Bt=Bt, BLOCK=_BLOCK)
