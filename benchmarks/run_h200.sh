@@ -5,7 +5,9 @@
 # root on the GPU machine:
 #   OUT=/some/dir STAGE=all bash benchmarks/run_h200.sh
 # STAGE: all (test, records, bench) | test | records | bench | windows (the by-window table:
-# windows 8 and 32, window 16 with fp32 records and with fp32 token inputs; about 6 minutes).
+# windows 8 and 32, window 16 with fp32 records and with fp32 token inputs; about 6 minutes)
+# | verify (the speculative-verification benchmark: replay and snapshot against one
+# conventional step, batch 256 and 512, T = 2, 4, 8, every acceptance length).
 # Results go to $OUT (default benchmarks/results/, under the names its README.md lists).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -32,4 +34,7 @@ if [[ "$STAGE" == windows ]]; then
   decode decode_h200_w8_w32 --windows 8,32 --cursors staggered,lockstep
   decode decode_h200_w16_fp32_records --windows 16 --cursors staggered --record-dtype float32
   decode decode_h200_w16_fp32_inputs --windows 16 --cursors staggered --input-dtype float32
+fi
+if [[ "$STAGE" == verify ]]; then
+  python3 -m replayssm.bench.verify --out "$OUT/verify_h200.json" 2>&1 | tee "$OUT/verify_h200.log" | tail -34
 fi

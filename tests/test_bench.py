@@ -39,3 +39,23 @@ def test_input_dtype_option_defaults_to_bf16():
     with pytest.raises(SystemExit):         # only bfloat16 and float32
         decode.main(["--input-dtype", "float16"])
     assert decode.Case.__init__.__kwdefaults__["input_dtype"] is torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", ["mamba2/4/2/16/32", "gdn/4/2/16/32", "kda/2/2/16/16"])
+def test_verify_benchmark_steps_run_every_scheme(monkeypatch, shape):
+    # the verify benchmark's three steps run their kernels (interpreted on the CPU) with the
+    # arguments the kernels take; time is stubbed, each step runs once per "timing"
+    from replayssm.bench import verify
+
+    monkeypatch.setattr(verify, "graph_time_us", lambda fn, reps=20, warmup=2: (fn(), 1.0)[1])
+    rows = verify.measure(shape, 3, 4, 2, [1, 2], rounds=1, reps=1, device="cpu")
+    assert [(r["scheme"], r["accepted"]) for r in rows] == [
+        ("conventional", 1), ("replay", 1), ("replay", 2), ("snapshot", 1), ("snapshot", 2)]
+    assert all(r["finite"] for r in rows)
+    fam, HV, Hk, V, K = (int(x) if x.isdigit() else x for x in shape.split("/"))
+    state = HV * V * K * 4
+    mem = {r["scheme"]: r["bytes_per_sequence"] for r in rows}
+    assert mem["snapshot"] == 3 * state and mem["conventional"] == state
+    ld = (4 + 2) * HV * (K if fam == "kda" else 1) * 4
+    assert mem["replay"] == state + ld + (4 + 2) * (HV * V + Hk * K) * 2     # bf16 records
+    assert all(r["us_per_accepted_token"] == r["us_per_step"] / r["accepted"] for r in rows)
