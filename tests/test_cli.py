@@ -245,8 +245,9 @@ def test_run_sh_with_an_old_python3(tmp_path):
 def test_test_tools_are_pinned():
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["test"] == ["pytest==9.0.3", "hypothesis==6.155.2"]
+    assert extras["test"] == ["pytest==9.0.3", "hypothesis==6.155.2", "transformers==5.17.0"]
     assert extras["bench"] == ["matplotlib>=3.7"]
+    assert extras["hf"] == ["transformers==5.17.0"]
 
 
 def test_license_is_apache_2():

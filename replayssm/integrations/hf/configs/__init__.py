@@ -1,0 +1,42 @@
+"""Shipped model configurations (JSON beside this file) and random-weight models built from
+them: `nemotron3_nano_4b` and `qwen3_5_4b` (the real architectures; sources in each file's
+`_source` entry) and `tiny_<model_type>` for CPU tests.
+
+    model = build("tiny_qwen3_5", dtype=torch.float32, seed=0)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_DIR = Path(__file__).parent
+
+
+def config_names() -> list:
+    return sorted(p.stem for p in _DIR.glob("*.json"))
+
+
+def config(name: str, **overrides):
+    """The transformers config of `name` (one of `config_names()`), with `overrides`;
+    keys starting with `_` (notes, sources) are dropped."""
+    path = _DIR / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"unknown config {name!r}; shipped: {config_names()}")
+    from transformers import AutoConfig
+    values = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    values.update(overrides)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def build(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, device=None, **overrides):
+    """A causal LM of config `name` with random weights (seeded), in eval mode."""
+    from transformers import AutoModelForCausalLM
+    cfg = config(name, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()

@@ -1,0 +1,177 @@
+"""`enable` / `disable`: run a loaded transformers hybrid model's recurrent layers on
+ReplaySSM state.
+
+`enable` walks the model for its recurrent mixers and gives each an instance-level
+`forward` (the class's is untouched, so other models and a disabled model run stock code):
+
+- prefill (the cache has no state for the layer yet) runs the mixer's own forward, then
+  seeds the layer's pool (`load`) and convolution history from what it left in the cache;
+- a one-token step runs the projections, the convolution on the history, `pool.decode`,
+  and the mixer's norm and output projection;
+- a multi-token step on a cache with state runs `pool.verify` (in chunks of at most
+  `max_draft` tokens); while the model is verifying drafts (`speculative_generate`) the
+  tokens stay pending until `ReplayState.commit`, otherwise they are committed at once
+  (e.g. a prompt continued on an existing cache).
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+
+from .mixers import ADAPTERS, UNSUPPORTED, UnsupportedModelError, adapter_for
+from .state import ReplayState
+
+_ATTR = "_replayssm_state"
+# model classes with recurrent layers that this integration has not been written for
+_STATEFUL_HINT = ("Mamba", "Rwkv", "Lfm2", "Jamba", "Xlstm", "RecurrentGemma", "Minimax", "Olmo")
+
+
+def _mixers(model):
+    """`[(layer_idx, module)]` of every recurrent mixer; raises for a known recurrent class
+    that is not supported."""
+    found = []
+    for name, mod in model.named_modules():
+        cls = type(mod).__name__
+        if cls in UNSUPPORTED:
+            raise UnsupportedModelError(f"{type(model).__name__}: mixer {cls} ({name}) is not supported by "
+                                        f"ReplaySSM: {UNSUPPORTED[cls]}")
+        if cls in ADAPTERS:
+            idx = getattr(mod, "layer_idx", None)
+            if idx is None:
+                raise UnsupportedModelError(f"{type(model).__name__}: mixer {cls} ({name}) has no layer_idx")
+            found.append((int(idx), mod))
+    return found
+
+
+def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = None, max_draft: int = 8,
+           backend: str = "auto", num_slots: int = 8):
+    """Run `model`'s recurrent layers on ReplaySSM slot pools. Returns the model.
+
+    Args:
+        model: a loaded transformers causal LM (NemotronH, Qwen3.5, Qwen3-Next, Kimi Linear,
+            Falcon-H1, GraniteMoeHybrid, Bamba, Zamba2).
+        window: `L`, the replay window of every pool.
+        record_dtype: storage dtype of the buffered records (default: fp32, the pools'
+            compute dtype); bf16 on a bf16 model halves record traffic.
+        max_draft: `T`, the most tokens one verification takes (`speculative_generate`'s
+            `num_draft` is at most this); `window >= max_draft`.
+        backend: the pools' backend ("auto": the GPU kernels on CUDA, the reference elsewhere).
+        num_slots: initial slots per pool (sequences in flight); pools grow on demand.
+
+    Raises `UnsupportedModelError` (a `TypeError`) naming the class for a model without a
+    supported recurrent mixer. Enabling twice replaces the state (sequences in flight are lost).
+    """
+    mixers = _mixers(model)
+    if not mixers:
+        cls = type(model).__name__
+        hint = " (a recurrent model this integration does not cover)" if any(h in cls for h in _STATEFUL_HINT) else ""
+        raise UnsupportedModelError(f"{cls} has no recurrent mixer ReplaySSM supports{hint}; supported mixers: "
+                                    f"{sorted(ADAPTERS)}")
+    if max_draft > window:
+        raise ValueError(f"max_draft {max_draft} needs window >= max_draft, got window {window}")
+    if is_enabled(model):
+        disable(model)
+    adapters = {idx: adapter_for(mod) for idx, mod in mixers}
+    param = next(model.parameters())
+    state = ReplayState(adapters, window=window, record_dtype=record_dtype, max_draft=max_draft,
+                        backend=backend, num_slots=num_slots, device=param.device, dtype=param.dtype)
+    for idx, mod in mixers:
+        mod.forward = types.MethodType(_replay_forward(state.layers[idx]), mod)
+    setattr(model, _ATTR, state)
+    return model
+
+
+def disable(model):
+    """Restore the stock decode path of every recurrent mixer and drop the ReplaySSM state.
+    Returns the model; a model that is not enabled is left as it is."""
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        return model
+    for layer in state.layers.values():
+        mod = layer.adapter.mixer
+        if "forward" in vars(mod):
+            del mod.forward
+    delattr(model, _ATTR)
+    return model
+
+
+def is_enabled(model) -> bool:
+    return getattr(model, _ATTR, None) is not None
+
+
+def replay_state(model) -> ReplayState:
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise ValueError(f"ReplaySSM is not enabled on {type(model).__name__}; call enable(model) first")
+    return state
+
+
+def _replay_forward(layer):
+    """The mixer's forward while enabled (bound to the mixer module)."""
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        stock = type(self).forward
+        if cache_params is None or not cache_params.has_previous_state(layer.index):
+            out = stock(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            if cache_params is not None:
+                _seed(layer, cache_params, hidden_states.shape[0], hidden_states.device)
+            return out
+        state = layer.state_ref()
+        binding = getattr(cache_params, "_replayssm_binding", None)
+        if state is None or binding is None or binding.state_ref() is not state:
+            raise RuntimeError("this cache was prefilled without the current ReplaySSM state "
+                               "(enable or disable was called since); start a new generation")
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # the stock path zeroes padded inputs of multi-token forwards the same way
+            hidden_states = (hidden_states * attention_mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
+        return _step(layer, state, binding.slots, hidden_states)
+
+    return forward
+
+
+def _seed(layer, cache, batch: int, device) -> None:
+    """After the stock prefill: the layer's final state and last convolution inputs, left in
+    the cache, become the slots' checkpoint and history."""
+    binding = layer.state_ref().bind(cache, batch, device)
+    cl = cache.layers[layer.index]
+    slots = binding.slots.to(layer.pool.device)
+    final = layer.adapter.prefill_state(cl.recurrent_states[0])
+    layer.pool.load(slots, final.to(layer.pool.device, torch.float32))
+    layer.conv.load(binding.slots, cl.conv_states[0])
+
+
+def _step(layer, state, slots, hidden_states):
+    """Decode (`S == 1`), verification (pending) or continuation (committed) of `S` tokens."""
+    adapter, pool = layer.adapter, layer.pool
+    S = hidden_states.shape[1]
+    conv_in, side = adapter.project(hidden_states)
+    pending = state.verifying and S > 1
+    if pending and S > state.max_tokens:
+        raise ValueError(f"verification of {S} tokens exceeds max_draft {state.max_tokens} "
+                         f"(enable(model, max_draft=...))")
+    u = layer.conv.run(slots, conv_in, adapter.conv_weight, adapter.conv_bias, adapter.activation,
+                       commit_all=not pending)
+    inputs = {k: v.to(pool.device) for k, v in adapter.pool_inputs(u, side).items()}
+    pslots = slots.to(pool.device)
+    if S == 1:
+        y = pool.decode(pslots, **{k: v[:, 0] for k, v in inputs.items()})[:, None]
+    elif pending:
+        y = pool.verify(pslots, **inputs)
+    else:
+        y = _extend(pool, pslots, inputs, state.max_tokens, S)
+    return adapter.output(y.to(hidden_states.device), side, hidden_states.dtype)
+
+
+def _extend(pool, slots, inputs, T: int, S: int):
+    """`S` tokens continuing a sequence outside verification: chunks of at most `T` tokens,
+    each verified and committed in full."""
+    live = bool((slots >= 0).any())
+    ys = []
+    for start in range(0, S, T):
+        n = min(T, S - start)
+        ys.append(pool.verify(slots, **{k: v[:, start:start + n] for k, v in inputs.items()}))
+        if live:
+            pool.commit(slots, torch.full_like(slots, n))
+    return torch.cat(ys, dim=1)
