@@ -424,3 +424,30 @@ def test_gpu_rounds_real_shapes(name, T):
     res = _rounds(shape, window=16, T=T, rounds=16, n_slots=6, seed=T + 1, record_dtype=torch.bfloat16,
                   bf16_values=True)
     _check(res)
+
+
+def test_absent_d_and_z():
+    # D and z None (passed to the kernel as None; its heuristics drop them): the plain
+    # recurrence's output y_t = S_t C_t from the checkpoint, at an empty and a partial buffer
+    shape, L, T = SMALL, 4, 3
+    HV, Hk, V, K = shape["HV"], shape["Hk"], shape["V"], shape["K"]
+    g = torch.Generator().manual_seed(5)
+    p, (A, dt_bias, _), ref = _layer(shape, 5)
+    pool = _pool(shape, 2, L + T, torch.float32)
+    pool["ckpt"].copy_(0.1 * torch.randn(2, HV, V, K, generator=g))
+    inp = _inputs(p, shape, 2, T, g, False)
+    sid = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    y = replay_verify(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, None, None, pool["ckpt"].clone(),
+                      pool["buf_ld"], pool["buf_w"], pool["buf_k"], pool["cursor"], pool["pending"],
+                      pool["epoch"], sid, L, arrive=pool["arrive"])
+    G = HV // Hk
+    for b in range(2):
+        S = pool["ckpt"][int(sid[b])].double()
+        for t in range(T):
+            d = torch.nn.functional.softplus(inp["dt"][b, t].double() + dt_bias.double())
+            kk = inp["B"][b, t].double().repeat_interleave(G, 0)
+            S = torch.exp(d * A.double())[:, None, None] * S + (d[:, None] * inp["x"][b, t].double())[:, :, None] * kk[:, None, :]
+            want = torch.einsum("hvk,hk->hv", S, inp["C"][b, t].double().repeat_interleave(G, 0))
+            err = float((y[b, t].double() - want).norm() / want.norm())
+            assert err < 1e-5, (b, t, err)
+    assert pool["pending"].tolist() == [T, T]

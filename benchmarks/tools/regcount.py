@@ -175,7 +175,7 @@ def mamba2_verify(cfg):
                pending="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64", num_drafts="*i32")
     T, L = c["T"], c["window"]
     LB = L + T
-    vals = dict(HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T, TP=max(16, triton.next_power_of_2(T)),
+    vals = dict(HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T, TP=triton.next_power_of_2(T), KI=min(32, K),
                 BV=c["BV"], BK=K, BL=max(16, triton.next_power_of_2(min(L, LB))), NVB=triton.cdiv(V, c["BV"]),
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(G), HAS_D=True, HAS_Z=True,
                 HAS_N=True, EVEN=V % c["BV"] == 0)
@@ -222,6 +222,26 @@ def gdn_mat(cfg):
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"gdn materialising {c}")
 
 
+def delta_verify(cfg, family="gdn"):
+    """The GDN/KDA verify kernel (ops/gdn/verify.py) at Qwen3.5-4B's (`HV=64` for 122B's) or
+    Kimi-Linear's shape, `T` drafts, window 16, bf16 records by default (`rec=fp32`)."""
+    from replayssm.ops.gdn import verify as m
+
+    c = dict(BV=32, num_warps=4, KS=8, T=8, HV=32, rec="bf16")
+    c.update(cfg)
+    HV, HK, V, K, L, T = c["HV"], 16 if family == "gdn" else c["HV"], 128, 128, 16, c["T"]
+    fn = jit_function(m._replay_verify_kernel)
+    ptr = dict({n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")},
+               buf_w="*" + c["rec"], buf_k="*" + c["rec"], cursor="*i32", pending="*i32", epoch="*i64",
+               arrive="*i32", slot_ids="*i32", num_drafts="*i32")
+    vals = dict(T=T, TP=max(2, triton.next_power_of_2(T)), HV=HV, HK=HK, V=V, K=K, LBCAP=L + T,
+                LB=max(2, triton.next_power_of_2(max(L, T))), BV=c["BV"], BK=K, KS=c["KS"],
+                HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(HK), IS_KDA=family == "kda",
+                USE_QK_L2NORM=True, HAS_NDRAFT=True, EXACT_BF16=False)
+    sig, const = signature(fn, ptr, vals, floats=("scale",))
+    return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} verify {c}")
+
+
 if __name__ == "__main__":
     fam = sys.argv[1] if len(sys.argv) > 1 else "mamba2"
     cfg = {}
@@ -230,4 +250,5 @@ if __name__ == "__main__":
         cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
     print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat,
            "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon, "mamba2-verify": mamba2_verify,
-           "gdn-gluon": gdn_gluon}[fam](cfg))
+           "gdn-gluon": gdn_gluon, "gdn-verify": delta_verify,
+           "kda-verify": lambda c: delta_verify(c, "kda")}[fam](cfg))

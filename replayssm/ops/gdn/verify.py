@@ -13,14 +13,17 @@ folded into the tile first and it is written back). Draft `t` sits at position `
     o_t   = P_t q_t + (k_t.q_t) u_t
 
 The delta rule's `u` of a value row depends on that row of `S` only, so the V-blocks of a head
-are independent programs. Everything but the drafts' mutual `u` is known from the inputs, so a
-program (1) gathers the drafts' keys, queries, values and decays into `[TP, ...]` register tiles
-(and their mutual weighted products `Mk`, `Mq`, `[TP, TP]`), (2) forms the checkpoint's and the
-committed records' parts for all drafts at once as fp32 products (`tl.dot`, IEEE precision:
-`C [BV, K] x [K, TP]`, `U_c^T [BV, L] x [L, TP]`), (3) solves the unit-triangular system draft
-by draft on `[BV, TP]` tiles, where draft t reads only the drafts before it. Drafts are never
-read back from the buffer. KDA's decay is a `[K]` vector that scales the key columns instead of
-whole terms.
+are independent programs. The drafts are taken in order, one static iteration each: draft t's
+matrix-vector products with the tile (`C k_t`, `C q_t`), with the committed keys and with the
+earlier drafts' keys (kept in registers), then its `u_t` from the `u` of drafts before it, so a
+poisoned later draft cannot reach it. No tensor-core product: padding T to a dot's 16 columns
+would multiply the tile's work (T = 2: 8x), and FMA dots hold whole rows of both operands.
+
+Every tile with K columns (the checkpoint, the committed and the drafts' keys) is laid out by
+`utils.tiles.tile_offsets` with KS slices of K per thread, and every K-vector (a draft's key,
+query, KDA decay) is held in the tiles' shape (`[KS, 1, BK // KS]`): a product with a tile is
+mostly in-thread FMAs and adds, no layout change of the vector per tile. KDA's decay is a `[K]`
+vector that scales the key columns instead of whole terms.
 """
 from __future__ import annotations
 
@@ -32,9 +35,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..utils.checks import check_tensor, may_sync
-from ..utils.cursor import fold_pending, verify_hand_off
+from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
-from ..utils.tiles import tile_offsets
+from ..utils.tiles import check_slices, tile_offsets
 from .common import (_FLOATS, _for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
 
@@ -45,6 +48,59 @@ MAX_DRAFT = 8
 # ---------------------------------------------------------------------------------------------
 # The verify kernel.
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kvec(x, KS: tl.constexpr):
+    """A `[BK]` vector shaped to broadcast over the rows of a `tile_offsets` tile."""
+    if KS == 1:
+        return x[None, :]
+    else:
+        return tl.reshape(x, (KS, x.shape[0] // KS))[:, None, :]
+
+
+@triton.jit
+def _kdot(b_X, x, KS: tl.constexpr):
+    """Rows of a `tile_offsets` tile dotted with a `[BK]` vector: `[R]`."""
+    if KS == 1:
+        return tl.sum(b_X * x[None, :], axis=1)
+    else:
+        return tl.sum(tl.sum(b_X * _kvec(x, KS), axis=2), axis=0)
+
+
+@triton.jit
+def _rows(x, KS: tl.constexpr):
+    """A per-row `[R]` vector shaped to broadcast over the rows of a `tile_offsets` tile."""
+    if KS == 1:
+        return x[:, None]
+    else:
+        return x[None, :, None]
+
+
+@triton.jit
+def _tile_zeros(R: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr):
+    """A zero `[R, BK]` tile in the shape of `tile_offsets`."""
+    if KS == 1:
+        return tl.zeros([R, BK], dtype=tl.float32)
+    else:
+        return tl.zeros([KS, R, BK // KS], dtype=tl.float32)
+
+
+@triton.jit
+def _fold(b_C, h, p_ld, p_w, p_k, stride_ld, stride_w, stride_k, m_w, m_k, KS: tl.constexpr,
+          IS_KDA: tl.constexpr):
+    """`b_C` after records `0..h-1`, oldest first, one fp32 rank-1 step each (`S <- a_j S +
+    u_j k_j^T`, the arithmetic of `utils.cursor.fold_pending`), in the tile's own shape: `p_w`,
+    `m_w` `[BV]`, `p_k`, `m_k` (and KDA's `p_ld`) `[BK]`."""
+    for j in range(0, h):
+        b_w = tl.load(p_w + j * stride_w, mask=m_w, other=0.).to(tl.float32)
+        b_k = tl.load(p_k + j * stride_k, mask=m_k, other=0.).to(tl.float32)
+        if IS_KDA:
+            b_C = b_C * _kvec(tl.exp(tl.load(p_ld + j * stride_ld, mask=m_k, other=0.)), KS)
+        else:
+            b_C = b_C * tl.exp(tl.load(p_ld + j * stride_ld))
+        b_C += _rows(b_w, KS) * _kvec(b_k, KS)
+    return b_C
 
 
 @triton.jit
@@ -98,6 +154,7 @@ def _write_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, i_s, n, o_k, m_k,
                      mask=tl.where(ok, m_hv, False))
 
 
+
 @triton.jit
 def _replay_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
@@ -108,8 +165,8 @@ def _replay_verify_kernel(
     stride_b_b, stride_b_t, stride_b_h,
     T: tl.constexpr, TP: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
     K: tl.constexpr, LBCAP: tl.constexpr, LB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-    HVP: tl.constexpr, HKP: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    HAS_NDRAFT: tl.constexpr, EXACT_BF16: tl.constexpr,
+    KS: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr, IS_KDA: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, HAS_NDRAFT: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     HG: tl.constexpr = HV // HK
@@ -122,17 +179,13 @@ def _replay_verify_kernel(
 
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_t = tl.arange(0, TP)
-    o_c = tl.arange(0, TP)
     p_o = o + (i_b * T * HV + i_hv) * V
-    o_o = o_t[:, None] * (HV * V) + o_v[None, :]                             # [TP, BV]
 
     i_s = tl.load(slot_ids + i_b).to(tl.int64)
     if i_s < 0:
-        tl.store(p_o + o_o, tl.zeros([TP, BV], dtype=tl.float32).to(p_o.dtype.element_ty),
-                 mask=(o_t < T)[:, None] & m_v[None, :])
+        for t in tl.static_range(T):
+            tl.store(p_o + t * (HV * V) + o_v, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty),
+                     mask=m_v)
         return
     h = tl.load(cursor + i_s).to(tl.int64)
     if HAS_NDRAFT:
@@ -143,151 +196,110 @@ def _replay_verify_kernel(
     keep = h + n <= window
     hc = tl.where(flush, 0, h)              # committed records the drafts follow (h')
 
-    # tile offsets in int32 added to a scalar 64-bit base
+    # the tile; int32 offsets added to scalar 64-bit bases
     p_C = ckpt + (i_s * HV + i_hv) * (V * K)
-    o_C, m_C = tile_offsets(o_v, m_v, K, BK, 1)
-    b_C = tl.load(p_C + o_C, mask=m_C, other=0., eviction_policy="evict_first")   # [BV, BK]
+    o_C, m_C = tile_offsets(o_v, m_v, K, BK, KS)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_C = tl.load(p_C + o_C, mask=m_C, other=0., eviction_policy="evict_first")
+    RA: tl.constexpr = 0 if KS == 1 else 1                                   # the tiles' row axis
 
-    # committed records j < h', predicated on h' (empty after a flush); lane j of the shifted
-    # decays holds ld_{j+1}, so that a reverse scan gives each record's suffix sum directly
+    # Rows j of the record tiles are buffer positions: committed records j < h' (none after a
+    # flush), then each draft r at h' + r once solved, so that draft t reads rows < h' + t only
+    # (h' + t < h' + n <= max(window, T) <= LB: the tiles are sized by the window). The rows'
+    # keys (KDA: weighted by their decay to the current draft), u, and GDN's log weights; rows
+    # at or past the cursor are selected away after the load
     o_j = tl.arange(0, LB)
     m_j = o_j < hc
     m_j1 = (o_j + 1) < hc
-    o_rec = i_s * LBCAP + o_j
-    b_Kc = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
-                   mask=m_j[:, None] & m_k[None, :], other=0.)
-    b_Kc = tl.where(m_j[:, None], b_Kc.to(tl.float32), 0.)                  # [LB, BK]
-    b_Uc = tl.load(buf_w + ((o_rec * HV + i_hv) * V)[:, None] + o_v[None, :],
+    o_p0 = i_s * LBCAP
+    o_Ka, m_Ka = tile_offsets(o_j * HK, m_j, K, BK, KS)
+    b_Ka = tl.load(buf_k + (o_p0 * HK + i_hk) * K + o_Ka, mask=m_Ka, other=0.)
+    b_Ka = tl.where(_rows(m_j, KS), b_Ka.to(tl.float32), 0.)
+    b_Ua = tl.load(buf_w + (o_p0 * HV + i_hv) * V + (o_j[:, None] * (HV * V) + o_v[None, :]),
                    mask=m_j[:, None] & m_v[None, :], other=0.)
-    b_Uc = tl.where(m_j[:, None], b_Uc.to(tl.float32), 0.)                  # [LB, BV]
+    b_Ua = tl.where(m_j[:, None], b_Ua.to(tl.float32), 0.)                  # [LB, BV]
+    # lane j of the shifted decays holds ld_{j+1}: a reverse scan gives each record's suffix sum
     if IS_KDA:
-        b_LDs = tl.load(buf_ld + ((o_rec + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
-                        mask=m_j1[:, None] & m_k[None, :], other=0.)
-        b_LDs = tl.where(m_j1[:, None], b_LDs, 0.)                          # [LB, BK]
-        b_ld0 = tl.load(buf_ld + (i_s * LBCAP * HV + i_hv) * K + o_k, mask=tl.where(hc > 0, m_k, False),
-                        other=0.)
+        p_ld = buf_ld + (o_p0 * HV + i_hv) * K
+        o_L, m_L = tile_offsets((o_j + 1) * HV, m_j1, K, BK, KS)
+        b_LDs = tl.where(_rows(m_j1, KS), tl.load(p_ld + o_L, mask=m_L, other=0.), 0.)
+        b_ld0 = tl.load(p_ld + o_k, mask=tl.where(hc > 0, m_k, False), other=0.)
         b_ld0 = tl.where(hc > 0, b_ld0, 0.)
+        # weights as products of factors <= 1 (exp of each decay, as the recurrence applies
+        # them): rows scaled per draft, the checkpoint's weight a running [BK] product
+        b_Ka = b_Ka * tl.exp(tl.cumsum(b_LDs, axis=RA, reverse=True))
+        b_g = tl.exp(b_ld0 + tl.reshape(tl.sum(b_LDs, axis=RA), (BK,)))
     else:
-        b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_j1, other=0.)
-        b_LDs = tl.where(m_j1, b_LDs, 0.)                                   # [LB]
-        b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv, mask=hc > 0, other=0.)
-        b_ld0 = tl.where(hc > 0, b_ld0, 0.)
-    b_suf = tl.cumsum(b_LDs, axis=0, reverse=True)        # record j: ld_{j+1} + ... + ld_{h'-1}
-    b_Lc = b_ld0 + tl.sum(b_LDs, axis=0)                  # ld_0 + ... + ld_{h'-1}
+        p_ld = buf_ld + o_p0 * HV + i_hv
+        b_LDs = tl.where(m_j1, tl.load(p_ld + (o_j + 1) * HV, mask=m_j1, other=0.), 0.)   # [LB]
+        b_ld0 = tl.where(hc > 0, tl.load(p_ld, mask=hc > 0, other=0.), 0.)
+        b_La = tl.cumsum(b_LDs, axis=0, reverse=True)     # record j: ld_{j+1} + ... + ld_{h'-1}
+        b_Lc = b_ld0 + tl.sum(b_LDs, axis=0)              # ld_0 + ... + ld_{h'-1}
 
     if flush:
         # records 0..h-1 folded into the tile, oldest first (exact fp32, the conventional
         # arithmetic), re-read from L1/L2; the new checkpoint is stored before the drafts start
-        o_p = i_s * LBCAP
-        if IS_KDA:
-            p_ld = buf_ld + (o_p * HV + i_hv) * K + o_k
-        else:
-            p_ld = buf_ld + o_p * HV + i_hv
-        b_C = fold_pending(b_C, h, p_ld, buf_w + (o_p * HV + i_hv) * V + o_v,
-                           buf_k + (o_p * HK + i_hk) * K + o_k, HV * K if IS_KDA else HV,
-                           HV * V, HK * K, m_v, m_k, 2 if IS_KDA else 0)
+        b_C = _fold(b_C, h, p_ld + (o_k if IS_KDA else 0), buf_w + (o_p0 * HV + i_hv) * V + o_v,
+                    buf_k + (o_p0 * HK + i_hk) * K + o_k, HV * K if IS_KDA else HV, HV * V, HK * K,
+                    m_v, m_k, KS, IS_KDA)
         tl.store(p_C + o_C, b_C, mask=m_C)
         # this program's own records 0..n-1, read by all its threads above, are overwritten below
         tl.debug_barrier()
 
-    # Phase 1, per draft t (inputs only, no u): its key, query, value, beta into [TP, ...] tiles
-    # selected by lane; D (lane t: ld of drafts 0..t) and, for the drafts' mutual products,
-    # W (lane r: ld of drafts r+1..t) as running direct sums; column t of Mk (r < t) and Mq
-    # (r <= t): `(k_r . k_t)` and `(k_r . q_t)` weighted by exp(W).
-    b_Kd = tl.zeros([TP, BK], dtype=tl.float32)
-    b_Qd = tl.zeros([TP, BK], dtype=tl.float32)
-    b_Vt = tl.zeros([BV, TP], dtype=tl.float32)
-    b_bt = tl.zeros([TP], dtype=tl.float32)
-    b_Mk = tl.zeros([TP, TP], dtype=tl.float32)
-    b_Mq = tl.zeros([TP, TP], dtype=tl.float32)
-    if IS_KDA:
-        b_D = tl.zeros([TP, BK], dtype=tl.float32)
-        b_Dt = tl.zeros([BK], dtype=tl.float32)
-        b_W = tl.zeros([TP, BK], dtype=tl.float32)
-    else:
-        b_D = tl.zeros([TP], dtype=tl.float32)
-        b_Dt = tl.zeros([], dtype=tl.float32)
-        b_W = tl.zeros([TP], dtype=tl.float32)
     own_hk = (i_v == 0) & (i_hv % HG == 0)
-    for t in tl.static_range(T):
+    # a loop, not unrolled: unrolled, the compiler hoists every draft's loads and K-vectors
+    # (each replicated over the tile's rows) to the start, and registers grow with T
+    for t in range(0, T):
         b_q, b_k = _load_qk(q + t * stride_q_t, k + t * stride_k_t, i_b, i_hk, o_k, m_k, scale,
                             stride_q_b, stride_q_h, stride_k_b, stride_k_h, USE_QK_L2NORM)
         b_v, b_ld, b_beta = _load_head(v + t * stride_v_t, a + t * stride_a_t, b + t * stride_b_t,
                                        A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
                                        stride_v_b, stride_v_h, stride_a_b, stride_a_h,
                                        stride_b_b, stride_b_h, K, IS_KDA)
-        l_t = o_t == t
-        b_Kd = tl.where(l_t[:, None], b_k[None, :], b_Kd)
-        b_Qd = tl.where(l_t[:, None], b_q[None, :], b_Qd)
-        b_Vt = tl.where(o_c[None, :] == t, b_v[:, None], b_Vt)
-        b_bt = tl.where(l_t, b_beta, b_bt)
-        b_Dt += b_ld
-        m_r = o_t < t
+        m_a = o_j < hc + t                       # the rows draft t reads
         if IS_KDA:
-            b_D = tl.where(l_t[:, None], b_Dt[None, :], b_D)
-            b_W = tl.where(m_r[:, None], b_W + b_ld[None, :], 0.)
-            b_Kw = b_Kd * tl.exp(b_W)
-            b_ck = tl.sum(b_Kw * b_k[None, :], axis=1)                     # [TP]
-            b_cq = tl.sum(b_Kw * b_q[None, :], axis=1)
+            b_e = tl.exp(b_ld)
+            b_g = b_g * b_e
+            b_Ka = b_Ka * _kvec(b_e, KS)
+            b_Ck = _kdot(b_C, b_k * b_g, KS)
+            b_Cq = _kdot(b_C, b_q * b_g, KS)
+            b_ck = _kdot(b_Ka, b_k, KS)                                     # [LB]
+            b_cq = _kdot(b_Ka, b_q, KS)
         else:
-            b_D = tl.where(l_t, b_Dt, b_D)
-            b_W = tl.where(m_r, b_W + b_ld, 0.)
-            b_ew = tl.exp(b_W)
-            b_ck = tl.sum(b_Kd * b_k[None, :], axis=1) * b_ew
-            b_cq = tl.sum(b_Kd * b_q[None, :], axis=1) * b_ew
-        b_Mk = tl.where((o_c[None, :] == t) & m_r[:, None], b_ck[:, None], b_Mk)
-        b_Mq = tl.where((o_c[None, :] == t) & (o_t <= t)[:, None], b_cq[:, None], b_Mq)
-
-        # the draft's decay and key at position h' + t without a flush (V-block 0 of the head,
-        # of the key head's first value head): no program reads positions >= h in this launch
-        o_pt = i_s * LBCAP + hc + t
-        sole = (t < n) & (hc + t < LBCAP) & keep & (i_v == 0)
+            b_La += b_ld
+            b_Lc += b_ld
+            b_gC = tl.exp(b_Lc)
+            b_Ck = _kdot(b_C, b_k, KS) * b_gC
+            b_Cq = _kdot(b_C, b_q, KS) * b_gC
+            b_w = tl.where(m_a, tl.exp(b_La), 0.)
+            b_ck = _kdot(b_Ka, b_k, KS) * b_w
+            b_cq = _kdot(b_Ka, b_q, KS) * b_w
+        b_kq = tl.sum(b_k * b_q)
+        b_u = b_beta * (b_v - b_Ck - tl.sum(b_Ua * b_ck[:, None], axis=0))
+        b_o = b_Cq + tl.sum(b_Ua * b_cq[:, None], axis=0) + b_kq * b_u
+        ok = t < n
+        tl.store(p_o + t * (HV * V) + o_v, _for_store(tl.where(ok, b_o, 0.), p_o, EXACT_BF16), mask=m_v)
+        # u rows by their owner, at position h' + t (< LBCAP guards other slots against a bad cursor)
+        o_pt = o_p0 + hc + t
+        p_w = buf_w + (o_pt * HV + i_hv) * V + o_v
+        tl.store(p_w, _for_store(b_u, p_w, EXACT_BF16), mask=tl.where(ok & (hc + t < LBCAP), m_v, False))
+        # without a flush, the draft's decay and key too (V-block 0 of the head, of the key
+        # head's first value head): no program reads positions >= h in this launch
+        sole = ok & (hc + t < LBCAP) & keep & (i_v == 0)
         if IS_KDA:
             tl.store(buf_ld + (o_pt * HV + i_hv) * K + o_k, b_ld, mask=tl.where(sole, m_k, False))
         else:
             tl.store(buf_ld + o_pt * HV + i_hv, b_ld, mask=sole)
         p_kh = buf_k + (o_pt * HK + i_hk) * K + o_k
         tl.store(p_kh, _for_store(b_k, p_kh, EXACT_BF16), mask=tl.where(sole & own_hk, m_k, False))
-
-    # Phase 2, every draft at once (fp32 FMA products): the checkpoint's and the committed
-    # records' parts of P_t k_t and P_t q_t, `[BV, TP]`. A lane's column depends on its own
-    # inputs only. KDA: record j's weight exp(suf_j + D_t) taken as exp(suf_j) exp(D_t), a
-    # product of factors <= 1 (no difference of sums).
-    if IS_KDA:
-        b_gC = tl.exp(b_Lc[None, :] + b_D)                                  # [TP, BK]
-        b_Ck = tl.dot(b_C, tl.trans(b_Kd * b_gC), input_precision="ieee")
-        b_Cq = tl.dot(b_C, tl.trans(b_Qd * b_gC), input_precision="ieee")
-        b_eD = tl.exp(b_D)
-        b_Kw = b_Kc * tl.where(m_j[:, None], tl.exp(b_suf), 0.)
-        b_Akc = tl.dot(b_Kw, tl.trans(b_Kd * b_eD), input_precision="ieee")  # [LB, TP]
-        b_Aqc = tl.dot(b_Kw, tl.trans(b_Qd * b_eD), input_precision="ieee")
-    else:
-        b_gC = tl.exp(b_Lc + b_D)                                           # [TP]
-        b_Ck = tl.dot(b_C, tl.trans(b_Kd), input_precision="ieee") * b_gC[None, :]
-        b_Cq = tl.dot(b_C, tl.trans(b_Qd), input_precision="ieee") * b_gC[None, :]
-        b_wc = tl.where(m_j[:, None], tl.exp(b_suf[:, None] + b_D[None, :]), 0.)   # [LB, TP]
-        b_Akc = tl.dot(b_Kc, tl.trans(b_Kd), input_precision="ieee") * b_wc
-        b_Aqc = tl.dot(b_Kc, tl.trans(b_Qd), input_precision="ieee") * b_wc
-    b_R = b_Vt - b_Ck - tl.dot(tl.trans(b_Uc), b_Akc, input_precision="ieee")     # [BV, TP]
-    b_Oc = b_Cq + tl.dot(tl.trans(b_Uc), b_Aqc, input_precision="ieee")
-
-    # Phase 3, forward substitution in draft order: u_t = beta_t (R_t - sum_{r<t} Mk[r,t] u_r),
-    # o_t = Oc_t + sum_{r<=t} Mq[r,t] u_r; lanes r >= t of U are still zero, so a later
-    # (poisoned) draft never reaches draft t
-    b_U = tl.zeros([BV, TP], dtype=tl.float32)
-    for t in tl.static_range(T):
-        l_c = o_c == t
-        b_mk = tl.sum(tl.where(l_c[None, :], b_Mk, 0.), axis=1)            # [TP] over r
-        b_u = tl.sum(tl.where(l_c[None, :], b_R, 0.), axis=1) - tl.sum(b_U * b_mk[None, :], axis=1)
-        b_u = tl.sum(tl.where(o_t == t, b_bt, 0.)) * b_u                    # [BV]
-        b_U = tl.where(l_c[None, :], b_u[:, None], b_U)
-        b_mq = tl.sum(tl.where(l_c[None, :], b_Mq, 0.), axis=1)
-        b_o = tl.sum(tl.where(l_c[None, :], b_Oc, 0.), axis=1) + tl.sum(b_U * b_mq[None, :], axis=1)
-        ok = t < n
-        tl.store(p_o + t * (HV * V) + o_v, _for_store(tl.where(ok, b_o, 0.), p_o, EXACT_BF16), mask=m_v)
-        # u rows by their owner, at position h' + t (< LBCAP guards other slots against a bad cursor)
-        p_w = buf_w + ((i_s * LBCAP + hc + t) * HV + i_hv) * V + o_v
-        tl.store(p_w, _for_store(b_u, p_w, EXACT_BF16), mask=tl.where(ok & (hc + t < LBCAP), m_v, False))
+        if t + 1 < T:
+            # the draft becomes row h' + t (decay weight 1 so far)
+            l_t = o_j == hc + t
+            b_Ka = tl.where(_rows(l_t, KS), _kvec(b_k, KS), b_Ka)
+            b_Ua = tl.where(l_t[:, None], b_u[None, :], b_Ua)
+            if not IS_KDA:
+                b_La = tl.where(l_t, 0., b_La)
 
     last = verify_hand_off(arrive, cursor, pending, epoch, i_s, hc, n, flush, HV * NV)
     if last & flush:
@@ -296,20 +308,26 @@ def _replay_verify_kernel(
                       T, HV, HK, K, LBCAP, HVP, HKP, IS_KDA, USE_QK_L2NORM, EXACT_BF16)
 
 
+
+
 # ---------------------------------------------------------------------------------------------
 # Launcher, launch configs, custom ops, public function.
 # ---------------------------------------------------------------------------------------------
 
-_CONFIG_KEYS = ("BV", "num_warps", "num_stages")
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS")
 
 
 def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = None, *,
                   batch: Optional[int] = None) -> dict:
     """The launch config of `replay_verify` for value dim `V`, key dim `K`, `T` tokens (with a
-    caller's overrides of `BV`, `num_warps`, `num_stages`)."""
+    caller's overrides of `BV`, `num_warps`, `num_stages`, `KS`: the tiles held as KS slices of
+    K per thread, see ops/utils/tiles.py).
+
+    Chosen offline from the code compiled for sm_90a (registers, spills, instruction counts;
+    benchmarks/tools/regcount.py `gdn-verify` / `kda-verify`), not yet timed on a GPU."""
     BK = triton.next_power_of_2(K)
     BV = min(32, triton.next_power_of_2(V))
-    cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 2, "num_stages": 1}
+    cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 1, "num_stages": 1, "KS": min(8, max(1, BK // 4))}
     if config:
         unknown = set(config) - set(_CONFIG_KEYS)
         if unknown:
@@ -322,20 +340,20 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
         raise ValueError(f"config num_warps={nw!r} must be one of 1, 2, 4, 8, 16")
     if isinstance(ns, bool) or not isinstance(ns, int) or ns < 1:
         raise ValueError(f"config num_stages={ns!r} must be a positive int")
+    check_slices(cfg["KS"], BK)
     return cfg
 
 
 def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, window: int, o,
-                  use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int) -> None:
+                  use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int) -> None:
     """Launch `_replay_verify_kernel`; inputs already validated."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     Lb = buf_w.shape[1]
     if Bt == 0:
         return
-    # tl.dot tiles are at least 16 on every side (padding lanes are masked)
-    BV = max(16, min(BV, triton.next_power_of_2(V)))
+    BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
     _replay_verify_kernel[(HV * NV, Bt)](
         q, k, v, a, b, A_log, dt_bias, o,
@@ -345,9 +363,10 @@ def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
-        T=T, TP=max(16, triton.next_power_of_2(T)), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb,
-        # committed records h' <= window: tiles sized by the window, not the capacity
-        LB=max(16, triton.next_power_of_2(min(window, Lb))), BV=BV, BK=triton.next_power_of_2(K),
+        T=T, TP=max(2, triton.next_power_of_2(T)), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb,
+        # rows: committed records and earlier drafts, h' + t < max(window, T): sized by the
+        # window, not the capacity
+        LB=max(2, triton.next_power_of_2(max(min(window, Lb), T))), BV=BV, BK=triton.next_power_of_2(K), KS=KS,
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk),
         IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
         HAS_NDRAFT=num_drafts is not None, EXACT_BF16=_interpreting(),
@@ -366,14 +385,14 @@ def _register_verify_op(family: str):
            dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor,
            buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor, arrive: Tensor,
            slot_ids: Tensor, num_drafts: Optional[Tensor], window: int, o: Tensor,
-           use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int) -> None:
+           use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int) -> None:
         launch_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, pending, epoch, arrive, slot_ids, num_drafts, window, o,
-                      use_qk_l2norm, BV, num_warps, num_stages)
+                      use_qk_l2norm, BV, num_warps, num_stages, KS)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-          arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages) -> None:
+          arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages, KS) -> None:
         return None
 
     return op
@@ -458,7 +477,7 @@ def run_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
     _VERIFY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ckpt, buf_ld, buf_w, buf_k, cursor,
         pending, epoch, arrive, slot_ids, num_drafts, int(window), out, bool(use_qk_l2norm),
-        cfg["BV"], cfg["num_warps"], cfg["num_stages"])
+        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"])
     return out
 
 
@@ -487,7 +506,7 @@ def replay_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
         num_drafts: `[Bt]` int32, `1 <= n_b <= T` drafts per row (None: T). Drafts `t >= n_b`
             are not written and their outputs are zero.
         out: optional `[Bt, T, HV, V]` contiguous output (default: new tensor of `v`'s dtype).
-        config: overrides of `BV`, `num_warps`, `num_stages` (see `verify_config`).
+        config: overrides of `BV`, `num_warps`, `num_stages`, `KS` (see `verify_config`).
         arrive: `[N]` int32 zeroed counters (default: a cached buffer, see `arrive_counter`).
         validate: check shapes, dtypes, devices, slot ids, cursors and draft counts (the last
             three read device values back, skipped during CUDA-graph capture). False: no check.

@@ -22,12 +22,13 @@ from torch import Tensor
 
 from ..utils.checks import check_slot_ids, check_slot_values
 from ..utils.snapshot import check_snapshot_state, snapshot_commit, snapshot_launch, snapshot_overrides
-from .common import check_tensor, check_token_inputs, head_values, softplus
+from .common import OPTIONAL_INPUTS, check_tensor, check_token_inputs, given, head_values, softplus
 from .configs import conventional_config
 
 __all__ = ["snapshot_verify", "snapshot_commit"]
 
 
+@triton.heuristics(dict(OPTIONAL_INPUTS, HAS_N=given("num_drafts")))
 @triton.jit
 def _snapshot_verify_kernel(
     x, dt, B, C, A, dt_bias, D, z, out, states, base, slot_ids, num_drafts,
@@ -128,15 +129,14 @@ def _launch(x, dt, B, C, A, dt_bias, D, z, states, base, slot_ids, num_drafts, o
     Hk, K = B.shape[2], B.shape[3]
     if Bt == 0:
         return
+    # D, z and num_drafts absent: None (the kernel's heuristics set HAS_D, HAS_Z, HAS_N)
     _snapshot_verify_kernel[(HV * V // BV, Bt)](
-        x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
-        states, base, slot_ids, num_drafts if num_drafts is not None else slot_ids,
+        x, dt, B, C, A, dt_bias, D, z, out, states, base, slot_ids, num_drafts,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         z.stride(2) if z is not None else 0, out.stride(0), out.stride(1), out.stride(2),
         T=T, T1=states.shape[1], HV=HV, Hk=Hk, V=V, K=K, BV=BV, BK=triton.next_power_of_2(K),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_N=num_drafts is not None,
         PERHEAD=bool(perhead), num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -25,8 +25,7 @@ from torch import Tensor
 from ..utils.checks import check_slot_ids, check_slot_values, check_window
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
-from ..utils.tiles import tile_offsets
-from .common import FLOAT_DTYPES, RECORD_DTYPES, check_tensor, load_tile, softplus
+from .common import FLOAT_DTYPES, OPTIONAL_INPUTS, RECORD_DTYPES, check_tensor, given, load_tile, softplus
 
 __all__ = ["replay_verify", "verify_config"]
 
@@ -37,6 +36,23 @@ MAX_DRAFT = 8
 # Kernel
 
 @triton.jit
+def _chunked(p, o_r, m_r, stride_r, o_c, o_i, K: tl.constexpr, KI: tl.constexpr):
+    # offsets and mask of rows o_r (stride_r apart) of K columns as [KC, rows, KI]: Triton lays
+    # KI across 8 lanes and the rows across lanes and warps, and keeps the KC chunks in each
+    # thread, so a row reduction over K is mostly in-thread (3 shuffle levels, not 5)
+    o_k = o_c[:, None, None] * KI + o_i[None, None, :]
+    return p + (o_r[None, :, None] * stride_r + o_k), m_r[None, :, None] & (o_k < K)
+
+
+@triton.jit
+def _row_dot(b_X, b_q):
+    # [KC, R, KI] tile times a [KC, KI] vector: the in-thread chunks first, then the lanes
+    return tl.sum(tl.sum(b_X * b_q[:, None, :], axis=0), axis=1)
+
+
+@triton.heuristics(dict(OPTIONAL_INPUTS, HAS_N=given("num_drafts"),
+                        EVEN=lambda args: args["V"] % args["BV"] == 0 and args["BK"] == args["K"]))
+@triton.jit
 def _replay_verify_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
     ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
@@ -45,7 +61,7 @@ def _replay_verify_kernel(
     stride_z_b, stride_z_t, stride_z_h, stride_o_b, stride_o_t, stride_o_h,
     HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
     WINDOW: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-    BL: tl.constexpr, NVB: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr,
+    KI: tl.constexpr, BL: tl.constexpr, NVB: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_N: tl.constexpr, EVEN: tl.constexpr,
 ):
     # grid (HV * NVB, Bt): a program owns V-block i_v of head i_h
@@ -58,6 +74,10 @@ def _replay_verify_kernel(
 
     o_v = i_v * BV + tl.arange(0, BV)
     o_k = tl.arange(0, BK)
+    o_c = tl.arange(0, BK // KI)
+    o_i = tl.arange(0, KI)
+    o_k2 = o_c[:, None] * KI + o_i[None, :]                                             # [KC, KI]
+    m_k2 = o_k2 < K
     o_l = tl.arange(0, BL)
     o_t = tl.arange(0, TP)
     m_v = o_v < V
@@ -84,9 +104,9 @@ def _replay_verify_kernel(
     m_c = o_l < hc
 
     # int32 tile offsets on a 64-bit scalar base (a slot's checkpoint is far below 2^31 elements)
-    o_S, m_S = tile_offsets(o_v, m_v, K, BK, 1)
-    p_S = ckpt + slot * (HV * V * K) + i_h * (V * K)
-    b_S = load_tile(p_S + o_S, m_S, EVEN)                                               # [BV, BK]
+    p_S0 = ckpt + slot * (HV * V * K) + i_h * (V * K)
+    p_S, m_S = _chunked(p_S0, o_v, m_v, K, o_c, o_i, K, KI)
+    b_S = load_tile(p_S, m_S, EVEN)                                                     # [KC, BV, KI]
 
     # committed records: log decays of this head, keys of its group, values of its rows
     p_ld = buf_ld + slot * (LB * HV) + i_h
@@ -94,16 +114,16 @@ def _replay_verify_kernel(
     p_wb = buf_w + slot * (LB * HV * V) + i_h * V
     b_ldc = tl.load(p_ld + o_l * HV, mask=m_l, other=0.0)                               # [BL]
     b_ldc = tl.where(m_l, b_ldc, 0.0)
-    b_Kb = tl.load(p_kb + o_l[:, None] * (Hk * K) + o_k[None, :], mask=m_c[:, None] & m_k[None, :],
-                   other=0.0)
-    b_Kb = tl.where(m_c[:, None], b_Kb.to(tl.float32), 0.0)                             # [BL, BK]
+    p_Kb, m_Kb = _chunked(p_kb, o_l, m_c, Hk * K, o_c, o_i, K, KI)
+    b_Kb = tl.load(p_Kb, mask=m_Kb, other=0.0)
+    b_Kb = tl.where(m_c[None, :, None], b_Kb.to(tl.float32), 0.0)                       # [KC, BL, KI]
     b_Wb = tl.load(p_wb + o_l[:, None] * (HV * V) + o_v[None, :], mask=m_c[:, None] & m_v[None, :],
                    other=0.0)
     b_Wb = tl.where(m_c[:, None], b_Wb.to(tl.float32), 0.0)                             # [BL, BV]
 
     # the drafts, from the inputs: keys of the group, values of these rows, dt and log decay
-    b_Kd = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_t[:, None] * stride_B_t + o_k[None, :],
-                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)          # [TP, BK]
+    p_Kd, m_Kd = _chunked(B + i_b * stride_B_b + i_g * stride_B_g, o_t, m_t, stride_B_t, o_c, o_i, K, KI)
+    b_Kd = tl.load(p_Kd, mask=m_Kd, other=0.0).to(tl.float32)                          # [KC, TP, KI]
     b_Xi = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_t[:, None] * stride_x_t + o_v[None, :],
                    mask=m_t[:, None] & m_v[None, :], other=0.0)                         # [TP, BV]
     b_Xd = b_Xi.to(tl.float32)
@@ -126,35 +146,35 @@ def _replay_verify_kernel(
         for j in range(0, h):
             c_j = tl.sum(tl.where(o_l == j, b_cf, 0.0), axis=0)
             w_j = tl.load(p_wb + j * (HV * V) + o_v, mask=m_v, other=0.0).to(tl.float32)
-            k_j = tl.load(p_kb + j * (Hk * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_S += (c_j * w_j)[:, None] * k_j[None, :]
-        tl.store(p_S + o_S, b_S, mask=m_S)
+            k_j = tl.load(p_kb + j * (Hk * K) + o_k2, mask=m_k2, other=0.0).to(tl.float32)
+            b_S += (c_j * w_j)[None, :, None] * k_j[:, None, :]
+        tl.store(p_S, b_S, mask=m_S)
     b_Lc = tl.sum(tl.where(m_c, b_ldc, 0.0), axis=0)                                   # log g_{0:hc-1}
     b_cc = tl.where(m_c, b_ldc * b_rA, 0.0)                                             # dt_j
 
     if HAS_D:
         b_D = tl.load(D + i_h).to(tl.float32)
     p_x = x + i_b * stride_x_b + i_h * stride_x_h + o_v
-    p_z = z + i_b * stride_z_b + i_h * stride_z_h + o_v
     for t in tl.static_range(T):
-        b_q = tl.load(C + i_b * stride_C_b + t * stride_C_t + i_g * stride_C_g + o_k, mask=m_k,
-                      other=0.0).to(tl.float32)                                         # [BK]
+        b_q = tl.load(C + i_b * stride_C_b + t * stride_C_t + i_g * stride_C_g + o_k2, mask=m_k2,
+                      other=0.0).to(tl.float32)                                         # [KC, KI]
         m_r = o_t <= t
         # the drafts' own partial sums: sum_{r<i<=t} ld_i per draft r, and the total up to t
         b_dsx = tl.sum(tl.where((o_t[None, :] > o_t[:, None]) & (o_t[None, :] <= t), b_ldd[None, :], 0.0),
                        axis=1)                                                          # [TP]
         b_Dt = tl.sum(tl.where(m_r, b_ldd, 0.0), axis=0)
-        b_y = tl.exp(b_Lc + b_Dt) * tl.sum(b_S * b_q[None, :], axis=1)                 # [BV]
-        b_wc = tl.where(m_c, tl.exp(b_sfx + b_Dt) * b_cc * tl.sum(b_Kb * b_q[None, :], axis=1), 0.0)
+        b_y = tl.exp(b_Lc + b_Dt) * _row_dot(b_S, b_q)                                  # [BV]
+        b_wc = tl.where(m_c, tl.exp(b_sfx + b_Dt) * b_cc * _row_dot(b_Kb, b_q), 0.0)
         b_y += tl.sum(b_Wb * b_wc[:, None], axis=0)
-        b_wd = tl.where(m_r, tl.exp(b_dsx) * b_dtd * tl.sum(b_Kd * b_q[None, :], axis=1), 0.0)
+        b_wd = tl.where(m_r, tl.exp(b_dsx) * b_dtd * _row_dot(b_Kd, b_q), 0.0)
         # drafts after t are selected away, not multiplied by zero (a poisoned later draft
         # must leave no trace in an earlier output)
         b_y += tl.sum(tl.where(m_r[:, None], b_Xd * b_wd[:, None], 0.0), axis=0)
         if HAS_D:
             b_y += b_D * tl.load(p_x + t * stride_x_t, mask=m_v, other=0.0).to(tl.float32)
         if HAS_Z:
-            b_z = tl.load(p_z + t * stride_z_t, mask=m_v, other=0.0).to(tl.float32)
+            b_z = tl.load(z + i_b * stride_z_b + i_h * stride_z_h + t * stride_z_t + o_v, mask=m_v,
+                          other=0.0).to(tl.float32)
             b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
         b_y = tl.where(t < n, b_y, 0.0)
         tl.store(p_o + t * stride_o_t + o_v, b_y.to(p_o.dtype.element_ty), mask=m_v)
@@ -169,8 +189,8 @@ def _replay_verify_kernel(
         if i_v == 0:
             tl.store(p_ld + (hc + o_t) * HV, b_ldd, mask=m_t)
             if i_h % HG == 0:
-                tl.store(p_kb + (hc + o_t)[:, None] * (Hk * K) + o_k[None, :],
-                         b_Kd.to(buf_k.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+                p_Kn, _ = _chunked(p_kb, hc + o_t, m_t, Hk * K, o_c, o_i, K, KI)
+                tl.store(p_Kn, b_Kd.to(buf_k.dtype.element_ty), mask=m_Kd)
 
     last = verify_hand_off(arrive, cursor, pending, epoch, slot, hc, n, flush, HV * NVB)
     if flush & last:
@@ -236,20 +256,18 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         return
     nvb = triton.cdiv(V, BV)
     BK = triton.next_power_of_2(K)
-    # D, z and num_drafts absent: any pointer stands in, HAS_* keep it unread
+    # D, z and num_drafts absent: None (the kernel's heuristics set HAS_D, HAS_Z, HAS_N; EVEN too)
     _replay_verify_kernel[(HV * nvb, Bt)](
-        x, dt, B, C, A, dt_bias, D if D is not None else A, z if z is not None else x, out,
-        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
-        num_drafts if num_drafts is not None else cursor,
+        x, dt, B, C, A, dt_bias, D, z, out,
+        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         z.stride(2) if z is not None else 0, out.stride(0), out.stride(1), out.stride(2),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, TP=triton.next_power_of_2(T), BV=BV,
-        BK=BK, BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
+        BK=BK, KI=min(32, BK), BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_N=num_drafts is not None,
-        EVEN=(V % BV == 0) and BK == K, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
 
 
 @torch.library.custom_op(
