@@ -43,7 +43,7 @@ fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-if ! "$PY" -c "import replayssm, triton, pytest, hypothesis, matplotlib, transformers" 2>/dev/null; then
+if ! "$PY" -c "import replayssm, triton, pytest, hypothesis, matplotlib, transformers, tqdm" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[test,bench]"
 fi
 cmd="${1:-demo}"

@@ -60,6 +60,18 @@ DEMO_SHAPES = {"mamba2": "nemotron3-super", "gdn": "qwen3.5-4b", "kda": "kimi-li
 
 def _demo(args) -> int:
     device = _resolve_device(args.device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # small per-step tensors: intra-op threads only contend, and on a loaded 2-core machine
+        # badly (the table took 45 s with 2 threads, 2.5 s with one)
+        torch.set_num_threads(1)
+    try:
+        return _demo_run(args, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _demo_run(args, device) -> int:
     families = list(DEMO_SHAPES) if args.family == "all" else [args.family]
     print(f"ReplaySSM demo on {device}: {args.steps} decode steps per family, window {args.window}, "
           f"{args.heads} heads of each model's real head shape, fp32 state\n")
@@ -78,6 +90,11 @@ def _demo(args) -> int:
     print("errors: largest per-step relative error against the float64 conventional recurrence;")
     print("B/tok: state bytes moved per token (records: bf16 value/key, fp32 decay; keys once per key head);")
     print("L*: the traffic model's best window sqrt(2 (M_S/r - 1)) for standard decoding (SPEC section 6).")
+    if args.models:
+        from .integrations.hf.demo import run_demo
+
+        print()
+        run_demo(args.new_tokens, families=families, device=device)
     return 0
 
 
@@ -132,7 +149,7 @@ def _traffic(args) -> int:
 
 
 BENCHES = {"decode": "replayssm.bench.decode", "records": "replayssm.bench.records",
-           "verify": "replayssm.bench.verify"}
+           "verify": "replayssm.bench.verify", "model": "replayssm.bench.model"}
 
 
 def _bench(args) -> int:
@@ -167,13 +184,17 @@ def main(argv=None) -> int:
     d.add_argument("--family", default="all", choices=["all", "mamba2", "gdn", "kda"])
     d.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda where available, else cpu)")
+    d.add_argument("--new-tokens", type=_positive_int, default=64,
+                   help="tokens each tiny hybrid model generates per run (default %(default)s)")
+    d.add_argument("--no-models", dest="models", action="store_false",
+                   help="skip the tiny hybrid models (generation with transformers)")
     d.set_defaults(func=_demo)
     t = sub.add_parser("traffic", help="the traffic model (SPEC section 6) for the model shapes",
                        description="The traffic model (SPEC section 6) for the model shapes.")
     t.add_argument("--format", default="fp32", choices=formats.FORMATS,
                    help="the state's storage format (default %(default)s)")
     t.set_defaults(func=_traffic)
-    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep), verify (speculative verification) or records (precision study)",
+    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep), verify (speculative verification), model (whole transformers models) or records (precision study)",
                        description="GPU benchmarks. Arguments after the benchmark's name go to it: "
                                    "`replayssm bench decode --help`.")
     b.add_argument("which", nargs="?", choices=sorted(BENCHES), metavar="{" + ",".join(sorted(BENCHES)) + "}",

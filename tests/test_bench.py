@@ -59,3 +59,68 @@ def test_verify_benchmark_steps_run_every_scheme(monkeypatch, shape):
     ld = (4 + 2) * HV * (K if fam == "kda" else 1) * 4
     assert mem["replay"] == state + ld + (4 + 2) * (HV * V + Hk * K) * 2     # bf16 records
     assert all(r["us_per_accepted_token"] == r["us_per_step"] / r["accepted"] for r in rows)
+
+
+def test_model_benchmark_bookkeeping(monkeypatch, tmp_path):
+    # the whole-model benchmark on a tiny config on the CPU: the stock prefill (in chunks), each
+    # scheme continuing from the same cache, rows and the results file; timing stubbed (each
+    # "timing" runs the step once), conventional 2 us and replay 1 us
+    pytest.importorskip("transformers")
+    import json
+
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+
+    built = {}
+    build = hf.build
+    monkeypatch.setattr(hf, "build", lambda *a, **k: built.setdefault("m", build(*a, **k)))
+
+    def stub(fn, reps=20, warmup=2):
+        fn()
+        return 2.0 if hf.replay_state(built["m"]).scheme == "conventional" else 1.0
+    monkeypatch.setattr(mb, "eager_time_us", stub)
+    out = tmp_path / "model.json"
+    mb.main(["--device", "cpu", "--dtype", "float32", "--models", "tiny_nemotron_h", "--batches", "1,3",
+             "--contexts", "5,9", "--prefill-tokens", "6", "--reps", "1", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert {"benchmark", "device", "command", "git_commit", "date", "torch", "triton"} <= set(doc)
+    assert doc["benchmark"] == "model" and "not measured" in doc["speculative"]
+    rows = doc["rows"]
+    assert [(r["context"], r["batch"], r["scheme"]) for r in rows] == [
+        (c, b, s) for c in (5, 9) for b in (1, 3) for s in ("conventional", "replay")]
+    for r in rows:
+        assert r["model"] == "tiny_nemotron_h" and r["timing"] == "eager"
+        assert r["us_per_step"] == (2.0 if r["scheme"] == "conventional" else 1.0)
+        assert r["ratio_vs_conventional"] == (1.0 if r["scheme"] == "conventional" else 2.0)
+        assert r["first_token_agreement"] == 1.0             # both schemes decode the same first token
+    assert out.with_suffix(".png").exists()
+
+
+def test_model_benchmark_prefill_in_chunks_equals_one_pass():
+    pytest.importorskip("transformers")
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+
+    for name in ("tiny_nemotron_h", "tiny_qwen3_5"):
+        model = hf.build(name)
+        _, whole = mb.prefill(model, 3, 9, prefill_tokens=1000)
+        _, chunked = mb.prefill(model, 3, 9, prefill_tokens=6)              # 2 positions per forward
+        ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(whole, chunked), name
+        assert torch.equal(whole[:, 0], model(ids).logits[:, -1].argmax(-1)), name
+
+
+def test_model_benchmark_cli(monkeypatch, capsys):
+    from replayssm import cli
+    from replayssm.bench import model as mb
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "model", "--help"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("usage: replayssm bench model ")
+    with pytest.raises(SystemExit) as exc:
+        mb.main(["--models", "llama-7b"])
+    assert exc.value.code == 2 and "unknown model 'llama-7b'" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="replayssm bench model: error: .*CUDA") as exc:
+        cli.main(["bench", "model"])
+    assert "\n" not in str(exc.value)

@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_prints_each_family(capsys):
-    assert cli.main(["demo", "--steps", "20", "--heads", "2", "--device", "cpu"]) == 0
+    assert cli.main(["demo", "--steps", "20", "--heads", "2", "--device", "cpu", "--no-models"]) == 0
     out = capsys.readouterr().out
+    assert "Tiny hybrid models" not in out
     for fam in ("mamba2", "gdn", "kda"):
         row = next(line for line in out.splitlines() if line.startswith(fam))
         fields = row.split()
@@ -22,6 +23,36 @@ def test_demo_prints_each_family(capsys):
         assert worst < 1e-5                 # fp32 replay vs fp32 conventional
         assert rep_b < conv_b               # replay moves fewer state bytes per token
         assert lstar > 1
+
+
+def test_demo_generates_with_tiny_models(capsys):
+    pytest.importorskip("transformers")
+    assert cli.main(["demo", "--steps", "2", "--heads", "2", "--device", "cpu", "--new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "12 new tokens" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("tiny_")]
+    runs = ["stock", "conventional", "replay", "spec-lookup", "spec-draft"]
+    assert [(r[0], r[2]) for r in rows] == [(m, run) for m in ("tiny_nemotron_h", "tiny_qwen3_5", "tiny_kimi_linear")
+                                            for run in runs]
+    for r in rows:
+        assert float(r[3]) > 0                                       # tokens per second
+        assert r[4] == ("(reference)" if r[2] == "stock" else "yes"), r
+        if r[2].startswith("spec"):
+            accepted, proposed = map(int, r[5].split("/"))
+            assert 0 <= accepted <= proposed and proposed > 0
+    assert "all runs' tokens agree with stock: yes" in out
+
+
+def test_demo_without_transformers_says_so_in_one_line(capsys, monkeypatch):
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find(name, *a))
+    assert cli.main(["demo", "--steps", "2", "--heads", "2", "--device", "cpu", "--family", "gdn"]) == 0
+    out = capsys.readouterr().out
+    assert next(line for line in out.splitlines() if line.startswith("gdn"))      # the table still runs
+    (line,) = [line for line in out.splitlines() if "transformers" in line]
+    assert "skipped, transformers is not installed" in line
+    assert not any(line.startswith("tiny_") for line in out.splitlines())
 
 
 def test_traffic_table_has_paper_figures(capsys):
@@ -74,6 +105,8 @@ def test_demo_and_traffic_options_have_help(capsys):
     assert "decode steps per family" in out
     assert "window L" in out
     assert "cpu, cuda or cuda:N" in out
+    assert "--no-models" in out and "tiny hybrid models" in out
+    assert "--new-tokens" in out
     _, out, _ = _exit(["traffic", "--help"], capsys)
     assert "{" + ",".join(formats.FORMATS) + "}" in out
     assert "storage format" in out
@@ -82,11 +115,11 @@ def test_demo_and_traffic_options_have_help(capsys):
 def test_bench_without_a_name_lists_the_benchmarks(capsys):
     code, _, err = _exit(["bench"], capsys)
     assert code == 2
-    assert "choose a benchmark: decode, records, verify" in err
+    assert "choose a benchmark: decode, model, records, verify" in err
     assert "required" not in err
 
 
-@pytest.mark.parametrize("which", ["decode", "records", "verify"])
+@pytest.mark.parametrize("which", ["decode", "model", "records", "verify"])
 def test_bench_help_names_the_command(which, capsys):
     code, out, _ = _exit(["bench", which, "--help"], capsys)
     assert code == 0
@@ -107,6 +140,7 @@ def test_help_prog_when_run_as_a_module():
     (["demo", "--window", "0"], "0"),
     (["demo", "--window", "-4"], "-4"),
     (["demo", "--heads", "0"], "0"),
+    (["demo", "--new-tokens", "0"], "0"),
 ])
 def test_demo_rejects_non_positive_counts(argv, value, capsys):
     _user_error(argv, capsys, argv[1], "positive integer", value)
@@ -127,7 +161,7 @@ def test_demo_on_cuda_without_cuda(monkeypatch):
         cli.main(["demo", "--device", "cuda", "--steps", "1"])
 
 
-@pytest.mark.parametrize("which", ["decode", "records", "verify"])
+@pytest.mark.parametrize("which", ["decode", "model", "records", "verify"])
 def test_bench_without_cuda_is_one_message(which, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match=f"replayssm bench {which}: error: .*CUDA") as exc:

@@ -210,3 +210,102 @@ def test_speculative_sampling_keeps_target_distribution():
     with torch.no_grad():
         q2 = draft(full[::V, :-1]).logits[:, -1].float().softmax(-1)
     assert tv(emp.sum((0, 2)), (p1[:, None] * q2).double().sum(0)) > 0.1
+
+
+# --- the conventional scheme (the model benchmark's baseline) ----------------------------------
+
+RECURRENT_FAMILIES = ["tiny_nemotron_h", "tiny_qwen3_5", "tiny_kimi_linear"]
+
+
+class _CountConventional:
+    def __init__(self, monkeypatch):
+        from replayssm.integrations.hf.conventional import ConventionalPool
+        self.n = 0
+        orig = ConventionalPool.decode
+
+        def wrap(pool, *a, **k):
+            self.n += 1
+            return orig(pool, *a, **k)
+        monkeypatch.setattr(ConventionalPool, "decode", wrap)
+
+
+@pytest.mark.parametrize("name", RECURRENT_FAMILIES)
+def test_conventional_scheme_matches_stock(name, monkeypatch):
+    model = _model(name)
+    ids, mask = _padded([10, 6])
+    ref = _greedy(model, ids, 64, attention_mask=mask)
+    conv, replay = _CountConventional(monkeypatch), _Count(monkeypatch)
+    hf.enable(model, scheme="conventional")
+    assert hf.replay_state(model).scheme == "conventional"
+    got = _greedy(model, ids, 64, attention_mask=mask)
+    assert conv.n >= 63 and replay.n["decode"] == 0          # the conventional state, not the pools
+    assert torch.equal(got.sequences, ref.sequences)
+    lr, lg = torch.stack(ref.logits), torch.stack(got.logits)
+    assert ((lg - lr).norm() / lr.norm()).item() < LOGIT_RTOL
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", RECURRENT_FAMILIES)
+def test_conventional_scheme_on_the_kernels(name, monkeypatch):
+    # the tuned conventional kernels (interpreted on the CPU) in place of the reference step
+    import importlib
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+    calls = []
+    family = {"tiny_nemotron_h": "mamba2", "tiny_qwen3_5": "gdn", "tiny_kimi_linear": "kda"}[name]
+    ops = importlib.import_module(f"replayssm.ops.{family}")
+    orig = ops.conventional_decode
+    monkeypatch.setattr(ops, "conventional_decode", lambda *a, **k: (calls.append(1), orig(*a, **k))[1])
+    model = _model(name)
+    ids, mask = _padded([10, 6])
+    ref = _greedy(model, ids, 6, attention_mask=mask)
+    hf.enable(model, scheme="conventional", backend="triton")
+    got = _greedy(model, ids, 6, attention_mask=mask)
+    assert len(calls) > 0
+    assert torch.equal(got.sequences, ref.sequences)
+    lr, lg = torch.stack(ref.logits), torch.stack(got.logits)
+    assert ((lg - lr).norm() / lr.norm()).item() < LOGIT_RTOL
+
+
+def test_conventional_scheme_refuses_speculation():
+    model = hf.enable(_model("tiny_qwen3_5"), scheme="conventional")
+    with pytest.raises(ValueError, match="conventional scheme"):
+        hf.speculative_generate(model, _prompt(6), num_draft=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        hf.enable(model, scheme="snapshot")
+
+
+@pytest.mark.parametrize("scheme", ["replay", "conventional"])
+def test_attach_cache_continues_a_stock_prefill(scheme):
+    """The model benchmark's path: a stock prefill into a static cache, then each scheme
+    continues from it (explicit cache positions, no attention mask) as stock decoding does."""
+    from transformers import StaticCache
+    model = _model("tiny_nemotron_h")
+    ids = _prompt(10, batch=2)
+
+    def decode(cache, steps=8):
+        tok, out = None, []
+        for i in range(steps):
+            if tok is None:
+                logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            else:
+                logits = model(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([9 + i]),
+                               use_cache=True, logits_to_keep=1).logits
+            tok = logits[:, -1:].argmax(-1)
+            out.append(tok)
+        return torch.cat(out, dim=1)
+
+    ref = decode(StaticCache(config=model.config, max_cache_len=24))
+    cache = StaticCache(config=model.config, max_cache_len=24)
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)     # stock prefill
+    hf.enable(model, scheme=scheme)
+    hf.attach_cache(model, cache)
+    tok = ref[:, :1]
+    for i in range(1, 8):
+        logits = model(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([9 + i]),
+                       use_cache=True, logits_to_keep=1).logits
+        tok = logits[:, -1:].argmax(-1)
+        assert torch.equal(tok, ref[:, i:i + 1]), i
+    with pytest.raises(ValueError, match="no recurrent state"):
+        hf.attach_cache(model, StaticCache(config=model.config, max_cache_len=24))

@@ -2,6 +2,7 @@
 
     from replayssm.integrations import hf
     hf.enable(model, window=16, max_draft=8)      # recurrent layers decode on slot pools
+    hf.enable(model, scheme="conventional")       # or: full states rewritten each token (baseline)
     out = model.generate(input_ids, max_new_tokens=64)
     out = hf.speculative_generate(model, input_ids, draft=small_model, num_draft=4, max_new_tokens=64)
     hf.disable(model)                             # stock transformers again
@@ -12,9 +13,9 @@ architectures (Nemotron-3-Nano-4B, Qwen3.5-4B and a tiny model of each class) wi
 weights.
 """
 from .configs import build, config, config_names
-from .enable import disable, enable, is_enabled, replay_state
+from .enable import SCHEMES, attach_cache, disable, enable, is_enabled, replay_state
 from .mixers import UnsupportedModelError
 from .speculative import speculative_generate
 
-__all__ = ["enable", "disable", "is_enabled", "replay_state", "speculative_generate", "UnsupportedModelError",
-           "build", "config", "config_names"]
+__all__ = ["enable", "disable", "is_enabled", "replay_state", "attach_cache", "SCHEMES", "speculative_generate",
+           "UnsupportedModelError", "build", "config", "config_names"]

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .conventional import capturing
 from .mixers import ADAPTERS, UNSUPPORTED, UnsupportedModelError, adapter_for
 from .state import ReplayState
 
@@ -45,13 +46,21 @@ def _mixers(model):
     return found
 
 
+SCHEMES = ("replay", "conventional")
+
+
 def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = None, max_draft: int = 8,
-           backend: str = "auto", num_slots: int = 8):
+           backend: str = "auto", num_slots: int = 8, scheme: str = "replay"):
     """Run `model`'s recurrent layers on ReplaySSM slot pools. Returns the model.
 
     Args:
         model: a loaded transformers causal LM (NemotronH, Qwen3.5, Qwen3-Next, Kimi Linear,
             Falcon-H1, GraniteMoeHybrid, Bamba, Zamba2).
+        scheme: "replay" (checkpoint + window of records, `SlotPool`) or "conventional" (one
+            full fp32 state per sequence and layer rewritten every token, by the project's
+            tuned conventional kernels on CUDA and the reference recurrence elsewhere: the
+            baseline of `replayssm bench model`; no speculative generation, and `window`,
+            `record_dtype` do not apply).
         window: `L`, the replay window of every pool.
         record_dtype: storage dtype of the buffered records (default: fp32, the pools'
             compute dtype); bf16 on a bf16 model halves record traffic.
@@ -63,6 +72,8 @@ def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = Non
     Raises `UnsupportedModelError` (a `TypeError`) naming the class for a model without a
     supported recurrent mixer. Enabling twice replaces the state (sequences in flight are lost).
     """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     mixers = _mixers(model)
     if not mixers:
         cls = type(model).__name__
@@ -76,7 +87,8 @@ def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = Non
     adapters = {idx: adapter_for(mod) for idx, mod in mixers}
     param = next(model.parameters())
     state = ReplayState(adapters, window=window, record_dtype=record_dtype, max_draft=max_draft,
-                        backend=backend, num_slots=num_slots, device=param.device, dtype=param.dtype)
+                        backend=backend, num_slots=num_slots, device=param.device, dtype=param.dtype,
+                        scheme=scheme)
     for idx, mod in mixers:
         mod.forward = types.MethodType(_replay_forward(state.layers[idx]), mod)
     setattr(model, _ATTR, state)
@@ -106,6 +118,19 @@ def replay_state(model) -> ReplayState:
     if state is None:
         raise ValueError(f"ReplaySSM is not enabled on {type(model).__name__}; call enable(model) first")
     return state
+
+
+def attach_cache(model, cache) -> None:
+    """Continue from `cache`, prefilled by the model with ReplaySSM disabled (stock code) or
+    under another `enable`: every recurrent layer's final state and convolution inputs in
+    the cache seed the current state's slots, one per row, as after an enabled prefill."""
+    state = replay_state(model)
+    for layer in state.layers.values():
+        cl = cache.layers[layer.index]
+        if cl.recurrent_states[0] is None:
+            raise ValueError(f"the cache holds no recurrent state for layer {layer.index}: prefill it first")
+        batch, device = cl.recurrent_states[0].shape[0], cl.recurrent_states[0].device
+        _seed(layer, cache, batch, device)
 
 
 def _replay_forward(layer):
@@ -156,9 +181,17 @@ def _step(layer, state, slots, hidden_states):
     inputs = {k: v.to(pool.device) for k, v in adapter.pool_inputs(u, side).items()}
     pslots = slots.to(pool.device)
     if S == 1:
-        y = pool.decode(pslots, **{k: v[:, 0] for k, v in inputs.items()})[:, None]
+        step = {k: v[:, 0] for k, v in inputs.items()}
+        if capturing():
+            # in a CUDA graph: no host reads (the slot checks), inputs cast here instead
+            y = pool.decode(pslots, validate=False, **{k: v.to(pool.dtype) for k, v in step.items()})
+        else:
+            y = pool.decode(pslots, **step)
+        y = y[:, None]
     elif pending:
         y = pool.verify(pslots, **inputs)
+    elif state.scheme == "conventional":
+        y = pool.extend(pslots, inputs)
     else:
         y = _extend(pool, pslots, inputs, state.max_tokens, S)
     return adapter.output(y.to(hidden_states.device), side, hidden_states.dtype)

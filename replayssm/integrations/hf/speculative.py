@@ -165,6 +165,9 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
     Returns `[B, L + n]` token ids (`n <= max_new_tokens`, the longest row), like `generate`.
     """
     state = replay_state(model)
+    if state.scheme != "replay" or (draft is not None and is_enabled(draft) and replay_state(draft).scheme != "replay"):
+        raise ValueError("speculative_generate needs scheme='replay' on the target and the draft: the "
+                         "conventional scheme rewrites its state every token and cannot roll back drafts")
     if not 1 <= num_draft <= state.max_tokens:
         raise ValueError(f"num_draft must be in 1..{state.max_tokens} (enable(max_draft=...)), got {num_draft}")
     if draft is not None and not is_enabled(draft):

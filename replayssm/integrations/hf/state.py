@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...pool import SlotPool
+from .conventional import ConventionalPool
 
 
 class ConvHistory:
@@ -31,13 +32,15 @@ class ConvHistory:
     def __init__(self, num_slots: int, channels: int, kernel: int, max_tokens: int,
                  dtype: torch.dtype, device):
         self.kernel, self.max_tokens = kernel, max_tokens
-        self.buf = torch.zeros(num_slots, channels, kernel - 1 + max_tokens, dtype=dtype, device=device)
-        self.pending = torch.zeros(num_slots, dtype=torch.long, device=device)
+        # one spare row past the slots: padding rows write there, so `run` needs no host read
+        # of the slot ids (a decode step can be captured in a CUDA graph)
+        self.buf = torch.zeros(num_slots + 1, channels, kernel - 1 + max_tokens, dtype=dtype, device=device)
+        self.pending = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
 
     def grow(self, num_slots: int) -> None:
-        extra = num_slots - self.buf.shape[0]
-        self.buf = torch.cat([self.buf, self.buf.new_zeros(extra, *self.buf.shape[1:])])
-        self.pending = torch.cat([self.pending, self.pending.new_zeros(extra)])
+        extra = num_slots + 1 - self.buf.shape[0]
+        self.buf = torch.cat([self.buf[:-1], self.buf.new_zeros(extra, *self.buf.shape[1:]), self.buf[-1:]])
+        self.pending = torch.cat([self.pending[:-1], self.pending.new_zeros(extra), self.pending[-1:]])
 
     def load(self, slots: Tensor, inputs: Tensor) -> None:
         """Seed from a prefill's last inputs `[B, C, n]` (`n` any; fewer than `Kc - 1` are
@@ -59,17 +62,17 @@ class ConvHistory:
         B, S, C = x.shape
         keep = self.kernel - 1
         ok = slots >= 0
-        s = slots.clamp(min=0).long()
+        s = torch.where(ok, slots.long(), self.buf.shape[0] - 1)
         hist = self.buf[s, :, :keep] * ok[:, None, None].to(self.buf.dtype)
         xt = x.transpose(1, 2).to(hist.dtype)
         full = torch.cat([hist, xt], dim=-1)
         out = F.conv1d(full.to(weight.dtype), weight[:, None, :], bias, groups=C)[..., -S:]
         if commit_all:
-            self.buf[s[ok], :, :keep] = full[ok][..., -keep:]
-            self.pending[s[ok]] = 0
+            self.buf[s, :, :keep] = full[..., -keep:]
+            self.pending[s] = 0
         else:
-            self.buf[s[ok], :, keep:keep + S] = xt[ok]
-            self.pending[s[ok]] = S
+            self.buf[s, :, keep:keep + S] = xt
+            self.pending[s] = S
         return act(out).to(x.dtype).transpose(1, 2)
 
     def commit(self, slots: Tensor, accepted: Tensor) -> None:
@@ -99,8 +102,10 @@ class LayerState:
         self.conv = ConvHistory(num_slots, adapter.conv_dim, adapter.conv_kernel, opts["max_tokens"],
                                 dtype, device)
 
-    def _pool(self, num_slots: int, device) -> SlotPool:
+    def _pool(self, num_slots: int, device):
         a, o = self.adapter, self.opts
+        if o["scheme"] == "conventional":
+            return ConventionalPool(a.params(), num_slots, a.V, a.K, a.Hk, device=device, backend=o["backend"])
         return SlotPool(a.params(), num_slots, a.V, a.K, a.Hk, window=o["window"], max_draft=o["max_tokens"],
                         dtype=torch.float32, device=device, record_dtype=o["record_dtype"],
                         layer=self.index, backend=o["backend"])
@@ -137,9 +142,9 @@ class ReplayState:
     """All ReplaySSM state of one enabled model."""
 
     def __init__(self, adapters: dict, *, window: int, record_dtype, max_draft: int, backend: str,
-                 num_slots: int, device, dtype):
+                 num_slots: int, device, dtype, scheme: str = "replay"):
         self.opts = {"window": window, "record_dtype": record_dtype, "max_tokens": max_draft,
-                     "backend": backend}
+                     "backend": backend, "scheme": scheme}
         self.num_slots = num_slots
         self.layers = {i: LayerState(i, a, self.opts, num_slots, device, dtype) for i, a in adapters.items()}
         for layer in self.layers.values():
@@ -151,6 +156,10 @@ class ReplayState:
     @property
     def max_tokens(self) -> int:
         return self.opts["max_tokens"]
+
+    @property
+    def scheme(self) -> str:
+        return self.opts["scheme"]
 
     def allocate(self, n: int, device) -> Tensor:
         if len(self.free_slots) < n:

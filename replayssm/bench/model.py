@@ -1,0 +1,272 @@
+"""Whole-model decode benchmark: a transformers hybrid model's decode step with the integration's
+conventional scheme (the project's tuned conventional kernels on a full fp32 state per
+sequence and layer) against ReplaySSM (`hf.enable`), same model, same prefilled cache, same run.
+
+Per (model, context, batch): random bf16 weights from the shipped config (`hf.build`), one
+stock prefill of `context` random tokens per row into a transformers `StaticCache` (in chunks
+of at most `--prefill-tokens` tokens, logits of the last position only), then for each scheme
+the recurrent layers are enabled on that cache (`hf.attach_cache`) and one decode step (batch
+rows, one token each, the attention layers reading `context` cached positions) is captured in
+a CUDA graph and replayed; the row's `us_per_step` is the median replay. A step that cannot be
+captured is timed eagerly with CUDA events instead, and its row says so (`timing`). The step
+writes its key/value at the same position every replay and advances the recurrent state, so
+the replay scheme's flushes fall as in decoding (every `window` steps).
+
+`ratio_vs_conventional` is the conventional step's time over the scheme's (above 1: faster).
+`first_token_agreement` is the fraction of rows whose first decoded token equals the
+conventional scheme's (bf16 model, fp32 states: both schemes should agree on nearly all rows).
+Points whose key/value cache would not fit are skipped with the reason in the row.
+
+Speculative generation against the snapshot scheme is not part of this benchmark: the snapshot
+scheme is not wired into the model integration (`replayssm bench verify` compares the two at
+the kernel level).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+
+from .common import graph_time_us, header, write_results
+
+MODELS = {"nemotron3-nano-4b": "nemotron3_nano_4b", "qwen3.5-4b": "qwen3_5_4b"}
+SCHEMES = ("conventional", "replay", "stock")
+
+
+def eager_time_us(fn, reps: int = 20, warmup: int = 2) -> float:
+    """Median time of `fn()` in microseconds, launched eagerly (CUDA events on the GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.cuda.is_available()
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def kv_bytes(model, batch: int, positions: int) -> int:
+    """Bytes of the attention layers' key/value cache for `batch` rows of `positions`."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+    cfg = model.config
+    layers = sum(isinstance(layer, StaticLayer) for layer in StaticCache(config=cfg, max_cache_len=1).layers)
+    per_token = layers * 2 * cfg.num_key_value_heads * cfg.head_dim * next(model.parameters()).element_size()
+    return per_token * batch * positions
+
+
+def step_budget(reps: int) -> int:
+    """Decode steps one scheme may run on a cache: the first eager step, a capture's warm-up and
+    replays, and an eager fallback's (the static cache must hold them all)."""
+    return 2 * reps + 16
+
+
+def rewind(cache, context: int) -> None:
+    """Put the attention layers' write position back to `context` (each scheme starts there)."""
+    from transformers.cache_utils import StaticLayer
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer) and layer.is_initialized:
+            layer.cumulative_length.fill_(context)
+
+
+@torch.no_grad()
+def prefill(model, batch: int, context: int, *, prefill_tokens: int = 131072, seed: int = 0, steps: int = 1):
+    """A stock prefill of random tokens into a static cache with room for `steps` decode steps:
+    `(cache, first_token [batch, 1])`."""
+    from transformers import StaticCache
+    device = next(model.parameters()).device
+    ids = torch.randint(3, model.config.vocab_size, (batch, context),
+                        generator=torch.Generator().manual_seed(seed)).to(device)
+    cache = StaticCache(config=model.config, max_cache_len=context + steps)
+    chunk = max(1, min(context, prefill_tokens // batch))
+    for start in range(0, context, chunk):
+        end = min(context, start + chunk)
+        out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    cache_position=torch.arange(start, end, device=device))
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
+def _time_step(step, reps: int, graphs: bool):
+    """(us, timing): the captured step, or eager with the reason when capture fails."""
+    if graphs and torch.cuda.is_available():
+        try:
+            return graph_time_us(step, reps=reps, warmup=2), "cuda_graph"
+        except Exception as e:             # noqa: BLE001 - any capture failure falls back, said in the row
+            torch.cuda.synchronize()
+            why = f"eager: graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+            return eager_time_us(step, reps=reps), why
+    return eager_time_us(step, reps=reps), "eager" + ("" if graphs else ": --no-graphs")
+
+
+@torch.no_grad()
+def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *, dtype=torch.bfloat16,
+            device="cuda", window: int = 16, record_dtype=torch.bfloat16, reps: int = 20, graphs: bool = True,
+            prefill_tokens: int = 131072, kv_budget: float = 0.6, model=None, **overrides) -> list:
+    """Rows of one model (a key of MODELS or a shipped config name) over contexts x batches."""
+    from ..integrations import hf
+    label = name
+    if model is None:
+        model = hf.build(MODELS.get(name, name), dtype=dtype, device=device, **overrides)
+    rows = []
+    for context, batch in itertools.product(contexts, batches):
+        base = {"model": label, "batch": batch, "context": context, "dtype": str(dtype).replace("torch.", ""),
+                "window": window, "record_dtype": str(record_dtype).replace("torch.", "")}
+        need = kv_bytes(model, batch, context + step_budget(reps))
+        if torch.cuda.is_available() and str(device).startswith("cuda"):
+            free = torch.cuda.mem_get_info()[0]
+            if need > kv_budget * free:
+                why = f"skipped: key/value cache {need / 2**30:.1f} GiB > {kv_budget:.0%} of free {free / 2**30:.1f} GiB"
+                rows += [dict(base, scheme=s, us_per_step=None, ratio_vs_conventional=None, timing=why)
+                         for s in schemes]
+                continue
+        hf.disable(model)
+        cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=step_budget(reps))
+        pos = torch.tensor([context], device=first.device)
+        got = {}
+        for scheme in schemes:
+            rewind(cache, context)
+            pos.fill_(context)
+            if scheme == "stock":
+                hf.disable(model)
+            else:
+                hf.enable(model, scheme=scheme, window=window, max_draft=1, num_slots=batch,
+                          record_dtype=record_dtype if scheme == "replay" else None)
+                hf.attach_cache(model, cache)
+
+            def step():
+                logits = model(input_ids=first, past_key_values=cache, cache_position=pos, use_cache=True,
+                               logits_to_keep=1).logits
+                pos.add_(1)           # on the device: a replayed graph moves on like decoding
+                return logits
+
+            got[scheme] = step()[:, -1].argmax(-1)          # one eager step first: the tokens
+            us, timing = _time_step(step, reps, graphs)
+            rows.append(dict(base, scheme=scheme, us_per_step=us, timing=timing, tokens_per_s=batch / us * 1e6,
+                             kv_bytes=need))
+            hf.disable(model)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        conv = next((r for r in rows[-len(schemes):] if r["scheme"] == "conventional"), None)
+        for r in rows[-len(schemes):]:
+            r["ratio_vs_conventional"] = conv["us_per_step"] / r["us_per_step"] if conv else None
+            if "conventional" in got:
+                r["first_token_agreement"] = float((got[r["scheme"]] == got["conventional"]).float().mean())
+        cache = None                       # the next point's prefill needs the memory
+    return rows
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["model"], r["context"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.4 * len(keys), 3.4), squeeze=False)
+    for ax, (model, context) in zip(axes[0], keys):
+        for scheme in sorted({r["scheme"] for r in rows} - {"conventional"}):
+            pts = sorted((r["batch"], r["ratio_vs_conventional"]) for r in rows
+                         if (r["model"], r["context"], r["scheme"]) == (model, context, scheme)
+                         and r["ratio_vs_conventional"] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3, label=scheme)
+        ax.axhline(1.0, color="gray", lw=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{model}, context {context}", fontsize=8)
+        ax.set_xlabel("batch")
+    axes[0][0].set_ylabel("conventional step / scheme's step")
+    axes[0][-1].legend(fontsize=6)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    fig.suptitle(f"Whole-model decode step ({dev})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _ints(text: str) -> list:
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="replayssm bench model", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="comma-separated: %(default)s, or any shipped config (hf.config_names())")
+    ap.add_argument("--batches", type=_ints, default=[1, 64, 256])
+    ap.add_argument("--contexts", type=_ints, default=[2048, 16384], help="prefilled positions per row")
+    ap.add_argument("--schemes", default="conventional,replay",
+                    help=f"comma-separated, of {','.join(SCHEMES)} (stock: transformers' own decode path)")
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--prefill-tokens", type=int, default=131072, help="most tokens per prefill forward")
+    ap.add_argument("--no-graphs", action="store_true", help="time the steps eagerly (CUDA events)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the weights' dtype")
+    ap.add_argument("--device", default="cuda", help="cuda (cpu: the bookkeeping only, timed on the host)")
+    ap.add_argument("--out", default="model.json", help="the JSON results file (a plot beside it)")
+    args = ap.parse_args(argv)
+    from ..integrations import hf
+    models, schemes = args.models.split(","), args.schemes.split(",")
+    for m in models:
+        if m not in MODELS and m not in hf.config_names():
+            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)} or a shipped config")
+    for s in schemes:
+        if s not in SCHEMES:
+            ap.error(f"unknown scheme {s!r}; choose from {', '.join(SCHEMES)}")
+    # stock decoding advances the cache's own recurrent states, which the other schemes start from
+    schemes = sorted(set(schemes), key=SCHEMES.index)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"{ap.prog}: error: the model benchmark needs a CUDA device "
+                         "(torch.cuda.is_available() is False on this machine)")
+    import transformers
+    transformers.logging.set_verbosity_error()
+    doc = header("model")
+    doc.update(window=args.window, record_dtype=args.record_dtype, dtype=args.dtype,
+               transformers=transformers.__version__,
+               speculative="not measured: the snapshot scheme is not wired into the model integration")
+    rows = []
+    for m in models:
+        r = measure(m, args.batches, args.contexts, schemes, window=args.window, reps=args.reps,
+                    dtype=getattr(torch, args.dtype), device=args.device,
+                    record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
+                    prefill_tokens=args.prefill_tokens)
+        rows += r
+        doc["rows"] = rows
+        write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    path = write_results(args.out, doc)
+    try:
+        _plot(rows, path.with_suffix(".png"))
+    except Exception as e:  # plotting is a convenience; the JSON is the result
+        print("plot failed:", e)
+    print(f"\nwhole-model decode step, {args.dtype} weights, window {args.window}")
+    print("model               context batch scheme        us/step   ratio  agree  timing")
+    for r in rows:
+        us = "-" if r["us_per_step"] is None else f"{r['us_per_step']:9.1f}"
+        ratio = "-" if r["ratio_vs_conventional"] is None else f"{r['ratio_vs_conventional']:5.2f}x"
+        agree = f"{r['first_token_agreement']:.2f}" if r.get("first_token_agreement") is not None else "-"
+        print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:12} {us:>9} {ratio:>7} {agree:>6}  "
+              f"{r['timing']}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
