@@ -124,3 +124,16 @@ def test_model_benchmark_cli(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="replayssm bench model: error: .*CUDA") as exc:
         cli.main(["bench", "model"])
     assert "\n" not in str(exc.value)
+
+
+def test_verify_benchmark_variants_get_their_own_rows(monkeypatch):
+    from replayssm.bench import verify
+
+    monkeypatch.setattr(verify, "graph_time_us", lambda fn, reps=20, warmup=2: (fn(), 1.0)[1])
+    rows = verify.measure("mamba2/4/2/16/32", 2, 4, 2, [2], rounds=1, reps=1, device="cpu", snapshot=False,
+                          variants=[{"BV": 16, "num_warps": 1}, {"BV": 3}])
+    plain = [r for r in rows if r["scheme"] == "replay" and "config" not in r]
+    good = [r for r in rows if r.get("config") == {"BV": 16, "num_warps": 1}]
+    bad = [r for r in rows if r.get("config") == {"BV": 3}]
+    assert len(plain) == len(good) == len(bad) == 1
+    assert "us_per_step" in good[0] and "BV" in bad[0]["error"]   # a refused config is a row, not a crash

@@ -92,14 +92,14 @@ class Case:
             return dict(A=p.A, dt_bias=p.dt_bias, D=p.D)
         return dict(A_log=p.A_log, dt_bias=p.dt_bias, scale=None, use_qk_l2norm=True)
 
-    def replay_step(self):
+    def replay_step(self, config=None):
         from ..ops.utils.commit import commit
 
         _call(self.ops.replay_verify, dict(self.drafts, **self._params(), ckpt=self.ckpt, buf_ld=self.buf_ld,
                                            buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
                                            pending=self.pending, epoch=self.epoch, arrive=self.arrive,
                                            slot_ids=self.slot_ids, window=self.window, out=self.out,
-                                           validate=False))
+                                           config=config, validate=False))
         commit(self.cursor, self.pending, self.slot_ids, self.accepted)
 
     def snapshot_step(self):
@@ -133,9 +133,10 @@ def _time_steps(step, rounds, reps):
 
 
 def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record_dtype=torch.bfloat16,
-            input_dtype=torch.bfloat16, snapshot=True, device="cuda"):
+            input_dtype=torch.bfloat16, snapshot=True, device="cuda", variants=None):
     """Rows of one (shape, batch, T) point: the conventional step, and replay (and snapshot) at
-    each accepted count of `accepted_list`."""
+    each accepted count of `accepted_list`; with `variants` (a list of launch-config overrides
+    of the verify kernel) one replay row per variant and count as well, its `config` named."""
     case = Case(shape, batch, window, T, record_dtype=record_dtype, input_dtype=input_dtype,
                 device=device, snapshot=snapshot)
     t_conv = _time_steps(case.conventional_step, rounds, reps)
@@ -145,12 +146,22 @@ def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record
                 input_dtype=str(input_dtype).replace("torch.", ""))
     rows = [dict(base, scheme="conventional", accepted=1, us_per_step=t_conv, ratio_vs_conventional_step=1.0,
                  us_per_accepted_token=t_conv, bytes_per_sequence=mem["conventional"])]
-    schemes = [("replay", case.replay_step)] + ([("snapshot", case.snapshot_step)] if snapshot else [])
-    for (name, step), a in itertools.product(schemes, accepted_list):
+    schemes = [("replay", None, case.replay_step)] + ([("snapshot", None, case.snapshot_step)] if snapshot else [])
+    schemes += [("replay", cfg, lambda cfg=cfg: case.replay_step(cfg)) for cfg in variants or []]
+    for (name, cfg, step), a in itertools.product(schemes, accepted_list):
         case.accepted.fill_(a)
-        t = _time_steps(step, rounds, reps)
-        rows.append(dict(base, scheme=name, accepted=a, us_per_step=t, ratio_vs_conventional_step=t / t_conv,
-                         us_per_accepted_token=t / a, bytes_per_sequence=mem[name]))
+        try:
+            t = _time_steps(step, rounds, reps)
+        except Exception as e:  # a variant that does not compile or launch is reported, not fatal
+            if cfg is None:
+                raise
+            rows.append(dict(base, scheme=name, config=cfg, accepted=a, error=repr(e)[:300]))
+            continue
+        row = dict(base, scheme=name, accepted=a, us_per_step=t, ratio_vs_conventional_step=t / t_conv,
+                   us_per_accepted_token=t / a, bytes_per_sequence=mem[name])
+        if cfg is not None:
+            row["config"] = cfg
+        rows.append(row)
     finite = case.finite()
     for r in rows:
         r["finite"] = finite
@@ -199,8 +210,20 @@ def main(argv=None):
     ap.add_argument("--input-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rounds", type=int, default=8, help="verify steps per captured graph")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--variants", default=None,
+                    help="JSON list of verify launch configs to time beside the defaults at every point "
+                         '(e.g. \'[{"BV": 64, "num_warps": 4}]\'); their rows carry `config`')
     ap.add_argument("--out", default="verify.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
+    variants = None
+    if args.variants:
+        import json
+
+        try:
+            variants = json.loads(args.variants)
+            assert isinstance(variants, list) and all(isinstance(v, dict) for v in variants)
+        except (ValueError, AssertionError):
+            ap.error(f"--variants must be a JSON list of objects, got {args.variants!r}")
     try:
         shape_list = [shapes.parse(s) and s for s in args.shapes.split(",")]
     except ValueError as e:
@@ -217,11 +240,11 @@ def main(argv=None):
                                              map(int, args.drafts.split(","))):
         acc = list(range(1, T + 1)) if args.accepted == "all" else sorted({1, T})
         r = measure(shape, batch, args.window, T, acc, rounds=args.rounds, reps=args.reps, record_dtype=rdt,
-                    input_dtype=idt, snapshot=not args.no_snapshot)
+                    input_dtype=idt, snapshot=not args.no_snapshot, variants=variants)
         rows += r
         doc["rows"] = rows
         write_results(args.out, doc)      # after every point: a run cut short keeps what it measured
-        rep = {x["accepted"]: x for x in r if x["scheme"] == "replay"}
+        rep = {x["accepted"]: x for x in r if x["scheme"] == "replay" and "config" not in x}
         snap = {x["accepted"]: x for x in r if x["scheme"] == "snapshot"}
         line = (f"{shape:18} B={batch:3d} T={T} conv {r[0]['us_per_step']:7.1f} us | replay "
                 f"{rep[min(rep)]['ratio_vs_conventional_step']:.2f}-{rep[max(rep)]['ratio_vs_conventional_step']:.2f}x")
@@ -231,13 +254,18 @@ def main(argv=None):
         print(line, flush=True)
     path = write_results(args.out, doc)
     try:
-        _plot(rows, path.with_suffix(".png"))
+        _plot([r for r in rows if "config" not in r], path.with_suffix(".png"))
     except Exception as e:  # plotting is a convenience; the JSON is the result
         print("plot failed:", e)
+    for x in rows:
+        if "config" in x and "error" not in x:
+            print(f"variant {x['shape']:18} B={x['batch']:3d} T={x['T']} accepted={x['accepted']} "
+                  f"{x['ratio_vs_conventional_step']:.2f}x {x['config']}")
+    rows_default = [x for x in rows if "config" not in x]
     print(f"\nverify step / conventional step, window {args.window}, drafts all rejected .. all accepted")
     print("shape               batch  T  conv us   replay        snapshot     per token at A=3 (T=4): replay/snapshot")
-    for shape, batch, T in sorted({(r["shape"], r["batch"], r["T"]) for r in rows}):
-        sel = [r for r in rows if (r["shape"], r["batch"], r["T"]) == (shape, batch, T)]
+    for shape, batch, T in sorted({(r["shape"], r["batch"], r["T"]) for r in rows_default}):
+        sel = [r for r in rows_default if (r["shape"], r["batch"], r["T"]) == (shape, batch, T)]
         conv = next(r for r in sel if r["scheme"] == "conventional")
         rng = {}
         for scheme in ("replay", "snapshot"):
