@@ -25,7 +25,7 @@ def get(family: str, op: str, backend: str = "triton"):
 
 
 # ---------------------------------------------------------------------------------------------
-# triton: standard decode (two-checkpoint pools run on the reference)
+# triton: standard decode (one fp32 checkpoint: "decode"; with a low-precision copy: "decode_lp")
 
 def _mamba2():
     from ..ops import mamba2
@@ -75,6 +75,39 @@ register("gdn", "decode")(_delta_decode(_gdn))
 register("kda", "decode")(_delta_decode(_kda))
 for _family, _kernels in (("mamba2", _mamba2), ("gdn", _gdn), ("kda", _kda)):
     register(_family, "eager_max_batch", "any")(_eager_max_batch(_kernels))
+
+
+# ---------------------------------------------------------------------------------------------
+# triton: standard decode of pools with an fp32 checkpoint and a low-precision copy read by
+# non-flush steps (SPEC section 5; ops/<family>/precision.py)
+
+def _lowp_state(layout, slot_ids, window, out):
+    return dict(ckpt=layout.ckpt["data"], ckpt_lp=layout.ckpt_lp, buf_ld=layout.buf["ld"],
+                buf_w=layout.buf["w"], buf_k=layout.buf["k"], cursor=layout.cursor, epoch=layout.epoch,
+                arrive=layout.arrive, slot_ids=slot_ids, window=window, out=out, validate=False)
+
+
+@register("mamba2", "decode_lp")
+def _mamba2_decode_lp(params, layout, slot_ids, inputs, window, out, lp_format):
+    from ..ops.mamba2 import precision
+    inputs = dict(inputs)
+    z = inputs.pop("z", None)
+    return precision.lowp_decode(A=params.A, dt_bias=params.dt_bias, D=params.D, z=z, **inputs,
+                                 lp_format=lp_format, **_lowp_state(layout, slot_ids, window, out))
+
+
+def _delta_decode_lp(family):
+    def run(params, layout, slot_ids, inputs, window, out, lp_format):
+        from ..ops.gdn import precision
+        return precision.lowp_decode(A_log=params.A_log, dt_bias=params.dt_bias, scale=params.scale,
+                                     use_qk_l2norm=params.use_qk_l2norm, **inputs, lp_format=lp_format,
+                                     buf_v=layout.buf["v"], buf_beta=layout.buf["beta"], family=family,
+                                     **_lowp_state(layout, slot_ids, window, out))
+    return run
+
+
+register("gdn", "decode_lp")(_delta_decode_lp("gdn"))
+register("kda", "decode_lp")(_delta_decode_lp("kda"))
 
 
 # ---------------------------------------------------------------------------------------------

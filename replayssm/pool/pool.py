@@ -30,6 +30,8 @@ from . import validate as check
 from .layout import Layout
 
 _STREAM_SLOT_STRIDE = 1 << 32
+# low-precision checkpoint formats whose reads the decode kernels decode (None: no LP copy)
+_KERNEL_LP_FORMATS = (None, "fp16", "bf16", "fp8_e4m3", "nvfp4")
 # default `layer` ids: distinct for every pool built in this process, in construction order
 _LAYER_IDS = itertools.count()
 
@@ -64,8 +66,10 @@ class SlotPool:
             index in its model) defaults to a fresh id per pool built in this process; give it
             for runs reproducible from `seed` alone.
         backend: "reference" (plain PyTorch, any device), "triton" (the GPU kernels: CUDA, fp32
-            state, one checkpoint) or "auto" (triton where it applies). Operations the
-            kernels do not cover yet run on the reference, on the same tensors.
+            state; with or without a low-precision copy in fp16, bf16, fp8_e4m3 or nvfp4) or
+            "auto" (triton where it applies). Operations the kernels do not cover yet run on
+            the reference, on the same tensors: `verify` of a pool with a low-precision
+            checkpoint is one of them (`backend_note` speaks of decode only).
         eager_max_batch: `decode` batches of at most this many rows take the eager step
             (window 1: every row flushes, folding the records it still holds, so the
             checkpoint is the state, as in conventional decoding; no record is written).
@@ -143,15 +147,19 @@ class SlotPool:
         interpreted = self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
         if self.device.type != "cuda" and not (interpreted and backend == "triton"):
             why = f"device {self.device} is not CUDA (on the CPU: TRITON_INTERPRET=1 and backend='triton')"
-        elif self.dtype != torch.float32 or self.hp_format not in (None, "fp32") or self.lp_format is not None:
-            why = "the kernels cover fp32 state with one checkpoint"
+        elif self.dtype != torch.float32 or self.hp_format not in (None, "fp32"):
+            why = "the kernels cover an fp32 (high-precision) checkpoint"
+        elif self.lp_format not in _KERNEL_LP_FORMATS:
+            why = f"the kernels read low-precision checkpoints in {_KERNEL_LP_FORMATS[1:]}, not {self.lp_format}"
         elif self.record_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             why = f"record dtype {self.record_dtype} is not fp32/bf16/fp16"
         if backend == "triton" and why:
             raise ValueError(f"backend 'triton' unavailable: {why}")
         if backend == "reference":
             why = "backend='reference' was asked for"
-        # why decode runs on the reference; None when it runs on the kernels
+        # why decode runs on the reference; None when it runs on the kernels. A pool with a
+        # low-precision checkpoint decodes on the kernels (ops/<family>/precision.py) but still
+        # verifies on the reference, on the same tensors.
         self.backend_note = why
         if backend == "auto" and why and self.device.type == "cuda":
             warnings.warn(f"SlotPool on {self.device} decodes on the reference: {why}", stacklevel=3)
@@ -236,9 +244,12 @@ class SlotPool:
         return y_all if out is None else out.copy_(y_all)
 
     def _decode_kernel(self, slot_ids: Tensor, inputs: dict, out: Optional[Tensor], window: int) -> Tensor:
-        run = backends.get(self.family, "decode")
-        y = run(self.params, self.layout, slot_ids, {k: v.contiguous() for k, v in inputs.items()},
-                window, out)
+        inputs = {k: v.contiguous() for k, v in inputs.items()}
+        if self.lp_format is None:
+            y = backends.get(self.family, "decode")(self.params, self.layout, slot_ids, inputs, window, out)
+        else:
+            y = backends.get(self.family, "decode_lp")(self.params, self.layout, slot_ids, inputs, window,
+                                                        out, self.lp_format)
         # padding rows write the spare entry, so no host-side mask is needed
         self.layout.pending_all[torch.where(slot_ids < 0, self.N, slot_ids.long())] = 0
         return y
@@ -270,7 +281,8 @@ class SlotPool:
         if B == 0:
             return out if out is not None else torch.zeros(0, T, self.HV, self.V, dtype=self.dtype,
                                                            device=self.device)
-        run = backends.get(self.family, "verify") if self.backend == "triton" else None
+        # two checkpoints: verify stays on the reference (the verify kernels read one fp32 checkpoint)
+        run = backends.get(self.family, "verify") if self.backend == "triton" and self.lp_format is None else None
         if run is not None:
             y = run(self.params, self.layout, slot_ids, {k: v.contiguous() for k, v in inputs.items()},
                     self.window, num_drafts, out)

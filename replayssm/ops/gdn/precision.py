@@ -1,0 +1,268 @@
+"""GDN (and, through `IS_KDA`, KDA) standard decode with separate state precisions (SPEC
+section 5), in Triton.
+
+The replay decode of decode.py with two checkpoints: `ckpt` fp32 (high precision, carries the
+recurrence) and `ckpt_lp` in a low-precision format (`ops/utils/lowp.py`). Per row with slot
+`s` and cursor `h` (0-based positions, the current token at `h`):
+
+    non-flush (h + 1 < L): u_t and o from C_LP[s] and the buffered records, output-only, as
+                           decode.py; record h written with the raw v_t, beta_t besides u_t
+    flush:                 along the HP path, from C_HP[s]: for j = 0..h
+                               S <- a_j S;  u_j = beta_j (v_j - S k_j);  S <- S + u_j k_j^T
+                           (the buffered u_j came from C_LP: they are recomputed from the raw
+                           v_j, beta_j); o = S q; C_HP[s] <- S; C_LP[s] <- round-to-nearest(S)
+
+The delta rule's `u` of a value row depends only on that row of `S`, so the recomputation is
+per V-block, in row chunks of RC, with no exchange between programs. NVFP4's scale per head
+matrix: the head's last program to arrive encodes the whole matrix (mamba2/precision.py).
+The flush does not depend on the low-precision format, so neither does the fp32 checkpoint.
+Window 1 (the eager step) flushes every row, folding the records it still holds.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..utils.checks import check_tensor
+from ..utils.cursor import hand_off
+from ..utils.launch import arrive_counter
+from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, lp_views, store_lp_rows, store_nvfp4_head
+from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
+                     check_devices, check_slot_ids, check_slot_values, check_state, check_token_inputs)
+
+__all__ = ["lowp_decode", "LP_FORMATS"]
+
+LP_FORMATS = tuple(LP_CODES)
+
+
+@triton.jit
+def _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, i_v, h, i_m,
+              b_q, b_k, b_ld, b_beta, o_k, m_k, lp_data, lp_scale, stride_v_b, stride_v_h,
+              HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+              LBCAP: tl.constexpr, BV: tl.constexpr, IS_KDA: tl.constexpr, RC: tl.constexpr,
+              LP: tl.constexpr):
+    """The flush along the high-precision path for this program's rows of head `p_Ch`: the
+    conventional recurrence over records 0..h-1 (u recomputed from raw v, beta) and the current
+    token, in row chunks of RC; stores o, the fp32 rows and (fp16/bf16/fp8) their LP rows."""
+    for r0 in tl.static_range(0, BV, RC):
+        o_r = i_v * BV + r0 + tl.arange(0, RC)
+        m_r = o_r < V
+        o_Sr = o_r[:, None] * K + o_k[None, :]
+        m_Sr = m_r[:, None] & m_k[None, :]
+        b_S = tl.load(p_Ch + o_Sr, mask=m_Sr, other=0.)                                 # [RC, BK]
+        for j in range(0, h):
+            o_p = i_s * LBCAP + j
+            b_kj = tl.load(buf_k + (o_p * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_vj = tl.load(buf_v + (o_p * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
+            b_bj = tl.load(buf_beta + o_p * HV + i_hv)
+            if IS_KDA:
+                b_S = b_S * tl.exp(tl.load(buf_ld + (o_p * HV + i_hv) * K + o_k, mask=m_k, other=0.))[None, :]
+            else:
+                b_S = b_S * tl.exp(tl.load(buf_ld + o_p * HV + i_hv))
+            b_u = b_bj * (b_vj - tl.sum(b_S * b_kj[None, :], axis=1))
+            b_S += b_u[:, None] * b_kj[None, :]
+        # the current token, from registers
+        if IS_KDA:
+            b_S = b_S * tl.exp(b_ld)[None, :]
+        else:
+            b_S = b_S * tl.exp(b_ld)
+        b_vr = tl.load(v + i_b * stride_v_b + i_hv * stride_v_h + o_r, mask=m_r, other=0.).to(tl.float32)
+        b_u = b_beta * (b_vr - tl.sum(b_S * b_k[None, :], axis=1))
+        b_S += b_u[:, None] * b_k[None, :]
+        p_o = o + (i_b * HV + i_hv) * V + o_r
+        tl.store(p_o, tl.sum(b_S * b_q[None, :], axis=1).to(p_o.dtype.element_ty), mask=m_r)
+        tl.store(p_Ch + o_Sr, b_S, mask=m_Sr)
+        if LP != 4:
+            store_lp_rows(b_S, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
+
+
+@triton.jit
+def _lowp_decode_kernel(
+    q, k, v, a, b, A_log, dt_bias, o,
+    ckpt, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
+    cursor, epoch, arrive, head_arrive, slot_ids,
+    scale,
+    stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+    stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+    HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+    LBCAP: tl.constexpr, LB: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr, RC: tl.constexpr,
+    LP: tl.constexpr,
+):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    HG: tl.constexpr = HV // HK
+    # grid (HV * NV, Bt), V-block fastest: a program owns V-block i_v of value head i_hv
+    pid = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_v = pid % NV
+    i_hv = pid // NV
+    i_hk = i_hv // HG
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    p_o = o + (i_b * HV + i_hv) * V + o_v
+
+    i_s = tl.load(slot_ids + i_b).to(tl.int64)
+    if i_s < 0:
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        return
+    h = tl.load(cursor + i_s).to(tl.int64)
+    i_m = i_s * HV + i_hv                                   # this head's matrix in the pool
+    p_Ch = ckpt + i_m * (V * K)
+
+    b_q, b_k = _load_qk(q, k, i_b, i_hk, o_k, m_k, scale, stride_q_b, stride_q_h, stride_k_b,
+                        stride_k_h, USE_QK_L2NORM)
+    b_v, b_ld, b_beta = _load_head(v, a, b, A_log, dt_bias, i_b, i_hv, o_v, m_v, o_k, m_k,
+                                   stride_v_b, stride_v_h, stride_a_b, stride_a_h,
+                                   stride_b_b, stride_b_h, K, IS_KDA)
+    flush = h + 1 >= WINDOW
+    if flush:
+        _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, i_v, h,
+                  i_m, b_q, b_k, b_ld, b_beta, o_k, m_k, lp_data, lp_scale, stride_v_b, stride_v_h,
+                  HV, HK, V, K, LBCAP, BV, IS_KDA, RC, LP)
+        if LP == 4:
+            # release this program's rows; the head's last program encodes the whole matrix
+            tl.debug_barrier()
+            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
+            if n_arrived == NV - 1:
+                tl.debug_barrier()
+                store_nvfp4_head(p_Ch, lp_data, lp_scale, lp_tscale, i_m, V, K, BK, RC)
+                tl.store(head_arrive + i_m, 0)
+    else:
+        # the output-only step of decode.py on the decoded LP tile; positions j < h hold records
+        o_j = tl.arange(0, LB)
+        m_j = o_j < h
+        m_j1 = (o_j + 1) < h
+        o_rec = i_s * LBCAP + o_j
+        b_C = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V, K, LP)  # [BV, BK]
+        b_Kb = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
+                       mask=m_j[:, None] & m_k[None, :], other=0.)
+        b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.)                          # [LB, BK]
+        b_U = tl.load(buf_w + (o_rec[:, None] * HV + i_hv) * V + o_v[None, :],
+                      mask=m_j[:, None] & m_v[None, :], other=0.)
+        b_U = tl.where(m_j[:, None], b_U.to(tl.float32), 0.)                            # [LB, BV]
+        # suffix sums of the decays shifted by one position (a reverse scan, never total minus
+        # prefix: weights near 1 keep full precision), as decode.py
+        if IS_KDA:
+            b_LDs = tl.load(buf_ld + ((o_rec + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
+                            mask=m_j1[:, None] & m_k[None, :], other=0.)
+            b_LDs = tl.where(m_j1[:, None], b_LDs, 0.)
+            b_LDs = tl.where((o_j + 1 == h)[:, None], b_ld[None, :], b_LDs)             # [LB, BK]
+            b_ld0 = tl.load(buf_ld + (i_s * LBCAP * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+            b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+            b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))                                # [BK]
+            b_Kw = b_Kb * tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True))                 # [LB, BK]
+            b_kk = tl.sum(b_Kw * b_k[None, :], axis=1)                                  # [LB]
+            b_kq = tl.sum(b_Kw * b_q[None, :], axis=1)
+        else:
+            b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_j1, other=0.)
+            b_LDs = tl.where(m_j1, b_LDs, tl.where(o_j + 1 == h, b_ld, 0.))             # [LB]
+            b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv)
+            b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+            b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))
+            b_w = tl.where(m_j, tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True)), 0.)     # [LB]
+            b_kk = tl.sum(b_Kb * b_k[None, :], axis=1) * b_w
+            b_kq = tl.sum(b_Kb * b_q[None, :], axis=1) * b_w
+        # one read of C_LP, two matvecs
+        b_Pk = tl.sum(b_C * (b_gC * b_k)[None, :], axis=1) + tl.sum(b_U * b_kk[:, None], axis=0)
+        b_Pq = tl.sum(b_C * (b_gC * b_q)[None, :], axis=1) + tl.sum(b_U * b_kq[:, None], axis=0)
+        b_u = b_beta * (b_v - b_Pk)
+        tl.store(p_o, _for_store(b_Pq + tl.sum(b_k * b_q) * b_u, p_o, EXACT_BF16), mask=m_v)
+
+        # record h: u (from C_LP, for the outputs of this window) and the raw v, beta (for the
+        # HP refold at the flush); decay once per value head, key once per key head
+        o_h = i_s * LBCAP + h
+        p_w = buf_w + (o_h * HV + i_hv) * V + o_v
+        tl.store(p_w, _for_store(b_u, p_w, EXACT_BF16), mask=m_v)
+        p_vr = buf_v + (o_h * HV + i_hv) * V + o_v
+        tl.store(p_vr, _for_store(b_v, p_vr, EXACT_BF16), mask=m_v)
+        if i_v == 0:
+            tl.store(buf_beta + o_h * HV + i_hv, b_beta)
+            if IS_KDA:
+                tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=m_k)
+            else:
+                tl.store(buf_ld + o_h * HV + i_hv, b_ld)
+            if i_hv % HG == 0:
+                p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
+                tl.store(p_kh, _for_store(b_k, p_kh, EXACT_BF16), mask=m_k)
+
+    hand_off(arrive, cursor, epoch, i_s, h, flush, HV * NV)
+
+
+def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                dt_bias: Tensor, scale: Optional[float], ckpt: Tensor, ckpt_lp: dict, lp_format: str,
+                buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, buf_v: Tensor, buf_beta: Tensor,
+                cursor: Tensor, epoch: Tensor, slot_ids: Tensor, window: int,
+                out: Optional[Tensor] = None, use_qk_l2norm: bool = True, *, family: str = "gdn",
+                arrive: Optional[Tensor] = None, config: Optional[dict] = None,
+                validate: bool = True) -> Tensor:
+    """One GDN (`family="gdn"`) or KDA (`"kda"`) standard decode step on two checkpoints, in
+    place; returns `out` `[Bt, HV, V]`.
+
+    Arguments as :func:`replayssm.ops.gdn.replay_decode` (KDA: `a` `[Bt, HV, K]`, `dt_bias`
+    `[HV, K]`, `buf_ld` `[N, Lb, HV, K]`), plus: `ckpt` `[N, HV, V, K]` fp32, the
+    high-precision checkpoint, read and written on flush steps; `ckpt_lp`, the low-precision
+    checkpoint's parts (`replayssm.formats.allocate(lp_format, [N, HV, V, K])`), read by the
+    other steps and rewritten round-to-nearest on a flush; `lp_format` one of `LP_FORMATS`;
+    `buf_v` `[N, Lb, HV, V]` (record dtype) and `buf_beta` `[N, Lb, HV]` fp32, the raw records
+    from which a flush recomputes `u` along the HP path. `config`: `BV`, `num_warps`.
+    Window 1 flushes every row (the eager step), folding the records it holds (cursor < Lb).
+    """
+    if family not in ("gdn", "kda"):
+        raise ValueError(f"family must be 'gdn' or 'kda', got {family!r}")
+    if validate:
+        Bt, Hk, K, HV, V = check_token_inputs(family, q, k, v, a, b, A_log, dt_bias, out)
+        if arrive is None:
+            arrive = arrive_counter(ckpt.device, ckpt.shape[0]) if isinstance(ckpt, Tensor) \
+                and ckpt.dim() == 4 else None
+        N, Lb = check_state(family, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
+                            HV, Hk, V, K, window)
+        check_tensor("buf_v", buf_v, (N, Lb, HV, V), (buf_w.dtype,), contiguous=True)
+        check_tensor("buf_beta", buf_beta, (N, Lb, HV), (torch.float32,), contiguous=True)
+        check_slot_ids(slot_ids, Bt)
+        check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ckpt=ckpt,
+                      buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, buf_v=buf_v, buf_beta=buf_beta,
+                      cursor=cursor, epoch=epoch, arrive=arrive, slot_ids=slot_ids, out=out)
+        check_slot_values(slot_ids, N)
+        check_cursor_values(cursor, slot_ids, Lb, window)
+    N, HV, V, K = ckpt.shape
+    Bt, Hk = q.shape[0], q.shape[1]
+    LBCAP = buf_w.shape[1]
+    data, lscale, tscale = lp_views(ckpt_lp, lp_format, N, HV, V, K)
+    cfg = {"BV": default_bv(V), "num_warps": 4}
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
+        cfg.update(config)
+    BV = cfg["BV"]
+    if not (isinstance(BV, int) and BV >= 1 and BV & (BV - 1) == 0):
+        raise ValueError(f"config: BV must be a power of two, got {BV!r}")
+    scale = _scale(scale, K)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if arrive is None:
+        arrive = arrive_counter(ckpt.device, N)
+    if Bt == 0:
+        return out
+    # record tiles cover positions below the window (window 1: whatever the buffer holds)
+    npos = LBCAP if window == 1 else min(window, LBCAP)
+    nv = triton.cdiv(V, BV)
+    _lowp_decode_kernel[(HV * nv, Bt)](
+        q, k, v, a, b, A_log, dt_bias, out,
+        ckpt, data, lscale, tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
+        cursor, epoch, arrive, head_counter(ckpt.device, N * HV), slot_ids,
+        scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, LB=max(2, triton.next_power_of_2(npos)), WINDOW=int(window),
+        BV=BV, BK=triton.next_power_of_2(K), IS_KDA=family == "kda",
+        USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(), RC=min(16, BV), LP=LP_CODES[lp_format],
+        num_warps=cfg["num_warps"], num_stages=1)
+    return out

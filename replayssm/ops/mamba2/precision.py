@@ -1,0 +1,222 @@
+"""Mamba-2 standard decode with separate state precisions (SPEC section 5), in Triton.
+
+The replay decode of decode.py with two checkpoints: `ckpt` fp32 (high precision, carries the
+recurrence) and `ckpt_lp` in a low-precision format (`ops/utils/lowp.py`: fp16, bf16, fp8-e4m3
+with row scales, NVFP4). Per row with slot `s` and cursor `h`:
+
+    non-flush (h + 1 < L): y from C_LP[s] (decoded in the kernel) and records 0..h; record h written
+    flush:                 y from C_HP[s] and records 0..h; C_HP[s] <- REPLAY(C_HP[s], records);
+                           C_LP[s] <- round-to-nearest(C_HP[s]) (formats.encode, bit for bit)
+
+The flush is the standard kernel's arithmetic (same helpers, same order), so the fp32
+checkpoint does not depend on the low-precision format. A program owns `BV` value rows of one
+head: fp16/bf16/fp8 rows are encoded where they are computed (an fp8 scale is per row), while
+NVFP4's one scale per head matrix needs the whole head: the head's last program to arrive
+(a per-(slot, head) counter) reads the new fp32 rows back and encodes the matrix.
+Window 1 (the eager step) is a flush of every row, folding the records it still holds.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..utils.checks import check_slot_ids, check_window
+from ..utils.cursor import hand_off
+from ..utils.launch import arrive_counter
+from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, lp_views, store_lp_rows, store_nvfp4_head
+from .common import (OPTIONAL_INPUTS, RECORD_DTYPES, check_slots, check_tensor, check_token_inputs,
+                     group_keys, head_weights, record_masks, token_decay)
+
+__all__ = ["lowp_decode", "LP_FORMATS"]
+
+LP_FORMATS = tuple(LP_CODES)
+
+
+@triton.heuristics(OPTIONAL_INPUTS)
+@triton.jit
+def _lowp_decode_kernel(
+    x, dt, B, C, A, dt_bias, D, z, out,
+    ckpt, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive,
+    slot_ids,
+    stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_o_b, stride_o_h,
+    HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
+    NPOS: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+    NVB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, LP: tl.constexpr, RC: tl.constexpr,
+):
+    # grid (HV * NVB, Bt): a program owns V-block i_v of head i_h
+    pid = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_v = pid % NVB
+    i_h = pid // NVB
+    HG: tl.constexpr = HV // Hk
+    i_g = i_h // HG
+
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    o_l = tl.arange(0, BL)
+    m_v = o_v < V
+    m_k = o_k < K
+
+    p_o = out + i_b * stride_o_b + i_h * stride_o_h + o_v
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    if slot < 0:
+        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
+        return
+
+    h = tl.load(cursor + slot)
+    m_j, m_j1, m_lj, m_lj1 = record_masks(o_l, h, NPOS, True)
+    i_m = slot * HV + i_h                                   # this head's matrix in the pool
+    p_S0 = ckpt + slot * (HV * V * K)
+    b_kc, b_q, b_kq, b_kcq = group_keys(buf_k + slot * (LB * Hk * K) + i_g * K, Hk * K,
+                                        B + i_b * stride_B_b + i_g * stride_B_g,
+                                        C + i_b * stride_C_b + i_g * stride_C_g,
+                                        o_l, o_k, m_k, m_j, m_lj)
+    is_flush = h + 1 >= WINDOW
+    # the flush reads the fp32 checkpoint (it carries the recurrence), other steps the LP copy
+    if is_flush:
+        b_S = tl.load(p_S0 + i_h * (V * K) + o_v[:, None] * K + o_k[None, :],
+                      mask=m_v[:, None] & m_k[None, :], other=0.0)                  # [BV, BK]
+    else:
+        b_S = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V, K, LP)
+    p_Wh = buf_w + slot * (LB * HV * V) + i_h * V
+    b_W = tl.load(p_Wh + (o_l[:, None] * (HV * V) + o_v[None, :]),
+                  mask=m_lj[:, None] & m_v[None, :], other=0.0)
+    b_W = tl.where(m_j[:, None], b_W.to(tl.float32), 0.0)                               # [BL, BV]
+
+    b_dt, b_ld, b_rA = token_decay(dt, dt_bias, A, i_b * stride_dt_b, i_h)
+    b_xi = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_v, mask=m_v, other=0.0)
+    b_x = b_xi.to(tl.float32)
+    b_w = b_dt * b_x
+    b_coef, b_g = head_weights(buf_ld + slot * (LB * HV) + i_h, HV, b_ld, b_rA, h, o_l, m_j, m_j1,
+                               m_lj, m_lj1)
+
+    b_y = b_g * tl.sum(b_S * b_q[None, :], axis=1)
+    b_y += tl.sum(b_W * (b_coef * b_kq)[:, None], axis=0)
+    b_y += b_kcq * b_w
+    if HAS_D:
+        b_y += tl.load(D + i_h).to(tl.float32) * b_x
+    if HAS_Z:
+        b_z = tl.load(z + i_b * stride_z_b + i_h * stride_z_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_y = b_y * b_z / (1.0 + tl.exp(-b_z))
+    tl.store(p_o, b_y.to(p_o.dtype.element_ty), mask=m_v)
+
+    if is_flush:
+        # the standard kernel's fold (decode.py), row chunks of RC re-read from L2, then each
+        # chunk's low-precision rows
+        p_kj = buf_k + slot * (LB * Hk * K) + i_g * K + o_k
+        for r0 in tl.static_range(0, BV, RC):
+            o_r = i_v * BV + r0 + tl.arange(0, RC)
+            m_r = o_r < V
+            p_Sr = p_S0 + i_h * (V * K) + (o_r[:, None] * K + o_k[None, :])
+            m_Sr = m_r[:, None] & m_k[None, :]
+            b_Sr = tl.load(p_Sr, mask=m_Sr, other=0.0)                                  # [RC, BK]
+            b_xr = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_r, mask=m_r, other=0.0)
+            b_Sr = b_g * b_Sr + (b_dt * b_xr.to(tl.float32))[:, None] * b_kc[None, :]
+            p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_r
+            for j in range(0, h):
+                c_j = tl.sum(tl.where(o_l == j, b_coef, 0.0), axis=0)
+                w_j = tl.load(p_wj + j * (HV * V), mask=m_r, other=0.0).to(tl.float32)
+                k_j = tl.load(p_kj + j * (Hk * K), mask=m_k, other=0.0).to(tl.float32)
+                b_Sr += (c_j * w_j)[:, None] * k_j[None, :]
+            tl.store(p_Sr, b_Sr, mask=m_Sr)
+            if LP != 4:
+                store_lp_rows(b_Sr, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
+        if LP == 4:
+            # release this program's rows; the head's last program encodes the whole matrix
+            tl.debug_barrier()
+            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
+            if n_arrived == NVB - 1:
+                tl.debug_barrier()
+                store_nvfp4_head(p_S0 + i_h * (V * K), lp_data, lp_scale, lp_tscale, i_m, V, K, BK, RC)
+                tl.store(head_arrive + i_m, 0)
+    else:
+        p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
+        tl.store(p_wh, b_xi.to(p_wh.dtype.element_ty), mask=m_v)
+        if i_v == 0:
+            tl.store(buf_ld + slot * (LB * HV) + h * HV + i_h, b_ld)
+            if i_h % HG == 0:
+                p_kh = buf_k + slot * (LB * Hk * K) + h * (Hk * K) + i_g * K + o_k
+                tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
+
+    hand_off(arrive, cursor, epoch, slot, h, is_flush, HV * NVB)
+
+
+def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
+                D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, ckpt_lp: dict, lp_format: str,
+                buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor,
+                slot_ids: Tensor, window: int, out: Optional[Tensor] = None, *,
+                arrive: Optional[Tensor] = None, config: Optional[dict] = None,
+                validate: bool = True) -> Tensor:
+    """One Mamba-2 standard decode step on two checkpoints, in place; returns `y` `[Bt, HV, V]`.
+
+    Arguments as :func:`replayssm.ops.mamba2.replay_decode` (token inputs `x` `[Bt, HV, V]`,
+    `dt` `[Bt, HV]`, `B`, `C` `[Bt, Hk, K]`, `z` or None; `A`, `dt_bias`, `D` `[HV]`; records,
+    `cursor`, `epoch`, `slot_ids`, `window`, `out`, `arrive`, `validate`), plus:
+    `ckpt` `[N, HV, V, K]` fp32, the high-precision checkpoint, read and written on flush steps;
+    `ckpt_lp`, the low-precision checkpoint's parts (`replayssm.formats.allocate(lp_format,
+    [N, HV, V, K])`), read by the other steps and rewritten round-to-nearest on a flush;
+    `lp_format` one of `LP_FORMATS`. `config`: `BV` (power of two), `num_warps`.
+    Window 1 flushes every row (the eager step), folding the records it holds (cursor < Lb).
+    """
+    N, HV, V, K = ckpt.shape if isinstance(ckpt, Tensor) and ckpt.dim() == 4 else (0, 0, 0, 0)
+    if validate:
+        Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
+        dev = x.device
+        if not isinstance(ckpt, Tensor) or ckpt.dim() != 4:
+            raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(ckpt, 'shape', type(ckpt).__name__)}")
+        N = ckpt.shape[0]
+        if not isinstance(buf_ld, Tensor) or buf_ld.dim() != 3:
+            raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
+        Lb = buf_ld.shape[1]
+        check_tensor("ckpt", ckpt, (N, HV, V, K), (torch.float32,), dev, contiguous=True)
+        check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), dev, contiguous=True)
+        check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, dev, contiguous=True)
+        check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, dev, contiguous=True)
+        check_tensor("cursor", cursor, (N,), (torch.int32,), dev, contiguous=True)
+        check_tensor("epoch", epoch, (N,), (torch.int64,), dev, contiguous=True)
+        check_slot_ids(slot_ids, Bt, dev)
+        if arrive is not None:
+            check_tensor("arrive", arrive, (N,), (torch.int32,), dev, contiguous=True)
+        if out is not None:
+            check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
+        check_window(window, Lb)
+        check_slots(slot_ids, N)
+    data, scale, tscale = lp_views(ckpt_lp, lp_format, N, HV, V, K)
+    cfg = {"BV": default_bv(V), "num_warps": 4}
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
+        cfg.update(config)
+    BV = cfg["BV"]
+    if not (isinstance(BV, int) and BV >= 1 and BV & (BV - 1) == 0):
+        raise ValueError(f"config: BV must be a power of two, got {BV!r}")
+    if out is None:
+        out = torch.empty_like(x)
+    if arrive is None:
+        arrive = arrive_counter(x.device, N)
+    Bt = x.shape[0]
+    if Bt == 0:
+        return out
+    Hk, LB = B.shape[1], buf_ld.shape[1]
+    # records cover positions below the window (window 1: whatever the buffer holds)
+    npos = LB if window == 1 else min(window, LB)
+    nvb = triton.cdiv(V, BV)
+    _lowp_decode_kernel[(HV * nvb, Bt)](
+        x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out, ckpt=ckpt,
+        lp_data=data, lp_scale=scale, lp_tscale=tscale, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
+        cursor=cursor, epoch=epoch, arrive=arrive, head_arrive=head_counter(x.device, N * HV),
+        slot_ids=slot_ids,
+        stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
+        stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
+        stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
+        stride_o_b=out.stride(0), stride_o_h=out.stride(1),
+        HV=HV, Hk=Hk, V=V, K=K, LB=LB, NPOS=npos, WINDOW=int(window), BV=BV,
+        BK=triton.next_power_of_2(K), BL=max(16, triton.next_power_of_2(npos)), NVB=nvb,
+        LP=LP_CODES[lp_format], RC=min(16, BV), num_warps=cfg["num_warps"], num_stages=1)
+    return out

@@ -1,0 +1,274 @@
+"""Triton decoding and round-to-nearest encoding of the low-precision checkpoint formats
+(`replayssm.formats`: fp16, bf16, scaled fp8-e4m3, NVFP4), shared by every family's kernels.
+
+Encoding reproduces `formats.encode(x, fmt, "nearest")` bit for bit: magnitudes are rounded
+with integer operations on their IEEE bits (the interpreter's float casts to bf16 and fp8 are
+wrong, DESIGN.md, and the H200 has no FP4 instructions), and the scaled formats divide by their
+scales in float64, as the reference does, so that a quotient never lands on a rounding tie that
+the exact quotient misses. Decoding multiplies exact element values by their scales in fp32,
+which rounds once, like the reference's float64 product cast to fp32. The kernels see the parts
+as integer views (`lp_views`): fp16/bf16 data as int16, fp8 data and e4m3 scales as uint8.
+
+Format codes (`LP` constexpr): 1 fp16, 2 bf16, 3 fp8-e4m3 (one fp32 scale per row of K),
+4 NVFP4 (two e2m1 codes per byte, one e4m3 scale per 16 elements, one fp32 scale per head).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .launch import capturing
+
+__all__ = ["LP_CODES", "lp_views", "default_bv", "head_counter", "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
+
+LP_CODES = {"fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
+_HEAD_COUNTERS: dict = {}
+
+
+def lp_views(parts, fmt: str, N: int, HV: int, V: int, K: int):
+    """`(data, scale, tensor_scale)` of a low-precision checkpoint's parts as the kernels take
+    them (integer views; None for absent parts), after checking every part's shape, dtype and
+    contiguity (ValueError naming the part)."""
+    if fmt not in LP_CODES:
+        raise ValueError(f"lp_format {fmt!r} has no kernel; expected one of {sorted(LP_CODES)}")
+    if not isinstance(parts, dict):
+        raise ValueError(f"ckpt_lp must be a dict of parts (formats.allocate), got {type(parts).__name__}")
+    if fmt == "nvfp4" and K % 16:
+        raise ValueError(f"nvfp4 needs K divisible by 16, got K={K}")
+    want = {"fp16": {"data": ((N, HV, V, K), torch.float16)},
+            "bf16": {"data": ((N, HV, V, K), torch.bfloat16)},
+            "fp8_e4m3": {"data": ((N, HV, V, K), torch.float8_e4m3fn), "scale": ((N, HV, V), torch.float32)},
+            "nvfp4": {"data": ((N, HV, V, K // 2), torch.uint8),
+                      "scale": ((N, HV, V, K // 16), torch.float8_e4m3fn),
+                      "tensor_scale": ((N, HV), torch.float32)}}[fmt]
+    if set(parts) != set(want):
+        raise ValueError(f"ckpt_lp for {fmt} must hold parts {sorted(want)}, got {sorted(parts)}")
+    for key, (shape, dtype) in want.items():
+        t = parts[key]
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"ckpt_lp[{key!r}] must be a contiguous {dtype} tensor of shape {shape}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    data = parts["data"]
+    data = data.view(torch.int16) if fmt in ("fp16", "bf16") else data.view(torch.uint8)
+    scale = parts.get("scale")
+    if scale is not None and scale.dtype == torch.float8_e4m3fn:
+        scale = scale.view(torch.uint8)
+    return data, scale, parts.get("tensor_scale")
+
+
+def default_bv(V: int) -> int:
+    """The precision kernels' default block of value rows (untuned): a quarter of the padded
+    head, 8 to 32 rows, so that small heads too are split over programs."""
+    return min(32, max(8, triton.next_power_of_2(V) // 4))
+
+
+def head_counter(device, n: int) -> Tensor:
+    """A zeroed `[n]` int32 per-(slot, head) arrival counter, cached per (device, n); the
+    kernels leave it zeroed. Allocate before CUDA-graph capture (first call outside it)."""
+    key = (torch.device(device), int(n))
+    t = _HEAD_COUNTERS.get(key)
+    if t is None:
+        if capturing():
+            raise ValueError("head counter not allocated yet: decode once before capturing a CUDA graph")
+        t = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+        _HEAD_COUNTERS[key] = t
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# rounding on the bits
+
+
+@triton.jit
+def _round_bits32(a, M: tl.constexpr, E: tl.constexpr):
+    """fp32 magnitudes `a` (>= 0, at most the format's largest value) rounded half-to-even onto
+    a grid of M mantissa bits and minimum normal exponent E (subnormals below); returns the
+    format's bits without sign, `(exponent field << M) + mantissa`, as int32."""
+    b = a.to(tl.int32, bitcast=True)
+    ef = b >> 23
+    mant = b & 0x7FFFFF
+    sig = tl.where(ef > 0, mant | 0x800000, mant)
+    e = tl.maximum(ef - 127, E)                   # the target's exponent (subnormals share E)
+    shift = tl.minimum((e - M) - (tl.maximum(ef, 1) - 150), 30)
+    q = sig >> shift
+    rem = sig - (q << shift)
+    half = (tl.zeros_like(sig) + 1) << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    # a carry out of the mantissa moves into the exponent field by itself
+    return ((e - E) << M) + q + up.to(tl.int32)
+
+
+@triton.jit
+def _round_bits64(a, M: tl.constexpr, E: tl.constexpr, UP: tl.constexpr):
+    """`_round_bits32` for float64 magnitudes (the scaled formats' quotients), int64 bits;
+    UP rounds towards +inf instead (NVFP4's block scales)."""
+    b = a.to(tl.int64, bitcast=True)
+    ef = b >> 52
+    mant = b & 0xFFFFFFFFFFFFF
+    sig = tl.where(ef > 0, mant | 0x10000000000000, mant)
+    e = tl.maximum(ef - 1023, E)
+    shift = tl.minimum((e - M) - (tl.maximum(ef, 1) - 1075), 62)
+    q = sig >> shift
+    rem = sig - (q << shift)
+    if UP:
+        up = rem > 0
+    else:
+        half = (tl.zeros_like(sig) + 1) << (shift - 1)
+        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    return ((e - E) << M) + q + up.to(tl.int64)
+
+
+@triton.jit
+def _f32_scale(amax, TOP: tl.constexpr):
+    """`amax / TOP` in float64 rounded UP to fp32 (1 where amax is 0), as `formats._f32_scale`:
+    the largest element then maps at most to TOP."""
+    ex = amax.to(tl.float64) / TOP
+    s = ex.to(tl.float32)
+    s = tl.where(s.to(tl.float64) < ex, (s.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), s)
+    return tl.where(amax == 0, 1.0, s)
+
+
+@triton.jit
+def _e4m3_value(bits):
+    """fp32 value of e4m3 ("fn") bits (int32, 0..255)."""
+    e = (bits >> 3) & 15
+    m = bits & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)       # subnormals: m * 2^-9
+    mag = tl.where((bits & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where((bits & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1_value(nib):
+    """fp32 value of an e2m1 nibble `sign << 3 | code` (int32): 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    code = nib & 7
+    e = code >> 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | ((code & 1) << 22), tl.where(code == 1, 126 << 23, 0))
+    mag = bits.to(tl.float32, bitcast=True)
+    return tl.where((nib & 8) != 0, -mag, mag)
+
+
+# ----------------------------------------------------------------------------------------------
+# tiles
+
+
+@triton.jit
+def load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V: tl.constexpr,
+                 K: tl.constexpr, LP: tl.constexpr):
+    """Rows `o_v` (`[BV]`, valid where `m_v`) of head matrix `i_m` (= slot * HV + head) of the
+    low-precision checkpoint, decoded to fp32: `[BV, BK]`, zero where masked, equal to
+    `formats.decode` of those parts."""
+    m = m_v[:, None] & m_k[None, :]
+    if LP == 1:
+        p = lp_data + i_m * (V * K) + o_v[:, None] * K + o_k[None, :]
+        b = tl.load(p, mask=m, other=0, eviction_policy="evict_first")
+        return b.to(tl.float16, bitcast=True).to(tl.float32)
+    elif LP == 2:
+        p = lp_data + i_m * (V * K) + o_v[:, None] * K + o_k[None, :]
+        b = tl.load(p, mask=m, other=0, eviction_policy="evict_first")
+        return (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    elif LP == 3:
+        p = lp_data + i_m * (V * K) + o_v[:, None] * K + o_k[None, :]
+        b = tl.load(p, mask=m, other=0, eviction_policy="evict_first").to(tl.int32)
+        s = tl.load(lp_scale + i_m * V + o_v, mask=m_v, other=0.)
+        return _e4m3_value(b) * s[:, None]
+    else:
+        # two codes per byte (element 2i low nibble), each byte read by both of its lanes
+        p = lp_data + i_m * (V * (K // 2)) + o_v[:, None] * (K // 2) + (o_k // 2)[None, :]
+        b = tl.load(p, mask=m, other=0, eviction_policy="evict_first").to(tl.int32)
+        nib = (b >> ((o_k & 1) * 4)[None, :]) & 15
+        ps = lp_scale + i_m * (V * (K // 16)) + o_v[:, None] * (K // 16) + (o_k // 16)[None, :]
+        sb = _e4m3_value(tl.load(ps, mask=m, other=0).to(tl.int32))
+        ts = tl.load(lp_tscale + i_m)
+        # (v * sb) is exact; one rounding for the tensor scale, as the reference's cast
+        return tl.where(m, (_e2m1_value(nib) * sb) * ts, 0.)
+
+
+@triton.jit
+def store_lp_rows(b_S, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V: tl.constexpr, K: tl.constexpr,
+                  LP: tl.constexpr):
+    """Encode fp32 rows `b_S` (`[RC, BK]`, rows `o_r` of head matrix `i_m`) round-to-nearest
+    into the element formats (LP 1, 2) or scaled fp8 (LP 3: a row is all of K, so its scale is
+    local); NVFP4 needs the whole matrix (`store_nvfp4_head`)."""
+    m = m_r[:, None] & m_k[None, :]
+    p = lp_data + i_m * (V * K) + o_r[:, None] * K + o_k[None, :]
+    xb = b_S.to(tl.int32, bitcast=True)
+    a = (xb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    neg = xb < 0
+    if LP == 1 or LP == 2:
+        if LP == 1:
+            a = tl.where(a > 65504.0, 65504.0, a)                            # saturate (NaN kept)
+            bits = tl.where(a != a, 0x7E00, _round_bits32(a, 10, -14))
+        else:
+            a = tl.where(a > 3.3895313892515355e38, 3.3895313892515355e38, a)
+            bits = tl.where(a != a, 0x7FC0, _round_bits32(a, 7, -126))
+        bits = tl.where(neg, bits | 0x8000, bits)
+        tl.store(p, bits.to(tl.int16), mask=m)
+    else:
+        # scaled fp8: row scale from the row's finite amax, elements from the float64 quotient
+        fin = (a == a) & (a < float("inf")) & m
+        amax = tl.max(tl.where(fin, a, 0.), axis=1)                              # [RC]
+        s = _f32_scale(amax, 448.0)
+        y = a.to(tl.float64) / s.to(tl.float64)[:, None]
+        y = tl.where(y > 448.0, 448.0, y)
+        bits = tl.where(y != y, 0x7F, _round_bits64(y, 3, -6, False).to(tl.int32))
+        bits = tl.where(neg, bits | 0x80, bits)
+        tl.store(p, bits.to(tl.uint8), mask=m)
+        tl.store(lp_scale + i_m * V + o_r, s, mask=m_r)
+
+
+@triton.jit
+def _nvfp4_nibbles(x, dp):
+    """e2m1 nibbles (int32) of fp32 elements `x` divided by their float64 block denominators."""
+    xb = x.to(tl.int32, bitcast=True)
+    y = (xb & 0x7FFFFFFF).to(tl.float32, bitcast=True).to(tl.float64) / dp
+    y = tl.where(y > 6.0, 6.0, y)
+    code = _round_bits64(y, 1, 0, False).to(tl.int32)
+    return tl.where(xb < 0, code | 8, code)
+
+
+@triton.jit
+def store_nvfp4_head(p_hp, lp_data, lp_scale, lp_tscale, i_m, V: tl.constexpr, K: tl.constexpr,
+                     BK: tl.constexpr, RC: tl.constexpr):
+    """Encode head matrix `i_m` to NVFP4 from its fp32 checkpoint `p_hp` (`[V, K]`, already
+    written: it is read back, in row chunks of RC, twice: the matrix amax, then the blocks)."""
+    BH: tl.constexpr = BK // 2
+    NB: tl.constexpr = BK // 16
+    o_i = tl.arange(0, BH)                                  # pairs (2i, 2i + 1)
+    m_i = o_i < K // 2
+    o_b = tl.arange(0, NB)
+    m_b = o_b < K // 16
+    o_k = tl.arange(0, BK)
+    amax = tl.zeros([RC], dtype=tl.float32)
+    for r0 in tl.static_range(0, V, RC):
+        o_r = r0 + tl.arange(0, RC)
+        m = (o_r < V)[:, None] & (o_k < K)[None, :]
+        x = tl.load(p_hp + o_r[:, None] * K + o_k[None, :], mask=m, other=0.)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    amax = tl.max(amax, axis=0)
+    ts = _f32_scale(amax, 2688.0)                           # 6 * 448
+    ts64 = ts.to(tl.float64)
+    tl.store(lp_tscale + i_m, ts)
+    for r0 in tl.static_range(0, V, RC):
+        o_r = r0 + tl.arange(0, RC)
+        m_r = o_r < V
+        m = m_r[:, None] & m_i[None, :]
+        p_x = p_hp + o_r[:, None] * K + 2 * o_i[None, :]
+        x_e = tl.load(p_x, mask=m, other=0.)                # [RC, BH] elements 2i
+        x_o = tl.load(p_x + 1, mask=m, other=0.)            # elements 2i + 1
+        bmax = tl.maximum(tl.max(tl.reshape(tl.abs(x_e), [RC, NB, 8]), axis=2),
+                          tl.max(tl.reshape(tl.abs(x_o), [RC, NB, 8]), axis=2))   # [RC, NB]
+        qs = bmax.to(tl.float64) / (6.0 * ts64)
+        qs = tl.where(qs > 448.0, 448.0, qs)
+        sbits = _round_bits64(qs, 3, -6, True).to(tl.int32)  # rounded up: |x / denom| <= 6
+        den = _e4m3_value(sbits).to(tl.float64) * ts64       # exact
+        den = tl.where(den > 0, den, 1.0)
+        dp = tl.reshape(tl.broadcast_to(den[:, :, None], [RC, NB, 8]), [RC, BH])
+        byte = _nvfp4_nibbles(x_e, dp) | (_nvfp4_nibbles(x_o, dp) << 4)
+        tl.store(lp_data + i_m * (V * (K // 2)) + o_r[:, None] * (K // 2) + o_i[None, :],
+                 byte.to(tl.uint8), mask=m)
+        tl.store(lp_scale + i_m * (V * (K // 16)) + o_r[:, None] * (K // 16) + o_b[None, :],
+                 sbits.to(tl.uint8), mask=m_r[:, None] & m_b[None, :])
