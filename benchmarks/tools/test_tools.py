@@ -75,3 +75,14 @@ def test_results_doc_matches_the_result_files():
     assert indexed == {p.name for p in results.glob("*.json")}
     assert (ROOT / "docs" / "results.md").read_text() == tool["render"](results), \
         "docs/results.md is stale: run python benchmarks/tools/results_doc.py"
+
+
+def test_compile_check_compiles_what_a_test_launches():
+    # the commit kernel's test: one launch, recorded under the interpreter and compiled for sm_90a
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(HERE / "compile_check.py"), "tests/test_pool_verify.py",
+                        "-k", "commit_kernel"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "ok   replayssm.ops.utils.commit._commit_kernel" in r.stdout
+    assert "0 of 1 launches failed" in r.stdout
