@@ -1,4 +1,4 @@
-"""The `replayssm` command line: `demo`, `traffic`, `bench`."""
+"""The `replayssm` command line: `demo`, `traffic`, `bench`, `study`, `tune`."""
 from __future__ import annotations
 
 import argparse
@@ -149,7 +149,8 @@ def _traffic(args) -> int:
 
 
 BENCHES = {"decode": "replayssm.bench.decode", "records": "replayssm.bench.records",
-           "verify": "replayssm.bench.verify", "model": "replayssm.bench.model"}
+           "verify": "replayssm.bench.verify", "model": "replayssm.bench.model",
+           "precision": "replayssm.bench.precision"}
 
 
 def _bench(args) -> int:
@@ -159,6 +160,18 @@ def _bench(args) -> int:
         # `which` is optional only so that this message, not argparse's "required: which, rest"
         args.parser.error(f"choose a benchmark: {', '.join(sorted(BENCHES))}")
     importlib.import_module(BENCHES[args.which]).main(args.rest)
+    return 0
+
+
+STUDIES = {"precision": "replayssm.bench.precision_study"}
+
+
+def _study(args) -> int:
+    import importlib
+
+    if args.which is None:
+        args.parser.error(f"choose a study: {', '.join(sorted(STUDIES))}")
+    importlib.import_module(STUDIES[args.which]).main(args.rest)
     return 0
 
 
@@ -194,14 +207,22 @@ def main(argv=None) -> int:
     t.add_argument("--format", default="fp32", choices=formats.FORMATS,
                    help="the state's storage format (default %(default)s)")
     t.set_defaults(func=_traffic)
-    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep), verify (speculative verification), model (whole transformers models) or records (precision study)",
+    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep), verify (speculative verification), model (whole transformers models), records (record precision study) or precision (low-precision checkpoint reads)",
                        description="GPU benchmarks. Arguments after the benchmark's name go to it: "
                                    "`replayssm bench decode --help`.")
     b.add_argument("which", nargs="?", choices=sorted(BENCHES), metavar="{" + ",".join(sorted(BENCHES)) + "}",
-                   help="decode: the kernel sweep; records: the record precision study")
+                   help="decode: the kernel sweep; records: the record precision study; "
+                        "precision: separate state precisions, non-flush reads per format")
     b.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
                    help="the benchmark's own arguments")
     b.set_defaults(func=_bench, parser=b)
+    st = sub.add_parser("study", help="error studies: precision (low-precision states against float64, issue 18)",
+                        description="Error studies. Arguments after the study's name go to it: "
+                                    "`replayssm study precision --help`.")
+    st.add_argument("which", nargs="?", choices=sorted(STUDIES), metavar="{" + ",".join(sorted(STUDIES)) + "}",
+                    help="precision: layer-level output error of each low-precision state design")
+    st.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the study's own arguments")
+    st.set_defaults(func=_study, parser=st)
     tu = sub.add_parser("tune", help="GPU: time launch configs for one shape and write table entries to keep",
                         description="Arguments go to the tuner: `replayssm tune --help` after `tune`.",
                         add_help=False)

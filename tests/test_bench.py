@@ -137,3 +137,145 @@ def test_verify_benchmark_variants_get_their_own_rows(monkeypatch):
     bad = [r for r in rows if r.get("config") == {"BV": 3}]
     assert len(plain) == len(good) == len(bad) == 1
     assert "us_per_step" in good[0] and "BV" in bad[0]["error"]   # a refused config is a row, not a crash
+
+
+# ----------------------------------------------------------------------------------------------
+# bench precision: separate state precisions (issue 18)
+
+PRECISION_FIELDS = {"shape", "family", "batch", "read_format", "hp_format", "scheme", "us_per_step",
+                    "ratio_vs_fp32_read", "timing", "bytes_per_step", "tb_per_s", "finite"}
+PRECISION_US = {"fp32": 8.0, "fp16": 4.0, "bf16": 4.0, "fp8_e4m3": 2.0, "nvfp4": 1.0}
+
+
+def _precision_rows(monkeypatch, shape, lp_formats, batch=2, window=3):
+    """`precision.measure` at a tiny shape with the kernels interpreted and the timing stubbed:
+    each "timing" runs its function once and returns a time set per read format, and records
+    what one run did to the cursors, epochs and fp32 checkpoint."""
+    from replayssm.bench import precision
+
+    cases, runs = [], []
+
+    class Recorded(precision.PrecisionCase):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            cases.append(self)
+
+    # per timing, in order: each read format's non-flush steps, conventional, each format's windows
+    reads = ["fp32"] + list(lp_formats)
+    us = [PRECISION_US[f] for f in reads] + [12.0] + [PRECISION_US[f] for f in reads]
+
+    def stub(fn, reps=20, warmup=2):
+        (case,) = cases
+        before = (case.cursor.clone(), case.epoch.clone(), case.ckpt.clone())
+        fn()
+        runs.append((before, (case.cursor.clone(), case.epoch.clone(), case.ckpt.clone())))
+        return us[len(runs) - 1] * window      # the benchmark divides by the steps per graph
+
+    monkeypatch.setattr(precision, "PrecisionCase", Recorded)
+    monkeypatch.setattr(precision, "graph_time_us", stub)
+    rows = precision.measure(shape, batch, window, lp_formats, 1, device="cpu")
+    return rows, cases[0], runs
+
+
+@pytest.mark.parametrize("shape, lp_formats", [("mamba2/4/2/16/32", ["fp16", "bf16", "fp8_e4m3", "nvfp4"]),
+                                               ("gdn/4/2/16/32", ["fp8_e4m3", "nvfp4"]),
+                                               ("kda/2/2/16/16", ["fp16"])])
+def test_precision_benchmark_bookkeeping(monkeypatch, shape, lp_formats):
+    from replayssm import formats
+
+    window = 3
+    rows, case, runs = _precision_rows(monkeypatch, shape, lp_formats, window=window)
+    reads = ["fp32"] + lp_formats
+    assert [(r["timing"], r["scheme"], r["read_format"]) for r in rows] == (
+        [("non_flush", "replay", "fp32")] + [("non_flush", "separate", f) for f in lp_formats]
+        + [("window", "conventional", "fp32"), ("window", "replay", "fp32")]
+        + [("window", "separate", f) for f in lp_formats])
+    for r in rows:
+        assert PRECISION_FIELDS <= set(r), PRECISION_FIELDS - set(r)
+        assert r["hp_format"] == "fp32" and r["family"] == shape.split("/")[0] and r["batch"] == 2
+        assert r["finite"]
+    # the non-flush timings: L - 1 steps from cursor 0, no row flushes (epochs and the fp32
+    # checkpoint untouched), every row ends at L - 1
+    for (cur0, ep0, ck0), (cur1, ep1, ck1) in runs[:len(reads)]:
+        assert torch.equal(ep1, ep0) and torch.equal(ck1, ck0)
+        assert cur1.tolist() == [window - 1] * 2
+    # whole windows: staggered rows, each flushes once per window and comes back to its cursor
+    (cur0, ep0, ck0), (cur1, ep1, ck1) = runs[len(reads)]                # conventional: its own state
+    assert torch.equal(cur1, cur0) and torch.equal(ep1, ep0) and torch.equal(ck1, ck0)
+    for (cur0, ep0, ck0), (cur1, ep1, ck1) in runs[len(reads) + 1:]:
+        assert cur0.tolist() == [0, 1] and torch.equal(cur1, cur0)
+        assert torch.equal(ep1, ep0 + 1)
+    assert not torch.equal(runs[-1][1][2], runs[-1][0][2])       # the flush wrote the fp32 checkpoint
+    us = PRECISION_US
+    nf = {r["read_format"]: r for r in rows if r["timing"] == "non_flush"}
+    for f in reads:
+        assert nf[f]["us_per_step"] == pytest.approx(us[f] * window / (window - 1))
+        assert nf[f]["ratio_vs_fp32_read"] == pytest.approx(us["fp32"] / us[f])
+        assert nf[f]["byte_bound"] == pytest.approx(4 / formats.bytes_per_element(f, case.K))
+        assert 1 <= nf[f]["byte_bound_traffic"] <= nf[f]["byte_bound"] + 1e-9
+    assert nf["fp32"]["byte_bound"] == 1.0 and nf.get("nvfp4", {"byte_bound": 64 / 9})["byte_bound"] == 64 / 9
+    win = {r["scheme"] + r["read_format"]: r for r in rows if r["timing"] == "window"}
+    assert win["conventionalfp32"]["us_per_step"] == 12.0
+    assert win["conventionalfp32"]["bytes_per_step"] == 2 * 4 * case.HV * case.V * case.K * 2
+    for f in lp_formats:
+        r = win["separate" + f]
+        assert r["ratio_vs_conventional"] == pytest.approx(12.0 / us[f])
+        assert r["ratio_vs_fp32_read"] == pytest.approx(us["fp32"] / us[f])
+        assert r["bytes_per_step"] < win["replayfp32"]["bytes_per_step"]
+
+
+def test_precision_benchmark_low_precision_checkpoints_decode_the_fp32_one():
+    # each read format's checkpoint starts as the fp32 checkpoint rounded to nearest
+    from replayssm import formats
+    from replayssm.bench import precision
+
+    case = precision.PrecisionCase("gdn/4/2/16/32", 3, 3, ["bf16", "nvfp4"], device="cpu")
+    for f in ("bf16", "nvfp4"):
+        assert torch.equal(formats.decode(case.ckpt_lp[f], f), formats.quantize(case.ckpt, f))
+    assert case.buf_v.shape == (3, 4, 4, 16) and case.buf_v.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--formats", "fp7"], "'fp7'"),
+    (["--formats", "fp32,fp16"], "'fp32'"),
+    (["--formats", ","], "none given"),
+    (["--formats", "nvfp4", "--shapes", "mamba2/4/2/16/24"], "nvfp4 needs K divisible by 16"),
+    (["--windows", "1"], "at least 2"),
+])
+def test_precision_benchmark_refuses_bad_arguments(argv, message, capsys, monkeypatch):
+    from replayssm.bench import precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # the arguments are checked first
+    with pytest.raises(SystemExit) as exc:
+        precision.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err, err
+    assert "replayssm bench precision: error:" in err
+
+
+def test_precision_benchmark_results_file(monkeypatch, tmp_path, capsys):
+    # main's loop on stubbed points: provenance header, rows after every point, plot, table
+    import json
+
+    from replayssm.bench import precision
+
+    points = []
+
+    def fake(shape, batch, window, lp_formats, reps, **kw):
+        points.append((shape, batch, window, tuple(lp_formats), kw["whole_window"]))
+        return [dict(shape=shape, family="mamba2", batch=batch, window=window, timing="non_flush", scheme=s,
+                     read_format=f, hp_format="fp32", us_per_step=t, ratio_vs_fp32_read=8.0 / t, byte_bound=b)
+                for s, f, t, b in (("replay", "fp32", 8.0, 1.0), ("separate", "nvfp4", 2.0, 64 / 9))]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub device")
+    monkeypatch.setattr(precision, "copy_bandwidth_tbs", lambda: 1.0)
+    monkeypatch.setattr(precision, "measure", fake)
+    out = tmp_path / "p.json"
+    precision.main(["--shapes", "nemotron3-super,qwen3.5-4b", "--batches", "64,256", "--formats", "nvfp4,nvfp4",
+                    "--no-window", "--out", str(out)])
+    assert points == [(s, b, 16, ("nvfp4",), False) for s in ("nemotron3-super", "qwen3.5-4b") for b in (64, 256)]
+    doc = json.loads(out.read_text())
+    assert {"benchmark", "device", "command", "git_commit", "date", "torch", "triton"} <= set(doc)
+    assert doc["benchmark"] == "precision" and doc["formats"] == ["nvfp4"] and "bf16/fp16 state" in doc["left_out"]
+    assert len(doc["rows"]) == 8 and out.with_suffix(".png").exists()
+    assert "nvfp4" in capsys.readouterr().out

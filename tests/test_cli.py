@@ -115,11 +115,11 @@ def test_demo_and_traffic_options_have_help(capsys):
 def test_bench_without_a_name_lists_the_benchmarks(capsys):
     code, _, err = _exit(["bench"], capsys)
     assert code == 2
-    assert "choose a benchmark: decode, model, records, verify" in err
+    assert "choose a benchmark: decode, model, precision, records, verify" in err
     assert "required" not in err
 
 
-@pytest.mark.parametrize("which", ["decode", "model", "records", "verify"])
+@pytest.mark.parametrize("which", ["decode", "model", "precision", "records", "verify"])
 def test_bench_help_names_the_command(which, capsys):
     code, out, _ = _exit(["bench", which, "--help"], capsys)
     assert code == 0
@@ -161,7 +161,7 @@ def test_demo_on_cuda_without_cuda(monkeypatch):
         cli.main(["demo", "--device", "cuda", "--steps", "1"])
 
 
-@pytest.mark.parametrize("which", ["decode", "model", "records", "verify"])
+@pytest.mark.parametrize("which", ["decode", "model", "precision", "records", "verify"])
 def test_bench_without_cuda_is_one_message(which, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match=f"replayssm bench {which}: error: .*CUDA") as exc:

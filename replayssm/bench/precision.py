@@ -1,0 +1,278 @@
+"""Separate-precision benchmark (SPEC section 5, issue 18): the decode kernels' time when the
+non-flush steps read a low-precision checkpoint, against fp32 reads and conventional decoding.
+
+Per shape, batch and window `L`, two timings, each a CUDA graph replayed (median over `--reps`):
+
+1. `timing` "non_flush": `L - 1` steps per replay, every one a non-flush step. The graph first
+   resets every row's cursor to 0 (one small copy, amortised over the `L - 1` steps), so each
+   replay times cursors 0..L-2 from the same state and no row flushes: the rows step in
+   lock-step, which reads the same records in total as a staggered mix over a window. Read
+   format fp32 is `replay_decode` with window `L` (never the eager step), the others
+   `lowp_decode` (`ops.<family>.precision`). `ratio_vs_fp32_read` = fp32 time / this time;
+   `byte_bound` = 4 / `formats.bytes_per_element(fmt, K)` (state reads alone: 2, ~3.9, ~7.1),
+   `byte_bound_traffic` the same ratio of the traffic model's bytes per step (records included).
+2. `timing` "window": whole windows, the flush included, rows staggered (slot `s` at cursor
+   `s mod L`, as `bench decode`): `replay` (fp32 single checkpoint, always the windowed path),
+   `separate` (an LP read format, fp32 high-precision checkpoint, both written at the flush),
+   against `conventional` decoding with an fp32 state (`ratio_vs_conventional`; there
+   `ratio_vs_fp32_read` is against the fp32 `replay` window).
+
+The high-precision checkpoint is fp32 in every row (`hp_format`): the kernels have no other.
+Conventional decoding with a bf16 or fp16 state has no kernel yet, so those rows are left out.
+Bytes: the state and record traffic of SPEC section 6 (`replayssm.traffic`), fp8 counting its
+row scales; GDN/KDA's separate steps also write the raw `v`, `beta` records that the flush
+reads instead of `u`. Token inputs and outputs have `--input-dtype`, records `--record-dtype`;
+layer parameters, the fp32 checkpoint and the conventional state are fp32. Results are
+written after every point (a run cut short keeps what it measured), then a plot and a table.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from .. import formats, shapes, traffic
+from .common import copy_bandwidth_tbs, graph_time_us, header, write_results
+from .decode import SHAPES, Case, _call, _name
+
+LP_FORMATS = ("fp16", "bf16", "fp8_e4m3", "nvfp4")
+BATCHES = (64, 256, 512)
+
+
+def _lowp_decode(family):
+    if family == "mamba2":
+        from ..ops.mamba2.precision import lowp_decode
+    else:
+        from ..ops.gdn.precision import lowp_decode   # KDA through its `family` argument
+    return lowp_decode
+
+
+def parse_formats(text: str) -> list:
+    """The low-precision read formats of `--formats` (comma-separated, in order, no repeats);
+    ValueError naming a bad one. fp32 is always timed (the baseline) and is not one of them."""
+    fmts = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in fmts if f not in LP_FORMATS]
+    if bad or not fmts:
+        raise ValueError(f"--formats: {', '.join(map(repr, bad)) or 'none given'}; expected a comma-separated "
+                         f"subset of {', '.join(LP_FORMATS)} (fp32 reads are always timed)")
+    return list(dict.fromkeys(fmts))
+
+
+class PrecisionCase(Case):
+    """`bench decode`'s point plus one low-precision checkpoint per read format (encoded
+    round-to-nearest from the fp32 checkpoint) and GDN/KDA's raw `v`, `beta` records."""
+
+    def __init__(self, shape, batch, window, lp_formats, record_dtype=torch.bfloat16, seed=0, *,
+                 input_dtype=torch.bfloat16, device="cuda"):
+        super().__init__(shape, batch, window, "staggered", record_dtype, seed, input_dtype=input_dtype,
+                         device=device)
+        N, Lb = batch, window + 1
+        g = torch.Generator(device=device).manual_seed(seed + 1)
+        self.buf_v = (0.1 * torch.randn(N, Lb, self.HV, self.V, device=device, generator=g)).to(record_dtype)
+        self.buf_beta = torch.rand(N, Lb, self.HV, device=device, generator=g)
+        self.start = self.cursor.clone()
+        self.lowp = _lowp_decode(self.family)
+        self.ckpt_lp = {}
+        for fmt in lp_formats:
+            parts = formats.allocate(fmt, tuple(self.ckpt.shape), device=device)
+            for s0 in range(0, N, 32):          # in slot chunks: encode works in float64
+                for key, t in formats.encode(self.ckpt[s0:s0 + 32], fmt).items():
+                    parts[key][s0:s0 + 32] = t
+            self.ckpt_lp[fmt] = parts
+
+    def step(self, i, read_format, config=None):
+        """Step `i` of the window with checkpoint reads in `read_format` (fp32: `replay_decode`)."""
+        kw = dict(self._common(i), ckpt=self.ckpt, buf_ld=self.buf_ld, buf_w=self.buf_w, buf_k=self.buf_k,
+                  cursor=self.cursor, epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids,
+                  window=self.window, out=self.out[i], config=config, validate=False)
+        if read_format == "fp32":
+            _call(self.ops.replay_decode, kw)
+        else:
+            _call(self.lowp, dict(kw, ckpt_lp=self.ckpt_lp[read_format], lp_format=read_format,
+                                  buf_v=self.buf_v, buf_beta=self.buf_beta, family=self.family))
+
+    def non_flush_steps(self, read_format, config=None):
+        # cursors back to 0 inside the graph: each replay times positions 0..L-2, none a flush
+        self.cursor.zero_()
+        for i in range(self.window - 1):
+            self.step(i, read_format, config)
+
+    def whole_window(self, read_format, config=None):
+        for i in range(self.window):
+            self.step(i, read_format, config)
+
+    def step_bytes(self, read_format, h):
+        """Bytes one step at cursor `h` moves for the whole batch (SPEC section 6): the
+        checkpoint read in `read_format` (the fp32 one at the flush, which writes fp32 and the
+        LP copy), the `h` records, and the step's own record (none at the flush)."""
+        rb = torch.finfo(self.record_dtype).bits // 8
+        fp32 = traffic.decode_step_bytes(h, self.window, self.HV, self.V, self.K, self.Hk, value_bytes=rb,
+                                         key_bytes=rb, decay_len=self.K if self.family == "kda" else 1)
+        if read_format == "fp32":
+            return fp32 * self.batch
+        lp_state = formats.bytes_per_element(read_format, self.K) * self.V * self.K * self.HV
+        fp32_state = traffic.state_bytes(self.V, self.K) * self.HV
+        if h + 1 >= self.window:
+            extra = lp_state + (4 * h * self.HV if self.family != "mamba2" else 0)   # beta read
+        else:
+            # GDN/KDA's separate steps write the raw v (record dtype) and beta (fp32) beside u
+            raw = (rb * self.V + 4) * self.HV if self.family != "mamba2" else 0
+            extra = lp_state - fp32_state + raw
+        return (fp32 + extra) * self.batch
+
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.ckpt).all() and torch.isfinite(self.state).all())
+
+
+def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat16, input_dtype=torch.bfloat16,
+            device="cuda", whole_window=True):
+    """Rows of one (shape, batch, window) point: the non-flush step per read format (fp32
+    first), then (with `whole_window`) conventional, replay and each separate design over
+    whole windows."""
+    case = PrecisionCase(shape, batch, window, lp_formats, record_dtype, input_dtype=input_dtype, device=device)
+    L = window
+    base = dict(shape=shape, family=case.family, batch=batch, window=L, record_dtype=_name(record_dtype),
+                input_dtype=_name(input_dtype), hp_format="fp32")
+    rows = []
+    reads = ["fp32"] + list(lp_formats)
+    t_nf, b_nf = {}, {}
+    for fmt in reads:
+        t_nf[fmt] = graph_time_us(lambda: case.non_flush_steps(fmt), reps=reps) / (L - 1)
+        b_nf[fmt] = sum(case.step_bytes(fmt, h) for h in range(L - 1)) / (L - 1)
+    case.cursor.copy_(case.start)                 # the whole windows start staggered
+    for fmt in reads:
+        rows.append(dict(base, timing="non_flush", scheme="replay" if fmt == "fp32" else "separate",
+                         read_format=fmt, cursors="lockstep from 0", us_per_step=t_nf[fmt],
+                         ratio_vs_fp32_read=t_nf["fp32"] / t_nf[fmt], bytes_per_step=b_nf[fmt],
+                         tb_per_s=b_nf[fmt] / t_nf[fmt] / 1e6,
+                         byte_bound=4.0 / formats.bytes_per_element(fmt, case.K),
+                         byte_bound_traffic=b_nf["fp32"] / b_nf[fmt]))
+    if whole_window:
+        t_conv = graph_time_us(case.conventional_window, reps=reps) / L
+        t_win, b_win = {}, {}
+        for fmt in reads:
+            t_win[fmt] = graph_time_us(lambda: case.whole_window(fmt), reps=reps) / L
+            b_win[fmt] = sum(case.step_bytes(fmt, h) for h in range(L)) / L
+        b_conv = 2 * traffic.state_bytes(case.V, case.K) * case.HV * batch
+        rows.append(dict(base, timing="window", scheme="conventional", read_format="fp32", cursors="staggered",
+                         us_per_step=t_conv, ratio_vs_fp32_read=t_win["fp32"] / t_conv, ratio_vs_conventional=1.0,
+                         bytes_per_step=b_conv, tb_per_s=b_conv / t_conv / 1e6))
+        for fmt in reads:
+            rows.append(dict(base, timing="window", scheme="replay" if fmt == "fp32" else "separate",
+                             read_format=fmt, cursors="staggered", path="windowed", us_per_step=t_win[fmt],
+                             ratio_vs_fp32_read=t_win["fp32"] / t_win[fmt],
+                             ratio_vs_conventional=t_conv / t_win[fmt], bytes_per_step=b_win[fmt],
+                             tb_per_s=b_win[fmt] / t_win[fmt] / 1e6))
+    finite = case.finite()
+    for r in rows:
+        r["finite"] = finite
+    case = None       # free this point's tensors before the next one is allocated
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = ((axes[0], "non_flush", "ratio_vs_fp32_read", "non-flush step: speed-up over fp32 reads"),
+              (axes[1], "window", "ratio_vs_conventional", "whole window: speed-up over conventional fp32"))
+    for ax, timing, key, title in panels:
+        for shape, fmt in sorted({(r["shape"], r["read_format"]) for r in rows
+                                  if r["timing"] == timing and r["scheme"] != "conventional"}):
+            pts = sorted((r["batch"], r[key]) for r in rows if r["timing"] == timing and r["shape"] == shape
+                         and r["read_format"] == fmt and r["scheme"] != "conventional")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{shape} {fmt}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"ReplaySSM separate precisions ({torch.cuda.get_device_name()})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(rows) -> str:
+    """The printed summary: per point, each read format's non-flush time, its ratio against
+    fp32 reads and its byte bound, and its whole-window ratio against conventional decoding."""
+    lines = ["shape              batch  L read      non-flush us  vs fp32  byte bound  window us  vs conv"]
+    for r in rows:
+        if r["timing"] != "non_flush":
+            continue
+        w = next((x for x in rows if x["timing"] == "window" and x["scheme"] != "conventional" and all(
+            x[k] == r[k] for k in ("shape", "batch", "window", "read_format"))), None)
+        win = f"{w['us_per_step']:9.1f} {w['ratio_vs_conventional']:7.2f}x" if w else ""
+        lines.append(f"{r['shape']:18} {r['batch']:5d} {r['window']:2d} {r['read_format']:9} {r['us_per_step']:12.1f} "
+                     f"{r['ratio_vs_fp32_read']:7.2f}x {r['byte_bound']:9.2f}x  {win}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    # an explicit prog: the default, sys.argv[0], reads "cli.py" when run through `replayssm bench`
+    ap = argparse.ArgumentParser(prog="replayssm bench precision", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help="model names or family/HV/Hk/V/K specs, comma-separated (default: %(default)s)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--windows", default="16", help="windows L, comma-separated (each at least 2)")
+    ap.add_argument("--formats", default=",".join(LP_FORMATS),
+                    help="low-precision read formats, comma-separated (default: %(default)s; fp32 reads "
+                         "are always timed)")
+    ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the buffered records")
+    ap.add_argument("--input-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the token inputs and outputs (layer parameters stay fp32)")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--no-window", dest="whole_window", action="store_false",
+                    help="time the non-flush steps only (no whole windows, no conventional kernel)")
+    ap.add_argument("--out", default="precision.json", help="the JSON results file (a plot beside it)")
+    args = ap.parse_args(argv)
+    try:
+        lp_formats = parse_formats(args.formats)
+        shape_list = args.shapes.split(",")
+        for spec in shape_list:
+            K = shapes.parse(spec).K
+            if "nvfp4" in lp_formats and K % formats.NVFP4_BLOCK:
+                raise ValueError(f"shape {spec!r}: nvfp4 needs K divisible by {formats.NVFP4_BLOCK}, got K={K}")
+        batches = [int(b) for b in args.batches.split(",")]
+        windows = [int(w) for w in args.windows.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
+    if min(batches) < 1 or min(windows) < 2:
+        ap.error("--batches must be positive and --windows at least 2 (a window of 1 has no non-flush step)")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{ap.prog}: error: the precision benchmark needs a CUDA device "
+                         "(torch.cuda.is_available() is False on this machine)")
+    rdt, idt = getattr(torch, args.record_dtype), getattr(torch, args.input_dtype)
+    doc = header("precision")
+    doc.update(record_dtype=args.record_dtype, input_dtype=args.input_dtype, formats=lp_formats,
+               copy_tb_per_s=copy_bandwidth_tbs(),
+               left_out="conventional decoding with a bf16/fp16 state: no such kernel yet")
+    print(f"{doc['device']}: device-to-device copy {doc['copy_tb_per_s']:.2f} TB/s; records "
+          f"{args.record_dtype}, token inputs {args.input_dtype}; read formats fp32,{','.join(lp_formats)}", flush=True)
+    rows = []
+    for shape, window, batch in itertools.product(shape_list, windows, batches):
+        r = measure(shape, batch, window, lp_formats, args.reps, record_dtype=rdt, input_dtype=idt,
+                    whole_window=args.whole_window)
+        rows += r
+        doc["rows"] = rows
+        write_results(args.out, doc)      # after every point: a run cut short keeps what it measured
+        print(table(r), flush=True)
+    doc["rows"] = rows
+    path = write_results(args.out, doc)
+    try:
+        _plot(rows, path.with_suffix(".png"))
+    except Exception as e:  # plotting is a convenience; the JSON is the result
+        print("plot failed:", e)
+    print("\n" + table(rows))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
