@@ -9,7 +9,8 @@
 # | verify (the speculative-verification benchmark: replay and snapshot against one
 # conventional step, batch 256 and 512, T = 2, 4, 8, every acceptance length) | verify-variants
 # (the verify kernels' candidate launch configs at batch 256, drafts all rejected and all
-# accepted, to choose their defaults) | model (the whole-model decode benchmark).
+# accepted, to choose their defaults) | model (the whole-model decode benchmark) | precision
+# (the separate-precision kernel benchmark and the layer-level error study to 131072 tokens).
 # Results go to $OUT (default benchmarks/results/, under the names its README.md lists).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -51,4 +52,9 @@ if [[ "$STAGE" == verify-variants ]]; then
 fi
 if [[ "$STAGE" == model ]]; then
   python3 -m replayssm.bench.model --out "$OUT/model_h200.json" 2>&1 | tee "$OUT/model_h200.log" | tail -20
+fi
+if [[ "$STAGE" == precision ]]; then
+  python3 -m replayssm.bench.precision --out "$OUT/precision_h200.json" 2>&1 | tee "$OUT/precision_h200.log" | tail -30
+  python3 -m replayssm.cli study precision --engine batched --device cuda --tokens 131072 \
+    --out "$OUT/precision_study_h200.json" 2>&1 | tee "$OUT/precision_study_h200.log" | tail -30
 fi
