@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Tuple
 
+import torch
+
 _REGISTRY: Dict[Tuple[str, str, str], Callable] = {}
 
 
@@ -81,10 +83,18 @@ for _family, _kernels in (("mamba2", _mamba2), ("gdn", _gdn), ("kda", _kda)):
 # triton: standard decode of pools with an fp32 checkpoint and a low-precision copy read by
 # non-flush steps (SPEC section 5; ops/<family>/precision.py)
 
+_HP_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+              torch.float8_e4m3fn: "fp8_e4m3"}
+
+
 def _lowp_state(layout, slot_ids, window, out):
-    return dict(ckpt=layout.ckpt["data"], ckpt_lp=layout.ckpt_lp, buf_ld=layout.buf["ld"],
+    # the HP format from its parts' dtype; the seed of its stochastic rounding from the layout
+    hp_format = _HP_DTYPES[layout.ckpt["data"].dtype]
+    ckpt = layout.ckpt["data"] if hp_format == "fp32" else layout.ckpt
+    return dict(ckpt=ckpt, ckpt_lp=layout.ckpt_lp, buf_ld=layout.buf["ld"],
                 buf_w=layout.buf["w"], buf_k=layout.buf["k"], cursor=layout.cursor, epoch=layout.epoch,
-                arrive=layout.arrive, slot_ids=slot_ids, window=window, out=out, validate=False)
+                arrive=layout.arrive, slot_ids=slot_ids, window=window, out=out, validate=False,
+                hp_format=hp_format, seed=layout.stream_seed)
 
 
 @register("mamba2", "decode_lp")

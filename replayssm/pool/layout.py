@@ -22,7 +22,9 @@ class Layout:
     `w` `[N, Lb, HV, V]`, `k` `[N, Lb, Hk, K]`, and for GDN/KDA with two checkpoints the raw
     `v`, `beta`; `cursor` `[N]` int32; `pending` `[N]` int32 (a view of `pending_all` `[N + 1]`,
     whose extra entry absorbs writes of padding rows); `epoch` `[N]` int64, checkpoint writes
-    (flushes and loads), never reset; `arrive` `[N]` int32, the kernels' arrival counters."""
+    (flushes and loads), never reset; `arrive` `[N]` int32, the kernels' arrival counters;
+    `stream_seed`, the seed of the stochastic rounding of the high-precision checkpoint (the
+    pool's, from its `seed` and `layer`), which kernels that write that checkpoint need."""
 
     ckpt: dict
     ckpt_lp: Optional[dict]
@@ -31,6 +33,7 @@ class Layout:
     pending_all: Tensor
     epoch: Tensor
     arrive: Tensor
+    stream_seed: int = 0
 
     @property
     def pending(self) -> Tensor:

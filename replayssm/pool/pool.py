@@ -131,6 +131,7 @@ class SlotPool:
                                       vector_decay=self.params.vector_decay, raw_records=self.recompute,
                                       hp_format=hp_format, lp_format=lp_format, device=device)
         lay = self.layout
+        lay.stream_seed = self.stream_seed        # the kernels' stochastic rounding, as _write's
         # the tensors by name, as docs/state-layout.md calls them
         self.ckpt, self.ckpt_lp, self.buf = lay.ckpt, lay.ckpt_lp, lay.buf
         self.cursor, self.pending, self.epoch, self.arrive = lay.cursor, lay.pending, lay.epoch, lay.arrive
@@ -147,8 +148,13 @@ class SlotPool:
         interpreted = self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
         if self.device.type != "cuda" and not (interpreted and backend == "triton"):
             why = f"device {self.device} is not CUDA (on the CPU: TRITON_INTERPRET=1 and backend='triton')"
-        elif self.dtype != torch.float32 or self.hp_format not in (None, "fp32"):
-            why = "the kernels cover an fp32 (high-precision) checkpoint"
+        elif self.dtype != torch.float32 or self.hp_format not in (None, "fp32", "fp16", "bf16", "fp8_e4m3"):
+            why = "the kernels cover a float32 pool's high-precision checkpoint in fp32, fp16, bf16 or fp8_e4m3"
+        elif self.hp_format not in (None, "fp32") and (
+                self.hp_rounding != "stochastic" or self.lp_format in (None, "nvfp4")):
+            # without a copy, verify would take the one-checkpoint fp32 verify kernel
+            why = ("the kernels write an fp16/bf16/fp8 high-precision checkpoint with stochastic rounding "
+                   "only, beside an fp16/bf16/fp8 low-precision copy")
         elif self.lp_format not in _KERNEL_LP_FORMATS:
             why = f"the kernels read low-precision checkpoints in {_KERNEL_LP_FORMATS[1:]}, not {self.lp_format}"
         elif self.record_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -282,7 +288,8 @@ class SlotPool:
             return out if out is not None else torch.zeros(0, T, self.HV, self.V, dtype=self.dtype,
                                                            device=self.device)
         # two checkpoints: verify stays on the reference (the verify kernels read one fp32 checkpoint)
-        run = backends.get(self.family, "verify") if self.backend == "triton" and self.lp_format is None else None
+        run = (backends.get(self.family, "verify") if self.backend == "triton" and self.lp_format is None
+               and self.hp_format in (None, "fp32") else None)
         if run is not None:
             y = run(self.params, self.layout, slot_ids, {k: v.contiguous() for k, v in inputs.items()},
                     self.window, num_drafts, out)

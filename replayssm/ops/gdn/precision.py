@@ -17,6 +17,10 @@ per V-block, in row chunks of RC, with no exchange between programs. NVFP4's sca
 matrix: the head's last program to arrive encodes the whole matrix (mamba2/precision.py).
 The flush does not depend on the low-precision format, so neither does the fp32 checkpoint.
 Window 1 (the eager step) flushes every row, folding the records it still holds.
+The HP checkpoint may instead be fp16, bf16 or scaled fp8-e4m3 (`HP`, ops/utils/sround.py):
+the flush decodes it, folds in fp32 and writes it back with seeded stochastic rounding, bit for
+bit `formats.encode(S, hp, "stochastic", seed, stream=slot * 2**32 + epoch[slot])` of its fp32
+fold; the LP copy is then the nearest encoding of that fold (not of the rounded HP), as the pool's.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from torch import Tensor
 from ..utils.checks import check_tensor
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, lp_views, store_lp_rows, store_nvfp4_head
+from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, store_lp_rows, store_nvfp4_head
+from ..utils.sround import checkpoint_args, store_sr_rows
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state, check_token_inputs)
 
@@ -42,9 +47,10 @@ LP_FORMATS = tuple(LP_CODES)
 @triton.jit
 def _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, i_v, h, i_m,
               b_q, b_k, b_ld, b_beta, o_k, m_k, lp_data, lp_scale, stride_v_b, stride_v_h,
+              ckpt, hp_scale, sr_key, st,
               HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
               LBCAP: tl.constexpr, BV: tl.constexpr, IS_KDA: tl.constexpr, RC: tl.constexpr,
-              LP: tl.constexpr):
+              LP: tl.constexpr, HP: tl.constexpr):
     """The flush along the high-precision path for this program's rows of head `p_Ch`: the
     conventional recurrence over records 0..h-1 (u recomputed from raw v, beta) and the current
     token, in row chunks of RC; stores o, the fp32 rows and (fp16/bf16/fp8) their LP rows."""
@@ -53,7 +59,10 @@ def _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, 
         m_r = o_r < V
         o_Sr = o_r[:, None] * K + o_k[None, :]
         m_Sr = m_r[:, None] & m_k[None, :]
-        b_S = tl.load(p_Ch + o_Sr, mask=m_Sr, other=0.)                                 # [RC, BK]
+        if HP == 0:
+            b_S = tl.load(p_Ch + o_Sr, mask=m_Sr, other=0.)                             # [RC, BK]
+        else:
+            b_S = load_lp_tile(ckpt, hp_scale, hp_scale, i_m, o_r, m_r, o_k, m_k, V, K, HP)
         for j in range(0, h):
             o_p = i_s * LBCAP + j
             b_kj = tl.load(buf_k + (o_p * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
@@ -75,7 +84,10 @@ def _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, 
         b_S += b_u[:, None] * b_k[None, :]
         p_o = o + (i_b * HV + i_hv) * V + o_r
         tl.store(p_o, tl.sum(b_S * b_q[None, :], axis=1).to(p_o.dtype.element_ty), mask=m_r)
-        tl.store(p_Ch + o_Sr, b_S, mask=m_Sr)
+        if HP == 0:
+            tl.store(p_Ch + o_Sr, b_S, mask=m_Sr)
+        else:
+            store_sr_rows(b_S, ckpt, hp_scale, i_m, i_hv, o_r, m_r, o_k, m_k, sr_key, st, V, K, HP)
         if LP != 4:
             store_lp_rows(b_S, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
 
@@ -83,7 +95,7 @@ def _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, 
 @triton.jit
 def _lowp_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
-    ckpt, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
+    ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
     cursor, epoch, arrive, head_arrive, slot_ids,
     scale,
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
@@ -91,7 +103,7 @@ def _lowp_decode_kernel(
     HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     LBCAP: tl.constexpr, LB: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr, RC: tl.constexpr,
-    LP: tl.constexpr,
+    LP: tl.constexpr, HP: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     HG: tl.constexpr = HV // HK
@@ -123,9 +135,11 @@ def _lowp_decode_kernel(
                                    stride_b_b, stride_b_h, K, IS_KDA)
     flush = h + 1 >= WINDOW
     if flush:
+        # the stochastic-rounding stream of this write: slot and write count, as pool._write
+        st = i_s * 4294967296 + tl.load(epoch + i_s)
         _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, i_v, h,
                   i_m, b_q, b_k, b_ld, b_beta, o_k, m_k, lp_data, lp_scale, stride_v_b, stride_v_h,
-                  HV, HK, V, K, LBCAP, BV, IS_KDA, RC, LP)
+                  ckpt, hp_scale, sr_key, st, HV, HK, V, K, LBCAP, BV, IS_KDA, RC, LP, HP)
         if LP == 4:
             # release this program's rows; the head's last program encodes the whole matrix
             tl.debug_barrier()
@@ -196,12 +210,12 @@ def _lowp_decode_kernel(
 
 
 def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                dt_bias: Tensor, scale: Optional[float], ckpt: Tensor, ckpt_lp: dict, lp_format: str,
+                dt_bias: Tensor, scale: Optional[float], ckpt, ckpt_lp: dict, lp_format: str,
                 buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, buf_v: Tensor, buf_beta: Tensor,
                 cursor: Tensor, epoch: Tensor, slot_ids: Tensor, window: int,
                 out: Optional[Tensor] = None, use_qk_l2norm: bool = True, *, family: str = "gdn",
                 arrive: Optional[Tensor] = None, config: Optional[dict] = None,
-                validate: bool = True) -> Tensor:
+                validate: bool = True, hp_format: str = "fp32", seed: int = 0) -> Tensor:
     """One GDN (`family="gdn"`) or KDA (`"kda"`) standard decode step on two checkpoints, in
     place; returns `out` `[Bt, HV, V]`.
 
@@ -212,10 +226,18 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     other steps and rewritten round-to-nearest on a flush; `lp_format` one of `LP_FORMATS`;
     `buf_v` `[N, Lb, HV, V]` (record dtype) and `buf_beta` `[N, Lb, HV]` fp32, the raw records
     from which a flush recomputes `u` along the HP path. `config`: `BV`, `num_warps`.
+    `hp_format` fp16, bf16 or fp8_e4m3: `ckpt` is a dict of its parts, decoded by the flush and
+    rewritten with seeded stochastic rounding (`formats.encode(S, hp_format, "stochastic",
+    seed=seed, stream=slot * 2**32 + epoch)` bit for bit); the LP copy must not be nvfp4.
     Window 1 flushes every row (the eager step), folding the records it holds (cursor < Lb).
     """
     if family not in ("gdn", "kda"):
         raise ValueError(f"family must be 'gdn' or 'kda', got {family!r}")
+    hp_parts = ckpt
+    if isinstance(ckpt, dict):
+        hp = ckpt.get("data")
+        # the checks below see an fp32 stand-in of the HP parts' shape (checkpoint_args checks those)
+        ckpt = torch.empty(hp.shape, dtype=torch.float32, device=hp.device) if validate else hp
     if validate:
         Bt, Hk, K, HV, V = check_token_inputs(family, q, k, v, a, b, A_log, dt_bias, out)
         if arrive is None:
@@ -234,7 +256,9 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     N, HV, V, K = ckpt.shape
     Bt, Hk = q.shape[0], q.shape[1]
     LBCAP = buf_w.shape[1]
-    data, lscale, tscale = lp_views(ckpt_lp, lp_format, N, HV, V, K)
+    if ckpt_lp is None:
+        raise ValueError("ckpt_lp: GDN/KDA's precision kernel needs a low-precision copy")
+    ck = checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
     cfg = {"BV": default_bv(V), "num_warps": 4}
     if config:
         unknown = set(config) - set(cfg)
@@ -256,13 +280,13 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     nv = triton.cdiv(V, BV)
     _lowp_decode_kernel[(HV * nv, Bt)](
         q, k, v, a, b, A_log, dt_bias, out,
-        ckpt, data, lscale, tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
-        cursor, epoch, arrive, head_counter(ckpt.device, N * HV), slot_ids,
+        ck["ckpt"], ck["hp_scale"], ck["sr_key"], ck["lp_data"], ck["lp_scale"], ck["lp_tscale"],
+        buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, head_counter(ckpt.device, N * HV), slot_ids,
         scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, LB=max(2, triton.next_power_of_2(npos)), WINDOW=int(window),
         BV=BV, BK=triton.next_power_of_2(K), IS_KDA=family == "kda",
-        USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(), RC=min(16, BV), LP=LP_CODES[lp_format],
-        num_warps=cfg["num_warps"], num_stages=1)
+        USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(), RC=min(16, BV), LP=ck["LP"],
+        HP=ck["HP"], num_warps=cfg["num_warps"], num_stages=1)
     return out

@@ -14,6 +14,10 @@ head: fp16/bf16/fp8 rows are encoded where they are computed (an fp8 scale is pe
 NVFP4's one scale per head matrix needs the whole head: the head's last program to arrive
 (a per-(slot, head) counter) reads the new fp32 rows back and encodes the matrix.
 Window 1 (the eager step) is a flush of every row, folding the records it still holds.
+The HP checkpoint may instead be fp16, bf16 or scaled fp8-e4m3 (`HP`, ops/utils/sround.py):
+the flush decodes it, folds in fp32 and writes it back with seeded stochastic rounding, bit for
+bit `formats.encode(S, hp, "stochastic", seed, stream=slot * 2**32 + epoch[slot])` of its fp32
+fold; the LP copy is then the nearest encoding of that fold (not of the rounded HP), as the pool's.
 """
 from __future__ import annotations
 
@@ -27,26 +31,29 @@ from torch import Tensor
 from ..utils.checks import check_slot_ids, check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, lp_views, store_lp_rows, store_nvfp4_head
+from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, store_lp_rows, store_nvfp4_head
+from ..utils.sround import HP_CODES, checkpoint_args, store_sr_rows
 from .common import (OPTIONAL_INPUTS, RECORD_DTYPES, check_slots, check_tensor, check_token_inputs,
                      group_keys, head_weights, record_masks, token_decay)
 
-__all__ = ["lowp_decode", "LP_FORMATS"]
+__all__ = ["lowp_decode", "LP_FORMATS", "HP_FORMATS"]
 
 LP_FORMATS = tuple(LP_CODES)
+HP_FORMATS = tuple(HP_CODES)
 
 
 @triton.heuristics(OPTIONAL_INPUTS)
 @triton.jit
 def _lowp_decode_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
-    ckpt, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive,
+    ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive,
     slot_ids,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
     HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
     NPOS: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
     NVB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, LP: tl.constexpr, RC: tl.constexpr,
+    HP: tl.constexpr, HAS_LP: tl.constexpr,
 ):
     # grid (HV * NVB, Bt): a program owns V-block i_v of head i_h
     pid = tl.program_id(0)
@@ -78,10 +85,13 @@ def _lowp_decode_kernel(
                                         o_l, o_k, m_k, m_j, m_lj)
     is_flush = h + 1 >= WINDOW
     # the flush reads the fp32 checkpoint (it carries the recurrence), other steps the LP copy
-    if is_flush:
+    if is_flush and HP == 0:
         b_S = tl.load(p_S0 + i_h * (V * K) + o_v[:, None] * K + o_k[None, :],
                       mask=m_v[:, None] & m_k[None, :], other=0.0)                  # [BV, BK]
+    elif is_flush:
+        b_S = load_lp_tile(ckpt, hp_scale, hp_scale, i_m, o_v, m_v, o_k, m_k, V, K, HP)
     else:
+        # (without an LP copy lp_* are the HP parts and LP their code)
         b_S = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V, K, LP)
     p_Wh = buf_w + slot * (LB * HV * V) + i_h * V
     b_W = tl.load(p_Wh + (o_l[:, None] * (HV * V) + o_v[None, :]),
@@ -109,12 +119,17 @@ def _lowp_decode_kernel(
         # the standard kernel's fold (decode.py), row chunks of RC re-read from L2, then each
         # chunk's low-precision rows
         p_kj = buf_k + slot * (LB * Hk * K) + i_g * K + o_k
+        # the stochastic-rounding stream of this write: slot and write count, as pool._write
+        st = slot * 4294967296 + tl.load(epoch + slot)
         for r0 in tl.static_range(0, BV, RC):
             o_r = i_v * BV + r0 + tl.arange(0, RC)
             m_r = o_r < V
             p_Sr = p_S0 + i_h * (V * K) + (o_r[:, None] * K + o_k[None, :])
             m_Sr = m_r[:, None] & m_k[None, :]
-            b_Sr = tl.load(p_Sr, mask=m_Sr, other=0.0)                                  # [RC, BK]
+            if HP == 0:
+                b_Sr = tl.load(p_Sr, mask=m_Sr, other=0.0)                              # [RC, BK]
+            else:
+                b_Sr = load_lp_tile(ckpt, hp_scale, hp_scale, i_m, o_r, m_r, o_k, m_k, V, K, HP)
             b_xr = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_r, mask=m_r, other=0.0)
             b_Sr = b_g * b_Sr + (b_dt * b_xr.to(tl.float32))[:, None] * b_kc[None, :]
             p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_r
@@ -123,10 +138,13 @@ def _lowp_decode_kernel(
                 w_j = tl.load(p_wj + j * (HV * V), mask=m_r, other=0.0).to(tl.float32)
                 k_j = tl.load(p_kj + j * (Hk * K), mask=m_k, other=0.0).to(tl.float32)
                 b_Sr += (c_j * w_j)[:, None] * k_j[None, :]
-            tl.store(p_Sr, b_Sr, mask=m_Sr)
-            if LP != 4:
+            if HP == 0:
+                tl.store(p_Sr, b_Sr, mask=m_Sr)
+            else:
+                store_sr_rows(b_Sr, ckpt, hp_scale, i_m, i_h, o_r, m_r, o_k, m_k, sr_key, st, V, K, HP)
+            if HAS_LP and LP != 4:
                 store_lp_rows(b_Sr, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
-        if LP == 4:
+        if HAS_LP and LP == 4:
             # release this program's rows; the head's last program encodes the whole matrix
             tl.debug_barrier()
             n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
@@ -147,11 +165,12 @@ def _lowp_decode_kernel(
 
 
 def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
-                D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, ckpt_lp: dict, lp_format: str,
+                D: Optional[Tensor], z: Optional[Tensor], ckpt, ckpt_lp: Optional[dict],
+                lp_format: Optional[str],
                 buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor,
                 slot_ids: Tensor, window: int, out: Optional[Tensor] = None, *,
                 arrive: Optional[Tensor] = None, config: Optional[dict] = None,
-                validate: bool = True) -> Tensor:
+                validate: bool = True, hp_format: str = "fp32", seed: int = 0) -> Tensor:
     """One Mamba-2 standard decode step on two checkpoints, in place; returns `y` `[Bt, HV, V]`.
 
     Arguments as :func:`replayssm.ops.mamba2.replay_decode` (token inputs `x` `[Bt, HV, V]`,
@@ -161,19 +180,25 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
     `ckpt_lp`, the low-precision checkpoint's parts (`replayssm.formats.allocate(lp_format,
     [N, HV, V, K])`), read by the other steps and rewritten round-to-nearest on a flush;
     `lp_format` one of `LP_FORMATS`. `config`: `BV` (power of two), `num_warps`.
+    `hp_format` one of `HP_FORMATS`: other than fp32, `ckpt` is a dict of its parts
+    (`formats.allocate`), decoded by the flush and rewritten with seeded stochastic rounding
+    (`formats.encode(S, hp_format, "stochastic", seed=seed, stream=slot * 2**32 + epoch)` bit
+    for bit); `ckpt_lp` and `lp_format` may then be None (non-flush steps read the HP parts;
+    an nvfp4 copy needs an fp32 HP).
     Window 1 flushes every row (the eager step), folding the records it holds (cursor < Lb).
     """
-    N, HV, V, K = ckpt.shape if isinstance(ckpt, Tensor) and ckpt.dim() == 4 else (0, 0, 0, 0)
+    hp = ckpt.get("data") if isinstance(ckpt, dict) else ckpt
+    N, HV, V, K = hp.shape if isinstance(hp, Tensor) and hp.dim() == 4 else (0, 0, 0, 0)
     if validate:
         Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
-        if not isinstance(ckpt, Tensor) or ckpt.dim() != 4:
-            raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(ckpt, 'shape', type(ckpt).__name__)}")
-        N = ckpt.shape[0]
+        if not isinstance(hp, Tensor) or hp.dim() != 4:
+            raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(hp, 'shape', type(hp).__name__)}")
+        N = hp.shape[0]
         if not isinstance(buf_ld, Tensor) or buf_ld.dim() != 3:
             raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
         Lb = buf_ld.shape[1]
-        check_tensor("ckpt", ckpt, (N, HV, V, K), (torch.float32,), dev, contiguous=True)
+        check_tensor("ckpt", hp, (N, HV, V, K), (hp.dtype,), dev, contiguous=True)
         check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), dev, contiguous=True)
         check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, dev, contiguous=True)
         check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, dev, contiguous=True)
@@ -186,7 +211,7 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_window(window, Lb)
         check_slots(slot_ids, N)
-    data, scale, tscale = lp_views(ckpt_lp, lp_format, N, HV, V, K)
+    ck = checkpoint_args(ckpt, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
     cfg = {"BV": default_bv(V), "num_warps": 4}
     if config:
         unknown = set(config) - set(cfg)
@@ -208,8 +233,8 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
     npos = LB if window == 1 else min(window, LB)
     nvb = triton.cdiv(V, BV)
     _lowp_decode_kernel[(HV * nvb, Bt)](
-        x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out, ckpt=ckpt,
-        lp_data=data, lp_scale=scale, lp_tscale=tscale, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
+        x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out, **ck,
+        buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
         cursor=cursor, epoch=epoch, arrive=arrive, head_arrive=head_counter(x.device, N * HV),
         slot_ids=slot_ids,
         stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
@@ -218,5 +243,5 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, NPOS=npos, WINDOW=int(window), BV=BV,
         BK=triton.next_power_of_2(K), BL=max(16, triton.next_power_of_2(npos)), NVB=nvb,
-        LP=LP_CODES[lp_format], RC=min(16, BV), num_warps=cfg["num_warps"], num_stages=1)
+        RC=min(16, BV), num_warps=cfg["num_warps"], num_stages=1)
     return out
