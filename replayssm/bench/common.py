@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -86,3 +87,18 @@ def write_results(path: str | os.PathLike, doc: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
     return path
+
+
+def family_ops(family: str):
+    """The kernel package of a family (`replayssm.ops.mamba2`, `.gdn`, `.kda`), imported when asked."""
+    import importlib
+
+    if family not in ("mamba2", "gdn", "kda"):
+        raise ValueError(f"unknown family {family!r}")
+    return importlib.import_module(f"replayssm.ops.{family}")
+
+
+def call_accepting(fn, kwargs):
+    """Call `fn` with the keyword arguments its signature accepts (families differ slightly)."""
+    names = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in names})

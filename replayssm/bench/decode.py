@@ -17,32 +17,15 @@ the conventional bytes; rows' `path` "eager"), larger ones the window (`path` "w
 from __future__ import annotations
 
 import argparse
-import inspect
 import itertools
 
 import torch
 
 from .. import shapes, traffic
 from ..testing import make_inputs, make_params
-from .common import copy_bandwidth_tbs, graph_time_us, header, write_results
+from .common import call_accepting, family_ops, copy_bandwidth_tbs, graph_time_us, header, write_results
 
 SHAPES = ["nemotron3-super", "nemotron3-nano-4b", "qwen3.5-4b", "qwen3.5-122b", "kimi-linear-48b"]
-
-
-def _ops(family):
-    if family == "mamba2":
-        from ..ops import mamba2 as m
-    elif family == "gdn":
-        from ..ops import gdn as m
-    else:
-        from ..ops import kda as m
-    return m
-
-
-def _call(fn, kwargs):
-    """Call `fn` with the keyword arguments its signature accepts (families differ slightly)."""
-    names = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in kwargs.items() if k in names})
 
 
 class Case:
@@ -79,7 +62,7 @@ class Case:
         self.epoch = torch.zeros(N, dtype=torch.int64, device=dev)
         self.arrive = torch.zeros(N, dtype=torch.int32, device=dev)
         self.out = torch.empty(window, batch, HV, V, device=dev, dtype=input_dtype)
-        self.ops = _ops(fam)
+        self.ops = family_ops(fam)
 
     def _common(self, i):
         p = self.params
@@ -98,7 +81,7 @@ class Case:
         window = 1 if self.eager(config) else self.window
         config = {k: v for k, v in (config or {}).items() if k != "eager"} or None
         for i in range(self.window):
-            _call(self.ops.replay_decode, dict(self._common(i), ckpt=self.ckpt, buf_ld=self.buf_ld,
+            call_accepting(self.ops.replay_decode, dict(self._common(i), ckpt=self.ckpt, buf_ld=self.buf_ld,
                                                buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
                                                epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids,
                                                window=window, out=self.out[i], config=config,
@@ -106,7 +89,7 @@ class Case:
 
     def conventional_window(self, config=None):
         for i in range(self.window):
-            _call(self.ops.conventional_decode, dict(self._common(i), state=self.state, slot_ids=self.slot_ids,
+            call_accepting(self.ops.conventional_decode, dict(self._common(i), state=self.state, slot_ids=self.slot_ids,
                                                      out=self.out[i], config=config, validate=False))
 
     def bytes_per_step(self, config=None):

@@ -33,8 +33,8 @@ import itertools
 import torch
 
 from .. import formats, shapes, traffic
-from .common import copy_bandwidth_tbs, graph_time_us, header, write_results
-from .decode import SHAPES, Case, _call, _name
+from .common import call_accepting, copy_bandwidth_tbs, graph_time_us, header, write_results
+from .decode import SHAPES, Case, _name
 
 LP_FORMATS = ("fp16", "bf16", "fp8_e4m3", "nvfp4")
 BATCHES = (64, 256, 512)
@@ -87,9 +87,9 @@ class PrecisionCase(Case):
                   cursor=self.cursor, epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids,
                   window=self.window, out=self.out[i], config=config, validate=False)
         if read_format == "fp32":
-            _call(self.ops.replay_decode, kw)
+            call_accepting(self.ops.replay_decode, kw)
         else:
-            _call(self.lowp, dict(kw, ckpt_lp=self.ckpt_lp[read_format], lp_format=read_format,
+            call_accepting(self.lowp, dict(kw, ckpt_lp=self.ckpt_lp[read_format], lp_format=read_format,
                                   buf_v=self.buf_v, buf_beta=self.buf_beta, family=self.family))
 
     def non_flush_steps(self, read_format, config=None):

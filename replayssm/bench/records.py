@@ -20,7 +20,7 @@ import torch
 from .. import traffic
 from ..testing import make_inputs, make_params
 from .common import header, write_results
-from .decode import _call, _ops
+from .common import call_accepting, family_ops
 
 SHAPES = {"mamba2": "nemotron3-nano-4b", "gdn": "qwen3.5-4b", "kda": "kimi-linear-48b"}
 
@@ -33,7 +33,7 @@ def run(family, steps, batch, heads, window, bins, seed=0, bf16_configs=(), inpu
     dev = "cuda"
     p64 = make_params(family, HV, K, dtype=torch.float64, device=dev, seed=seed)
     p32 = make_params(family, HV, K, dtype=torch.float32, device=dev, seed=seed)
-    ops = _ops(family)
+    ops = family_ops(family)
     N, Lb = batch, window + 1
     slots = torch.arange(N, device=dev)
     S64 = torch.zeros(N, HV, V, K, dtype=torch.float64, device=dev)
@@ -63,10 +63,12 @@ def run(family, steps, batch, heads, window, bins, seed=0, bf16_configs=(), inpu
             common = dict(inp, A=p32.A, dt_bias=p32.dt_bias, D=p32.D, z=inp.get("z"))
         else:
             common = dict(inp, A_log=p32.A_log, dt_bias=p32.dt_bias, scale=None, use_qk_l2norm=True)
-        outs = {"conventional_fp32": _call(ops.conventional_decode, dict(common, state=conv, slot_ids=slots, validate=False))}
+        outs = {"conventional_fp32": call_accepting(ops.conventional_decode,
+                                                    dict(common, state=conv, slot_ids=slots, validate=False))}
         for k, st in schemes.items():
-            outs[f"replay_{k}_records"] = _call(ops.replay_decode, dict(common, **st, slot_ids=slots, window=window,
-                                                                        config=configs[k], validate=False))
+            outs[f"replay_{k}_records"] = call_accepting(ops.replay_decode,
+                                                         dict(common, **st, slot_ids=slots, window=window,
+                                                              config=configs[k], validate=False))
         den = y64.norm().item()
         for n, y in outs.items():
             acc[n][min(t // per_bin, bins - 1)] += (y.double() - y64).norm().item() / den / per_bin

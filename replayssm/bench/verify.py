@@ -22,32 +22,15 @@ layer parameters and states fp32, records `--record-dtype`.
 from __future__ import annotations
 
 import argparse
-import inspect
 import itertools
 
 import torch
 
 from .. import shapes
 from ..testing import make_inputs, make_params
-from .common import graph_time_us, header, write_results
+from .common import call_accepting, family_ops, graph_time_us, header, write_results
 
 SHAPES = ["nemotron3-super", "nemotron3-nano-4b", "qwen3.5-122b", "qwen3.5-4b", "kimi-linear-48b"]
-
-
-def _ops(family):
-    if family == "mamba2":
-        from ..ops import mamba2 as m
-    elif family == "gdn":
-        from ..ops import gdn as m
-    else:
-        from ..ops import kda as m
-    return m
-
-
-def _call(fn, kwargs):
-    """Call `fn` with the keyword arguments its signature accepts (families differ slightly)."""
-    names = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in kwargs.items() if k in names})
 
 
 class Case:
@@ -84,7 +67,7 @@ class Case:
         if snapshot:
             self.states = init[:, None].repeat(1, T + 1, 1, 1, 1)
             self.base = torch.zeros(N, dtype=torch.int32, device=dev)
-        self.ops = _ops(fam)
+        self.ops = family_ops(fam)
 
     def _params(self):
         p = self.params
@@ -95,7 +78,7 @@ class Case:
     def replay_step(self, config=None):
         from ..ops.utils.commit import commit
 
-        _call(self.ops.replay_verify, dict(self.drafts, **self._params(), ckpt=self.ckpt, buf_ld=self.buf_ld,
+        call_accepting(self.ops.replay_verify, dict(self.drafts, **self._params(), ckpt=self.ckpt, buf_ld=self.buf_ld,
                                            buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
                                            pending=self.pending, epoch=self.epoch, arrive=self.arrive,
                                            slot_ids=self.slot_ids, window=self.window, out=self.out,
@@ -105,12 +88,12 @@ class Case:
     def snapshot_step(self):
         from ..ops.utils.snapshot import snapshot_commit
 
-        _call(self.ops.snapshot_verify, dict(self.drafts, **self._params(), states=self.states, base=self.base,
+        call_accepting(self.ops.snapshot_verify, dict(self.drafts, **self._params(), states=self.states, base=self.base,
                                              slot_ids=self.slot_ids, out=self.out, validate=False))
         snapshot_commit(self.base, self.slot_ids, self.accepted, self.T + 1)
 
     def conventional_step(self):
-        _call(self.ops.conventional_decode, dict(self.token, **self._params(), state=self.state,
+        call_accepting(self.ops.conventional_decode, dict(self.token, **self._params(), state=self.state,
                                                  slot_ids=self.slot_ids, out=self.out1, validate=False))
 
     def memory_per_sequence(self) -> dict:

@@ -8,10 +8,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.checks import check_slot_values, check_tensor
+from ..utils.checks import check_slot_ids, check_slot_values, check_tensor
 
 __all__ = ["softplus", "load_tile", "token_decay", "record_masks", "group_keys", "records_dot",
-           "head_values", "head_weights", "check_tensor", "check_slots", "check_token_inputs",
+           "head_values", "head_weights", "check_tensor", "check_slots", "check_state", "check_token_inputs",
            "given", "OPTIONAL_INPUTS", "FLOAT_DTYPES", "RECORD_DTYPES"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -179,3 +179,27 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
     if Bt > 65535 or HV > 65535:
         raise ValueError(f"x: batch {Bt} or heads {HV} above the grid limit 65535")
     return Bt, HV, V, Hk, K
+
+
+def check_state(ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, *, Bt: int, HV: int, V: int,
+                Hk: int, K: int, device, ckpt_dtypes=(torch.float32,), pending=None):
+    """The pool's tensors a kernel reads and writes (docs/state-layout.md): shapes, dtypes, device,
+    contiguity; `arrive` and `pending` when given. Returns `(N, Lb)`."""
+    if not isinstance(ckpt, torch.Tensor) or ckpt.dim() != 4:
+        raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(ckpt, 'shape', type(ckpt).__name__)}")
+    N = ckpt.shape[0]
+    if not isinstance(buf_ld, torch.Tensor) or buf_ld.dim() != 3:
+        raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
+    Lb = buf_ld.shape[1]
+    check_tensor("ckpt", ckpt, (N, HV, V, K), ckpt_dtypes, device, contiguous=True)
+    check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), device, contiguous=True)
+    check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, device, contiguous=True)
+    check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, device, contiguous=True)
+    check_tensor("cursor", cursor, (N,), (torch.int32,), device, contiguous=True)
+    if pending is not None:
+        check_tensor("pending", pending, (N,), (torch.int32,), device, contiguous=True)
+    check_tensor("epoch", epoch, (N,), (torch.int64,), device, contiguous=True)
+    check_slot_ids(slot_ids, Bt, device)
+    if arrive is not None:
+        check_tensor("arrive", arrive, (N,), (torch.int32,), device, contiguous=True)
+    return N, Lb

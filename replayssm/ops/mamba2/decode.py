@@ -30,11 +30,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.checks import check_slot_ids, check_window
+from ..utils.checks import check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
 from ..utils.tiles import tile_dot, tile_offsets
-from .common import (OPTIONAL_INPUTS, RECORD_DTYPES, check_slots, check_tensor, check_token_inputs,
+from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
                      group_keys, head_values, head_weights, load_tile, record_masks, records_dot,
                      token_decay)
 from .configs import REPLAY_CONFIGS, resolve_config
@@ -373,21 +373,8 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     if validate:
         Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
-        if not isinstance(ckpt, torch.Tensor) or ckpt.dim() != 4:
-            raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(ckpt, 'shape', type(ckpt).__name__)}")
-        N = ckpt.shape[0]
-        if not isinstance(buf_ld, torch.Tensor) or buf_ld.dim() != 3:
-            raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
-        Lb = buf_ld.shape[1]
-        check_tensor("ckpt", ckpt, (N, HV, V, K), (torch.float32,), dev, contiguous=True)
-        check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), dev, contiguous=True)
-        check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, dev, contiguous=True)
-        check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, dev, contiguous=True)
-        check_tensor("cursor", cursor, (N,), (torch.int32,), dev, contiguous=True)
-        check_tensor("epoch", epoch, (N,), (torch.int64,), dev, contiguous=True)
-        check_slot_ids(slot_ids, Bt, dev)
-        if arrive is not None:
-            check_tensor("arrive", arrive, (N,), (torch.int32,), dev, contiguous=True)
+        N, Lb = check_state(ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
+                            Hk=Hk, K=K, device=dev)
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_window(window, Lb)

@@ -28,12 +28,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.checks import check_slot_ids, check_window
+from ..utils.checks import check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
 from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, store_lp_rows, store_nvfp4_head
 from ..utils.sround import HP_CODES, checkpoint_args, store_sr_rows
-from .common import (OPTIONAL_INPUTS, RECORD_DTYPES, check_slots, check_tensor, check_token_inputs,
+from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
                      group_keys, head_weights, record_masks, token_decay)
 
 __all__ = ["lowp_decode", "LP_FORMATS", "HP_FORMATS"]
@@ -192,21 +192,8 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
     if validate:
         Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
-        if not isinstance(hp, Tensor) or hp.dim() != 4:
-            raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(hp, 'shape', type(hp).__name__)}")
-        N = hp.shape[0]
-        if not isinstance(buf_ld, Tensor) or buf_ld.dim() != 3:
-            raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
-        Lb = buf_ld.shape[1]
-        check_tensor("ckpt", hp, (N, HV, V, K), (hp.dtype,), dev, contiguous=True)
-        check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), dev, contiguous=True)
-        check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, dev, contiguous=True)
-        check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, dev, contiguous=True)
-        check_tensor("cursor", cursor, (N,), (torch.int32,), dev, contiguous=True)
-        check_tensor("epoch", epoch, (N,), (torch.int64,), dev, contiguous=True)
-        check_slot_ids(slot_ids, Bt, dev)
-        if arrive is not None:
-            check_tensor("arrive", arrive, (N,), (torch.int32,), dev, contiguous=True)
+        N, Lb = check_state(hp, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
+                            Hk=Hk, K=K, device=dev, ckpt_dtypes=(getattr(hp, "dtype", None),))
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_window(window, Lb)

@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.checks import check_slot_ids, check_slot_values, check_window
+from ..utils.checks import check_slot_values, check_window
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
-from .common import FLOAT_DTYPES, OPTIONAL_INPUTS, RECORD_DTYPES, check_tensor, given, load_tile, softplus
+from .common import FLOAT_DTYPES, OPTIONAL_INPUTS, check_state, check_tensor, given, load_tile, softplus
 
 __all__ = ["replay_verify", "verify_config"]
 
@@ -352,26 +352,12 @@ def replay_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     if validate:
         Bt, T, HV, V, Hk, K = _check_verify_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
-        if not isinstance(ckpt, Tensor) or ckpt.dim() != 4:
-            raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(ckpt, 'shape', type(ckpt).__name__)}")
-        N = ckpt.shape[0]
-        if not isinstance(buf_ld, Tensor) or buf_ld.dim() != 3:
-            raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
-        Lb = buf_ld.shape[1]
-        check_tensor("ckpt", ckpt, (N, HV, V, K), (torch.float32,), dev, contiguous=True)
-        check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), dev, contiguous=True)
-        check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, dev, contiguous=True)
-        check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, dev, contiguous=True)
-        check_tensor("cursor", cursor, (N,), (torch.int32,), dev, contiguous=True)
-        check_tensor("pending", pending, (N,), (torch.int32,), dev, contiguous=True)
-        check_tensor("epoch", epoch, (N,), (torch.int64,), dev, contiguous=True)
-        check_slot_ids(slot_ids, Bt, dev)
+        N, Lb = check_state(ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
+                            Hk=Hk, K=K, device=dev, pending=pending)
         if num_drafts is not None:
             check_tensor("num_drafts", num_drafts, (Bt,), (torch.int32,), dev, contiguous=True)
             if num_drafts.device.type == "cpu" and Bt and not bool(((num_drafts >= 1) & (num_drafts <= T)).all()):
                 raise ValueError(f"num_drafts must lie in 1..{T}, got {num_drafts.tolist()}")
-        if arrive is not None:
-            check_tensor("arrive", arrive, (N,), (torch.int32,), dev, contiguous=True)
         if out is not None:
             check_tensor("out", out, (Bt, T, HV, V), (x.dtype,), dev, inner=True)
         check_window(window, Lb)
