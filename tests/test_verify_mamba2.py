@@ -129,11 +129,12 @@ def _inputs(p, shape, Bt, T, g, bf16_values):
 # one launch: every kind of cursor
 
 
-def test_one_launch_every_cursor():
-    # window 8, T = 4; slots at cursors 0, L - 1, L, 2, 5 with random records (NaN past the
+@pytest.mark.parametrize("T", [4, 6])      # the row-dot and the tensor-core kernel
+def test_one_launch_every_cursor(T):
+    # window 8, T = 4 or 6 (drafts past the counts below poisoned); slots at cursors 0, L - 1, L, 2, 5 with random records (NaN past the
     # cursor). Row draft counts make slot 4 (h = 5, n = 4) flush and slot 3 (h = 2, n = 3) not;
     # h = L - 1 and h = L flush with any count; slot 5 stays out of the batch; a padding row.
-    shape, L, T = SMALL, 8, 4
+    shape, L = SMALL, 8
     HV, Hk, V, K = shape["HV"], shape["Hk"], shape["V"], shape["K"]
     N, Lb = 6, L + T
     g = torch.Generator().manual_seed(11)
@@ -334,6 +335,19 @@ def test_rounds_small():
 
 
 @pytest.mark.interpret
+def test_rounds_small_tensor_core_kernel():
+    # T = 6 (verify_tc), window 8, bf16 records of bf16-valued inputs (no split of those
+    # operands) and fp32 ones (split) on odd and even shapes
+    res = _rounds(SMALL, window=8, T=6, rounds=24, n_slots=3, seed=2)
+    assert res["verifies"] >= 16 and res["flushes"] >= 8, res
+    _check(res)
+    res = _rounds(ODD, window=6, T=5, rounds=16, n_slots=2, seed=3, record_dtype=torch.bfloat16,
+                  bf16_values=True, config=dict(BV=16, num_warps=1))
+    assert res["flushes"] >= 3, res
+    _check(res)
+
+
+@pytest.mark.interpret
 def test_rounds_odd_shape_bf16_records():
     # V = 12 and K = 24 (masked lanes in both), three heads per group, T = 3 (a padded draft
     # lane), bf16 records of bf16-valued inputs (exact copies), a window of 6. Interpreter,
@@ -426,10 +440,11 @@ def test_gpu_rounds_real_shapes(name, T):
     _check(res)
 
 
-def test_absent_d_and_z():
+@pytest.mark.parametrize("T", [3, 5])
+def test_absent_d_and_z(T):
     # D and z None (passed to the kernel as None; its heuristics drop them): the plain
     # recurrence's output y_t = S_t C_t from the checkpoint, at an empty and a partial buffer
-    shape, L, T = SMALL, 4, 3
+    shape, L = SMALL, 4
     HV, Hk, V, K = shape["HV"], shape["Hk"], shape["V"], shape["K"]
     g = torch.Generator().manual_seed(5)
     p, (A, dt_bias, _), ref = _layer(shape, 5)

@@ -163,22 +163,31 @@ def mamba2_rows(cfg):
 
 def mamba2_verify(cfg):
     """Mamba-2's verify kernel (ops/mamba2/verify.py) at Super's shape (`model=nano`: Nano-4B's),
-    `T` drafts, bf16 records, fp32 token inputs, window 16."""
+    `T` drafts (the tensor-core kernel from `TC_MIN_T`), bf16 records, bf16 token inputs
+    (`inputs=fp32`), window 16, the default config for T."""
     from replayssm.ops.mamba2 import verify as m
 
     HV, G, V, K = (96, 8, 80, 128) if cfg.get("model") == "nano" else (128, 8, 64, 128)
-    c = dict(BV=64 if V == 64 else 16, num_warps=2 if V == 64 else 1, T=8, window=16)
+    c = dict(m.verify_config(HV, V, K, G, cfg.get("T", 8)), T=8, window=16)
     c.update(cfg)
-    fn = jit_function(m._replay_verify_kernel)
-    ptr = {n: "*fp32" for n in ("x", "dt", "B", "C", "A", "dt_bias", "D", "z", "out", "ckpt", "buf_ld")}
+    tc = c["T"] >= m.TC_MIN_T
+    fn = jit_function(m._replay_verify_tc_kernel if tc else m._replay_verify_kernel)
+    tok = "*" + c.get("inputs", "bf16")
+    ptr = {n: tok for n in ("x", "dt", "B", "C", "z", "out")}
+    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "ckpt", "buf_ld")})
     ptr.update(buf_w="*" + c.get("values", "bf16"), buf_k="*" + c.get("keys", "bf16"), cursor="*i32",
                pending="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64", num_drafts="*i32")
     T, L = c["T"], c["window"]
     LB = L + T
-    vals = dict(HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T, TP=triton.next_power_of_2(T), KI=min(32, K),
+    exact = lambda n: ptr[n] in ("*bf16", "*fp16")  # noqa: E731
+    tiles = dict(TP=max(16, triton.next_power_of_2(T))) if tc else dict(TP=triton.next_power_of_2(T), KI=min(32, K))
+    vals = dict(tiles, HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T,
                 BV=c["BV"], BK=K, BL=max(16, triton.next_power_of_2(min(L, LB))), NVB=triton.cdiv(V, c["BV"]),
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(G), HAS_D=True, HAS_Z=True,
                 HAS_N=True, EVEN=V % c["BV"] == 0)
+    if tc:
+        vals.update(KB_EXACT=exact("buf_k"), KD_EXACT=exact("B"), Q_EXACT=exact("C"), W_EXACT=exact("buf_w"),
+                    X_EXACT=exact("x"))
     vals.update({k: v for k, v in c.items() if k.isupper() and k not in ("BV", "T")})
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 verify {c}")
@@ -224,20 +233,24 @@ def gdn_mat(cfg):
 
 def delta_verify(cfg, family="gdn"):
     """The GDN/KDA verify kernel (ops/gdn/verify.py) at Qwen3.5-4B's (`HV=64` for 122B's) or
-    Kimi-Linear's shape, `T` drafts, window 16, bf16 records by default (`rec=fp32`)."""
+    Kimi-Linear's shape, `T` drafts, window 16, the default config, bf16 records by default
+    (`rec=fp32`), fp32 token inputs (`inputs=bf16`)."""
     from replayssm.ops.gdn import verify as m
 
-    c = dict(BV=32, num_warps=4, KS=8, T=8, HV=32, rec="bf16")
+    c = dict(m.verify_config(family, 128, 128, cfg.get("T", 8)), T=8, HV=32, rec="bf16", inputs="fp32")
     c.update(cfg)
     HV, HK, V, K, L, T = c["HV"], 16 if family == "gdn" else c["HV"], 128, 128, 16, c["T"]
     fn = jit_function(m._replay_verify_kernel)
-    ptr = dict({n: "*fp32" for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "o", "ckpt", "buf_ld")},
+    tok = "*" + c["inputs"]
+    ptr = dict({n: tok for n in ("q", "k", "v", "a", "b", "o")},
+               **{n: "*fp32" for n in ("A_log", "dt_bias", "ckpt", "buf_ld")},
                buf_w="*" + c["rec"], buf_k="*" + c["rec"], cursor="*i32", pending="*i32", epoch="*i64",
                arrive="*i32", slot_ids="*i32", num_drafts="*i32")
-    vals = dict(T=T, TP=max(2, triton.next_power_of_2(T)), HV=HV, HK=HK, V=V, K=K, LBCAP=L + T,
-                LB=max(2, triton.next_power_of_2(max(L, T))), BV=c["BV"], BK=K, KS=c["KS"],
+    vals = dict(T=T, TP=max(16, triton.next_power_of_2(T)), HV=HV, HK=HK, V=V, K=K, LBCAP=L + T,
+                LB=max(16, triton.next_power_of_2(L)), BV=c["BV"], BK=K, BKC=c["BKC"],
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(HK), IS_KDA=family == "kda",
-                USE_QK_L2NORM=True, HAS_NDRAFT=True, EXACT_BF16=False)
+                USE_QK_L2NORM=True, HAS_NDRAFT=True, EXACT_BF16=False, W_EXACT=c["rec"] != "fp32",
+                KA_EXACT=c["rec"] != "fp32", KD_EXACT=c["inputs"] != "fp32", Q_EXACT=c["inputs"] != "fp32")
     sig, const = signature(fn, ptr, vals, floats=("scale",))
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} verify {c}")
 

@@ -12,6 +12,10 @@ loads it once and serves all T queries from registers. Per row with slot `s`, cu
 for t < n at position `p_t = h' + t` (records `j < h'` committed, read from the buffer; drafts
 `h'..p_t` from the inputs, never read back), `g_{i:p} = exp(ld_i + ... + ld_p)`; `y_t = 0` for
 t >= n. The drafts' records go to positions `h'..h'+n-1`; `cursor[s] = h'`, `pending[s] = n`.
+
+This kernel serves T < TC_MIN_T drafts with one matrix-vector product of the tile per draft;
+from TC_MIN_T on, `verify_tc` does the same step with tensor-core products (its docstring says
+where each wins).
 """
 from __future__ import annotations
 
@@ -26,10 +30,12 @@ from ..utils.checks import check_slot_values, check_window
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
 from .common import FLOAT_DTYPES, OPTIONAL_INPUTS, check_state, check_tensor, given, load_tile, softplus
+from .verify_tc import _replay_verify_tc_kernel
 
 __all__ = ["replay_verify", "verify_config"]
 
 MAX_DRAFT = 8
+TC_MIN_T = 5          # drafts from which the tensor-core kernel (verify_tc) runs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,14 +226,20 @@ def _replay_verify_kernel(
 
 def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dict] = None) -> dict:
     """The verify kernel's launch config: `BV` value rows per program (a power of two; ceil(V / BV)
-    blocks per head), `num_warps`, `num_stages`. Defaults from the shape: blocks that divide V
-    (no idle lanes; Nano-4B's 80 = 5 x 16), of at most 64 rows, and warps so that a thread holds
-    128 tile elements (the best of the configs tried on the H200 at batch 256, T = 8: Super
-    BV=64 with 2 warps, Nano-4B BV=16 with 1; more warps were slower). `config` overrides any
-    of the three."""
+    blocks per head; at least 16 from `TC_MIN_T` drafts on, the M side of the tensor-core
+    products), `num_warps`, `num_stages`. Defaults from the shape, blocks that divide V (no idle
+    lanes; Nano-4B's 80 = 5 x 16): below TC_MIN_T of at most 64 rows, with warps so that a
+    thread holds 128 tile elements; from it on of at most 32 rows with a warp per 16 (on the
+    H200 at batch 256: Super BV=32 with 2 warps 2.4x a conventional step at T = 8, BV=64 with 4
+    3.1x, 8 warps slower still; Nano-4B BV=16 with 1 warp 2.5x, with 4 7.1x). `config`
+    overrides any of the three."""
     BK = triton.next_power_of_2(K)
-    bv = next((b for b in (64, 32, 16) if V % b == 0), min(64, max(16, triton.next_power_of_2(V))))
-    cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1)
+    if T >= TC_MIN_T:
+        bv = next((b for b in (32, 16) if V % b == 0), 16)
+        cfg = dict(BV=bv, num_warps=max(1, bv // 16), num_stages=1)
+    else:
+        bv = next((b for b in (64, 32, 16) if V % b == 0), min(64, max(16, triton.next_power_of_2(V))))
+        cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1)
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -237,6 +249,8 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
         val = cfg[key]
         if isinstance(val, bool) or not isinstance(val, int) or val < 1 or val & (val - 1):
             raise ValueError(f"config: {key} must be a power of two, got {val!r}")
+    if T >= TC_MIN_T and cfg["BV"] < 16:
+        raise ValueError(f"config: BV must be at least 16 at T >= {TC_MIN_T} (the tiles' products), got {cfg['BV']}")
     ns = cfg["num_stages"]
     if isinstance(ns, bool) or not isinstance(ns, int) or ns < 1:
         raise ValueError(f"config: num_stages must be a positive int, got {ns!r}")
@@ -255,19 +269,22 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
     if Bt == 0:
         return
     nvb = triton.cdiv(V, BV)
-    BK = triton.next_power_of_2(K)
+    tc = T >= TC_MIN_T
+    BK = max(16, triton.next_power_of_2(K)) if tc else triton.next_power_of_2(K)
+    tiles = dict(TP=max(16, triton.next_power_of_2(T))) if tc else dict(TP=triton.next_power_of_2(T), KI=min(32, BK))
+    kernel = _replay_verify_tc_kernel if tc else _replay_verify_kernel
     # D, z and num_drafts absent: None (the kernel's heuristics set HAS_D, HAS_Z, HAS_N; EVEN too)
-    _replay_verify_kernel[(HV * nvb, Bt)](
+    kernel[(HV * nvb, Bt)](
         x, dt, B, C, A, dt_bias, D, z, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         z.stride(2) if z is not None else 0, out.stride(0), out.stride(1), out.stride(2),
-        HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, TP=triton.next_power_of_2(T), BV=BV,
-        BK=BK, KI=min(32, BK), BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
+        HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, BV=BV, BK=BK,
+        BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **tiles)
 
 
 @torch.library.custom_op(
