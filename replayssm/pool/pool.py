@@ -257,7 +257,7 @@ class SlotPool:
             y = backends.get(self.family, "decode_lp")(self.params, self.layout, slot_ids, inputs, window,
                                                         out, self.lp_format)
         # padding rows write the spare entry, so no host-side mask is needed
-        self.layout.pending_all[torch.where(slot_ids < 0, self.N, slot_ids.long())] = 0
+        self.layout.pending_all.index_fill_(0, torch.where(slot_ids < 0, self.N, slot_ids.long()), 0)
         return y
 
     @torch.no_grad()
