@@ -7,7 +7,7 @@
 # STAGE: all (test, records, bench) | test | records | bench | windows (the by-window table:
 # windows 8 and 32, window 16 with fp32 records and with fp32 token inputs; about 6 minutes)
 # | verify (the speculative-verification benchmark: replay and snapshot against one
-# conventional step, batch 256 and 512, T = 2, 4, 8, every acceptance length) | verify-variants
+# conventional step, batch 256 and 512, T = 2, 4, 8, drafts all rejected and all accepted) | verify-variants
 # (the verify kernels' candidate launch configs at batch 256, drafts all rejected and all
 # accepted, to choose their defaults) | model (the whole-model decode benchmark) | precision
 # (the separate-precision kernel benchmark and the layer-level error study to 131072 tokens).
@@ -39,12 +39,12 @@ if [[ "$STAGE" == windows ]]; then
   decode decode_h200_w16_fp32_inputs --windows 16 --cursors staggered --input-dtype float32
 fi
 if [[ "$STAGE" == verify ]]; then
-  python3 -m replayssm.bench.verify --out "$OUT/verify_h200.json" 2>&1 | tee "$OUT/verify_h200.log" | tail -34
+  python3 -m replayssm.bench.verify --accepted ends --reps 6 --out "$OUT/verify_h200.json" 2>&1 | tee "$OUT/verify_h200.log" | tail -34
 fi
 if [[ "$STAGE" == verify-variants ]]; then
   v() { python3 -m replayssm.bench.verify --batches 256 --accepted ends --no-snapshot "$@" 2>&1 | grep -E "variant|x$" | tail -40; }
   v --shapes nemotron3-super --out "$OUT/verify_variants_super.json" \
-    --variants '[{"BV": 64, "num_warps": 2}, {"BV": 64, "num_warps": 4}, {"BV": 32, "num_warps": 2}]'
+    --variants '[{"BV": 64, "num_warps": 2}, {"BV": 64, "num_warps": 4}, {"BV": 32, "num_warps": 2}, {"BV": 32, "num_warps": 4}]'
   v --shapes nemotron3-nano-4b --out "$OUT/verify_variants_nano4b.json" \
     --variants '[{"BV": 16, "num_warps": 1}, {"BV": 16, "num_warps": 2}]'
   v --shapes qwen3.5-4b,kimi-linear-48b --out "$OUT/verify_variants_delta.json" \

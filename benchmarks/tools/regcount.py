@@ -1,6 +1,8 @@
 """Compile the replay decode kernel for sm_90a on a machine without a GPU and report its
-registers and stack (cuobjdump on the cubin; Triton's 3.9 toolchain, so figures may differ
-a little from triton 3.6's), for register-pressure checks without a GPU.
+registers and stack (cuobjdump on the cubin), for register-pressure checks without a GPU.
+Use the GPU machine's Triton (3.6): other versions differ by tens of registers (GDN's verify
+kernel: 168 under 3.9, 221 under 3.6) and in what compiles at all; with a Triton 3.6 wheel
+installed under a folder, `PYTHONPATH=<folder> python benchmarks/tools/regcount.py ...`.
 
     python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|mamba2-verify|gdn|kda|gdn-mat|gdn-gluon] [key=value config overrides]
 

@@ -5,7 +5,8 @@
 For each JSON file named in the index's tables (in the index's order, under its section
 headings): the file's own provenance (command, GPU, date, code version) and a compact table of
 its rows, with the columns that matter for its benchmark (`decode`, `eager_sweep`, `tune`,
-`records`). `--check` writes nothing and exits 1 when docs/results.md differs from what would
+`records`, `verify`). `--check` writes nothing and exits 1 when docs/results.md differs from
+what would
 be written (benchmarks/tools/test_tools.py runs the same comparison). Reads JSON only: it
 imports nothing of the package.
 """
@@ -151,6 +152,28 @@ def records_table(rows: list) -> list:
     return _table(header, out)
 
 
+def verify_table(rows: list) -> list:
+    """One line per (shape, batch, T): the conventional step's time, and each verify scheme's
+    step time over it from all drafts rejected to all accepted, with its bytes per sequence."""
+    header = ["shape", "batch", "T", "conventional us", "replay", "snapshot", "replay MB/seq", "snapshot MB/seq"]
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["shape"], r["batch"], r["T"])].append(r)
+    out = []
+    for (shape, batch, T), rs in groups.items():
+        conv = next(r for r in rs if r["scheme"] == "conventional")
+        cells = []
+        for scheme in ("replay", "snapshot"):
+            ratios = [r["ratio_vs_conventional_step"] for r in rs if r["scheme"] == scheme and "config" not in r
+                      and "ratio_vs_conventional_step" in r]
+            cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "")
+        mb = [next((r["bytes_per_sequence"] / 2 ** 20 for r in rs if r["scheme"] == s_ and "config" not in r), None)
+              for s_ in ("replay", "snapshot")]
+        out.append([shape, batch, T, _us(conv["us_per_step"]), *cells,
+                    *(f"{m:.2f}" if m is not None else "" for m in mb)])
+    return _table(header, out)
+
+
 # ----------------------------------------------------------------------------------------------
 # The document
 
@@ -176,6 +199,8 @@ def file_section(name: str, data: dict) -> list:
         out += tune_table(data["rows"], data.get("tuned") or {})
     elif kind == "records":
         out += records_table(data["rows"])
+    elif kind == "verify":
+        out += verify_table(data["rows"])
     else:
         out.append(f"{len(data['rows'])} rows of benchmark `{kind}` (no table for it here).")
     return out + [""]
