@@ -81,10 +81,22 @@ def test_model_benchmark_bookkeeping(monkeypatch, tmp_path):
     monkeypatch.setattr(mb, "eager_time_us", stub)
     out = tmp_path / "model.json"
     mb.main(["--device", "cpu", "--dtype", "float32", "--models", "tiny_nemotron_h", "--batches", "1,3",
-             "--contexts", "5,9", "--prefill-tokens", "6", "--reps", "1", "--out", str(out)])
+             "--contexts", "5,9", "--prefill-tokens", "6", "--reps", "1", "--spec-batches", "2",
+             "--drafts", "3", "--accepted", "2", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert {"benchmark", "device", "command", "git_commit", "date", "torch", "triton"} <= set(doc)
-    assert doc["benchmark"] == "model" and "not measured" in doc["speculative"]
+    assert doc["benchmark"] == "model" and "T = 3 tokens per round, 2 kept" in doc["speculative"]
+    spec = doc["speculative_rows"]
+    assert [(r["context"], r["batch"], r["scheme"]) for r in spec] == [
+        (c, 2, s) for c in (5, 9) for s in ("snapshot", "replay")]
+    for r in spec:
+        assert r["T"] == 3 and r["accepted"] == 2 and r["us_per_round"] == 1.0
+        assert r["tokens_per_s"] == 2 * 2 / 1.0 * 1e6 and r["ratio_vs_snapshot"] == 1.0
+        assert r["verify_agreement"] == 1.0                  # both schemes verify to the same tokens
+    hf.enable(built["m"], scheme="conventional")
+    state = sum(layer.pool.memory_per_sequence()["conventional"] for layer in hf.replay_state(built["m"]).layers.values())
+    assert spec[0]["bytes_per_sequence"] == 4 * state                   # T + 1 states per sequence
+    assert spec[1]["bytes_per_sequence"] > state                        # a checkpoint plus records
     rows = doc["rows"]
     assert [(r["context"], r["batch"], r["scheme"]) for r in rows] == [
         (c, b, s) for c in (5, 9) for b in (1, 3) for s in ("conventional", "replay")]

@@ -273,7 +273,7 @@ def test_conventional_scheme_refuses_speculation():
     with pytest.raises(ValueError, match="conventional scheme"):
         hf.speculative_generate(model, _prompt(6), num_draft=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="scheme must be one of"):
-        hf.enable(model, scheme="snapshot")
+        hf.enable(model, scheme="snapshots")
 
 
 @pytest.mark.parametrize("scheme", ["replay", "conventional"])
@@ -309,3 +309,60 @@ def test_attach_cache_continues_a_stock_prefill(scheme):
         assert torch.equal(tok, ref[:, i:i + 1]), i
     with pytest.raises(ValueError, match="no recurrent state"):
         hf.attach_cache(model, StaticCache(config=model.config, max_cache_len=24))
+
+
+# --- the snapshot scheme (speculative generation's baseline) -----------------------------------
+
+class _CountSnapshot:
+    def __init__(self, monkeypatch):
+        from replayssm.integrations.hf.snapshot import SnapshotPool
+        self.n = {"verify": 0, "commit": 0}
+        for op in self.n:
+            orig = getattr(SnapshotPool, op)
+
+            def wrap(pool, *a, _op=op, _orig=orig, **k):
+                self.n[_op] += 1
+                return _orig(pool, *a, **k)
+            monkeypatch.setattr(SnapshotPool, op, wrap)
+
+
+@pytest.mark.parametrize("name", RECURRENT_FAMILIES)
+def test_snapshot_scheme_greedy_and_speculative_equal_stock(name, monkeypatch):
+    model = _model(name)
+    ids, mask = _padded([10, 6])
+    ref = _greedy(model, ids, 24, attention_mask=mask)
+    count, replay = _CountSnapshot(monkeypatch), _Count(monkeypatch)
+    hf.enable(model, scheme="snapshot", max_draft=4)
+    assert hf.replay_state(model).scheme == "snapshot"
+    got = _greedy(model, ids, 24, attention_mask=mask)
+    assert torch.equal(got.sequences, ref.sequences)
+    lr, lg = torch.stack(ref.logits), torch.stack(got.logits)
+    assert ((lg - lr).norm() / lr.norm()).item() < LOGIT_RTOL
+    n_greedy = dict(count.n)
+    out, stats = hf.speculative_generate(model, ids, attention_mask=mask, draft=_noisy_copy(name, 0.6),
+                                         num_draft=4, max_new_tokens=24, return_stats=True)
+    assert torch.equal(out, ref.sequences)
+    assert 0 < stats["accepted"] < stats["proposed"]          # rollback ran
+    assert count.n["verify"] > n_greedy["verify"] and replay.n["verify"] == replay.n["decode"] == 0
+    assert hf.replay_state(model).layers and all(
+        layer.pool.memory_per_sequence()["snapshot"] == 5 * layer.pool.HV * layer.pool.V * layer.pool.K * 4
+        for layer in hf.replay_state(model).layers.values())
+
+
+@pytest.mark.interpret
+def test_snapshot_scheme_on_the_kernels(monkeypatch):
+    # the snapshot kernels (interpreted) in place of the reference steps, speculative greedy
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+    from replayssm.ops import mamba2
+    calls = []
+    orig = mamba2.snapshot_verify
+    monkeypatch.setattr(mamba2, "snapshot_verify", lambda *a, **k: (calls.append(1), orig(*a, **k))[1])
+    model = _model("tiny_nemotron_h")
+    ids = _prompt(8)
+    ref = _greedy(model, ids, 8).sequences
+    hf.enable(model, scheme="snapshot", max_draft=3, backend="triton")
+    out = hf.speculative_generate(model, ids, num_draft=3, max_new_tokens=8)
+    assert len(calls) > 0
+    assert torch.equal(out, ref)

@@ -17,9 +17,17 @@ the replay scheme's flushes fall as in decoding (every `window` steps).
 conventional scheme's (bf16 model, fp32 states: both schemes should agree on nearly all rows).
 Points whose key/value cache would not fit are skipped with the reason in the row.
 
-Speculative generation against the snapshot scheme is not part of this benchmark: the snapshot
-scheme is not wired into the model integration (`replayssm bench verify` compares the two at
-the kernel level).
+Speculative rows (`speculative_rows`, batches `--spec-batches`): one round of speculative
+generation's target work, the verification forward of `T` tokens per row (`--drafts`: the last
+token and `T - 1` drafts, as `speculative_generate` feeds them) through the whole model and the
+commit of `accepted` tokens per row (`--accepted`, a fixed acceptance: the tokens a round keeps,
+the same every round; drafting itself is left out, as prompt lookup costs no GPU time), for the
+ReplaySSM scheme and the snapshot scheme serving engines use (`enable(scheme="snapshot")`:
+`T + 1` full states per sequence and layer), captured in a CUDA graph of one round that moves
+its cache positions and recurrent cursors on like generation. `tokens_per_s` is
+`batch * accepted` over the round's time; `ratio_vs_snapshot` the replay scheme's tokens per
+second over the snapshot scheme's; `verify_agreement` the fraction of the round's argmax tokens
+(every row and position) equal to the snapshot scheme's.
 """
 from __future__ import annotations
 
@@ -167,6 +175,75 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
     return rows
 
 
+@torch.no_grad()
+def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: int = 3, dtype=torch.bfloat16,
+                        device="cuda", window: int = 16, record_dtype=torch.bfloat16, reps: int = 20,
+                        graphs: bool = True, prefill_tokens: int = 131072, kv_budget: float = 0.6, model=None,
+                        **overrides) -> list:
+    """Speculative rows of one model: a verification round (`T` tokens per row, `accepted`
+    kept) of the snapshot and the replay scheme, from the same prefilled cache."""
+    from ..integrations import hf
+    if not 1 <= accepted <= T:
+        raise ValueError(f"accepted must lie in 1..T={T}, got {accepted}")
+    if model is None:
+        model = hf.build(MODELS.get(name, name), dtype=dtype, device=device, **overrides)
+    steps = step_budget(reps) * accepted + T
+    rows = []
+    for context, batch in itertools.product(contexts, batches):
+        base = {"model": name, "batch": batch, "context": context, "T": T, "accepted": accepted,
+                "dtype": str(dtype).replace("torch.", ""), "window": window,
+                "record_dtype": str(record_dtype).replace("torch.", "")}
+        need = kv_bytes(model, batch, context + steps)
+        if torch.cuda.is_available() and str(device).startswith("cuda"):
+            free = torch.cuda.mem_get_info()[0]
+            if need > kv_budget * free:
+                why = f"skipped: key/value cache {need / 2**30:.1f} GiB > {kv_budget:.0%} of free {free / 2**30:.1f} GiB"
+                rows += [dict(base, scheme=s, us_per_round=None, tokens_per_s=None, timing=why)
+                         for s in ("snapshot", "replay")]
+                continue
+        hf.disable(model)
+        cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=steps)
+        tokens = first.expand(batch, T).contiguous()
+        pos = torch.arange(context, context + T, device=first.device)
+        got = {}
+        for scheme in ("snapshot", "replay"):
+            rewind(cache, context)
+            pos.copy_(torch.arange(context, context + T, device=pos.device))
+            hf.enable(model, scheme=scheme, window=window, max_draft=T, num_slots=batch,
+                      record_dtype=record_dtype if scheme == "replay" else None)
+            hf.attach_cache(model, cache)
+            state, binding = hf.replay_state(model), cache._replayssm_binding
+            keep = torch.full((batch,), accepted, dtype=torch.int32, device=first.device)
+
+            def round_():
+                state.verifying = True
+                try:
+                    logits = model(input_ids=tokens, past_key_values=cache, cache_position=pos, use_cache=True,
+                                   logits_to_keep=T).logits
+                finally:
+                    state.verifying = False
+                state.commit(binding, keep)
+                pos.add_(accepted)            # on the device: a replayed graph moves on like generation
+                return logits
+
+            got[scheme] = round_().argmax(-1)
+            us, timing = _time_step(round_, reps, graphs)
+            rows.append(dict(base, scheme=scheme, us_per_round=us, timing=timing,
+                             tokens_per_s=batch * accepted / us * 1e6,
+                             # the recurrent layers' state per sequence, all layers
+                             bytes_per_sequence=sum(layer.pool.memory_per_sequence()[scheme]
+                                                    for layer in state.layers.values()),
+                             verify_agreement=float((got[scheme] == got["snapshot"]).float().mean())))
+            hf.disable(model)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        snap = rows[-2]
+        for r in rows[-2:]:
+            r["ratio_vs_snapshot"] = r["tokens_per_s"] / snap["tokens_per_s"]
+        cache = None
+    return rows
+
+
 def _plot(rows, path):
     import matplotlib
 
@@ -220,6 +297,10 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true", help="time the steps eagerly (CUDA events)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the weights' dtype")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: the bookkeeping only, timed on the host)")
+    ap.add_argument("--spec-batches", type=_ints, default=[64, 256, 512],
+                    help="batches of the speculative rows (0: none)")
+    ap.add_argument("--drafts", type=int, default=4, help="T: tokens per verification round")
+    ap.add_argument("--accepted", type=int, default=3, help="tokens a round keeps (1..T), every round")
     ap.add_argument("--out", default="model.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
     from ..integrations import hf
@@ -238,9 +319,14 @@ def main(argv=None):
     import transformers
     transformers.logging.set_verbosity_error()
     doc = header("model")
+    spec_batches = [b for b in args.spec_batches if b > 0]
+    if not 1 <= args.accepted <= args.drafts:
+        ap.error(f"--accepted must lie in 1..--drafts ({args.drafts}), got {args.accepted}")
     doc.update(window=args.window, record_dtype=args.record_dtype, dtype=args.dtype,
                transformers=transformers.__version__,
-               speculative="not measured: the snapshot scheme is not wired into the model integration")
+               speculative=(f"T = {args.drafts} tokens per round, {args.accepted} kept per row every round "
+                            "(fixed acceptance; drafting not timed)") if spec_batches else "not measured")
+    doc["speculative_rows"] = []
     rows = []
     for m in models:
         r = measure(m, args.batches, args.contexts, schemes, window=args.window, reps=args.reps,
@@ -250,6 +336,13 @@ def main(argv=None):
         rows += r
         doc["rows"] = rows
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
+        if spec_batches:
+            doc["speculative_rows"] += measure_speculative(
+                m, spec_batches, args.contexts, T=args.drafts, accepted=args.accepted, window=args.window,
+                reps=args.reps, dtype=getattr(torch, args.dtype), device=args.device,
+                record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
+                prefill_tokens=args.prefill_tokens)
+            write_results(args.out, doc)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     path = write_results(args.out, doc)
@@ -265,6 +358,16 @@ def main(argv=None):
         agree = f"{r['first_token_agreement']:.2f}" if r.get("first_token_agreement") is not None else "-"
         print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:12} {us:>9} {ratio:>7} {agree:>6}  "
               f"{r['timing']}")
+    if doc["speculative_rows"]:
+        print(f"\nspeculative rounds: {doc['speculative']}")
+        print("model               context batch scheme      us/round   tokens/s  vs snapshot  agree  timing")
+        for r in doc["speculative_rows"]:
+            if r["us_per_round"] is None:
+                print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:10} {r['timing']}")
+                continue
+            print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:10} {r['us_per_round']:9.1f} "
+                  f"{r['tokens_per_s']:10.0f} {r['ratio_vs_snapshot']:11.2f}x {r['verify_agreement']:6.2f}  "
+                  f"{r['timing']}")
     return doc
 
 

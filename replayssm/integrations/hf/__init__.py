@@ -3,6 +3,7 @@
     from replayssm.integrations import hf
     hf.enable(model, window=16, max_draft=8)      # recurrent layers decode on slot pools
     hf.enable(model, scheme="conventional")       # or: full states rewritten each token (baseline)
+    hf.enable(model, scheme="snapshot")           # or: T + 1 full states per sequence (speculation baseline)
     out = model.generate(input_ids, max_new_tokens=64)
     out = hf.speculative_generate(model, input_ids, draft=small_model, num_draft=4, max_new_tokens=64)
     hf.disable(model)                             # stock transformers again

@@ -6,7 +6,7 @@ It is the baseline of `replayssm bench model`: the same model code around the re
 the replay scheme, with the project's tuned conventional kernels
 (`replayssm.ops.<family>.conventional_decode`) on CUDA instead of transformers' PyTorch
 fallback, and the reference's conventional recurrence (`params.step`) elsewhere. It has no
-speculative verification: rolling back a rewritten state needs snapshots.
+speculative verification: rolling back a rewritten state needs snapshots (`snapshot.py`).
 """
 from __future__ import annotations
 
@@ -26,6 +26,20 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def pick_backend(backend: str, device: torch.device) -> str:
+    """The backend a scheme's pool runs: "auto" (the kernels on CUDA, the reference elsewhere),
+    "triton" (the kernels; on the CPU only under TRITON_INTERPRET=1) or "reference"."""
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+    kernels_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton" and not kernels_here:
+        raise ValueError(f"backend 'triton' unavailable: device {device} is not CUDA "
+                         "(on the CPU: TRITON_INTERPRET=1)")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    return backend
+
+
 class ConventionalPool:
     """The subset of `SlotPool` the integration calls (`decode`, `load`, `materialize`,
     `reset`), on a plain state per slot. Padding rows (negative slot ids) get zero outputs
@@ -43,18 +57,7 @@ class ConventionalPool:
         # one spare row past the slots: padding rows of the reference path read and write it
         self._rows = torch.zeros(num_slots + 1, self.HV, self.V, self.K, dtype=torch.float32, device=self.device)
         self.state = self._rows[:num_slots]
-        self.backend = self._pick_backend(backend)
-
-    def _pick_backend(self, backend: str) -> str:
-        if backend not in ("auto", "reference", "triton"):
-            raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
-        kernels_here = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        if backend == "triton" and not kernels_here:
-            raise ValueError(f"backend 'triton' unavailable: device {self.device} is not CUDA "
-                             "(on the CPU: TRITON_INTERPRET=1)")
-        if backend == "auto":
-            return "triton" if self.device.type == "cuda" else "reference"
-        return backend
+        self.backend = pick_backend(backend, self.device)
 
     @torch.no_grad()
     def decode(self, slot_ids: Tensor, *, validate: bool = True, **inputs: Tensor) -> Tensor:
@@ -90,7 +93,7 @@ class ConventionalPool:
 
     def verify(self, *_, **__):
         raise ConventionalUnsupported("the conventional scheme has no speculative verification (a rewritten "
-                                      "state cannot roll back); enable(model, scheme='replay') for it")
+                                      "state cannot roll back); enable(model, scheme='replay' or 'snapshot')")
 
     commit = verify
 

@@ -46,7 +46,7 @@ def _mixers(model):
     return found
 
 
-SCHEMES = ("replay", "conventional")
+SCHEMES = ("replay", "conventional", "snapshot")
 
 
 def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = None, max_draft: int = 8,
@@ -60,7 +60,10 @@ def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = Non
             full fp32 state per sequence and layer rewritten every token, by the project's
             tuned conventional kernels on CUDA and the reference recurrence elsewhere: the
             baseline of `replayssm bench model`; no speculative generation, and `window`,
-            `record_dtype` do not apply).
+            `record_dtype` do not apply), or "snapshot" (`max_draft + 1` full fp32 states per
+            sequence and layer, verification writing one per token and commit keeping the
+            accepted one, as serving engines do: the baseline of speculative generation;
+            `window`, `record_dtype` do not apply).
         window: `L`, the replay window of every pool.
         record_dtype: storage dtype of the buffered records (default: fp32, the pools'
             compute dtype); bf16 on a bf16 model halves record traffic.

@@ -149,7 +149,8 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
     """Speculative generation with a ReplaySSM-enabled target.
 
     Args:
-        model: the target, after `enable(model, max_draft >= num_draft)`.
+        model: the target, after `enable(model, max_draft >= num_draft)` (scheme "replay", or
+            "snapshot" for the baseline serving engines use).
         input_ids, attention_mask: `[B, L]` prompts, left-padded (mask 0 on padding).
         draft: a small causal LM with the same vocabulary (a hybrid model of a supported
             family: enabled here with the target's settings if it is not), or None for prompt
@@ -165,14 +166,15 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
     Returns `[B, L + n]` token ids (`n <= max_new_tokens`, the longest row), like `generate`.
     """
     state = replay_state(model)
-    if state.scheme != "replay" or (draft is not None and is_enabled(draft) and replay_state(draft).scheme != "replay"):
-        raise ValueError("speculative_generate needs scheme='replay' on the target and the draft: the "
-                         "conventional scheme rewrites its state every token and cannot roll back drafts")
+    if state.scheme == "conventional" or (draft is not None and is_enabled(draft)
+                                          and replay_state(draft).scheme == "conventional"):
+        raise ValueError("speculative_generate needs scheme='replay' or 'snapshot' on the target and the draft: "
+                         "the conventional scheme rewrites its state every token and cannot roll back drafts")
     if not 1 <= num_draft <= state.max_tokens:
         raise ValueError(f"num_draft must be in 1..{state.max_tokens} (enable(max_draft=...)), got {num_draft}")
     if draft is not None and not is_enabled(draft):
         enable(draft, window=state.opts["window"], record_dtype=state.opts["record_dtype"],
-               max_draft=state.max_tokens, backend=state.opts["backend"])
+               max_draft=state.max_tokens, backend=state.opts["backend"], scheme=state.scheme)
     if draft is not None and replay_state(draft).max_tokens < num_draft:
         raise ValueError(f"the draft's max_draft {replay_state(draft).max_tokens} is below num_draft {num_draft}")
     gen = model.generation_config

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...pool import SlotPool
-from .conventional import ConventionalPool
+from .conventional import ConventionalPool, capturing
+from .snapshot import SnapshotPool
 
 
 class ConvHistory:
@@ -76,11 +77,11 @@ class ConvHistory:
         return act(out).to(x.dtype).transpose(1, 2)
 
     def commit(self, slots: Tensor, accepted: Tensor) -> None:
-        """Keep the first `accepted[b]` pending inputs of each row; the window moves on."""
+        """Keep the first `accepted[b]` pending inputs of each row; the window moves on.
+        Padding rows keep the spare row's history as it is (no host read: capturable)."""
         ok = slots >= 0
-        s, a = slots[ok].long(), accepted.to(self.pending.device)[ok].long()
-        if s.numel() == 0:
-            return
+        s = torch.where(ok, slots.long(), self.buf.shape[0] - 1)
+        a = torch.where(ok, accepted.to(self.pending.device).long(), 0)
         keep = self.kernel - 1
         idx = (a[:, None] + torch.arange(keep, device=a.device))[:, None, :]
         rows = self.buf[s]
@@ -106,6 +107,9 @@ class LayerState:
         a, o = self.adapter, self.opts
         if o["scheme"] == "conventional":
             return ConventionalPool(a.params(), num_slots, a.V, a.K, a.Hk, device=device, backend=o["backend"])
+        if o["scheme"] == "snapshot":
+            return SnapshotPool(a.params(), num_slots, a.V, a.K, a.Hk, max_draft=o["max_tokens"], device=device,
+                                backend=o["backend"])
         return SlotPool(a.params(), num_slots, a.V, a.K, a.Hk, window=o["window"], max_draft=o["max_tokens"],
                         dtype=torch.float32, device=device, record_dtype=o["record_dtype"],
                         layer=self.index, backend=o["backend"])
@@ -195,10 +199,11 @@ class ReplayState:
     def commit(self, binding: Binding, accepted: Tensor) -> None:
         """Accept the first `accepted[b]` tokens of each row's last verification, in every
         recurrent layer (pool and convolution history)."""
+        live = capturing() or bool((binding.slots >= 0).any())
         for layer in self.layers.values():
             slots = binding.slots.to(layer.pool.device)
             acc = accepted.to(layer.pool.device)
-            ok = slots >= 0
-            if bool(ok.any()):
-                layer.pool.commit(slots, acc)
+            if live:
+                # in a CUDA graph: no host reads (the pools' checks; padding rows are skipped on the device)
+                layer.pool.commit(slots, acc, validate=not capturing())
             layer.conv.commit(slots, acc)
