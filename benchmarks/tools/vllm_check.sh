@@ -1,0 +1,26 @@
+#!/bin/bash
+# The vLLM plugin's GPU checks (tests/test_vllm_plugin.py -m gpu) on the H200, offline, with the
+# bring-up of /work/shared/vllm (README there).
+#   before, in earlier calls of the same warm machine: steps A and B of shared/vllm/run_device.sh
+#   (c1 -> /tmp/site/vllm; c3 for Qwen3-Next's MoE layer)
+#   then:  bash benchmarks/tools/vllm_check.sh C2_DIR [pytest args, e.g. -k "nemotron_h_tiny and eager"]
+# C2_DIR: the c2 folder of prep_carry.sh (vllm_src.tar.xz, site312.tar.xz, models/). Each LLM start
+# costs 1.5-2 minutes: select a few tests per call (-k) to stay inside one command's limit.
+set -u
+C2=$(cd "$1" && pwd); shift; REPO=$(pwd); T0=$(date +%s); LOG=${OUT:-/tmp}/vllm_check.log
+mkdir -p /tmp/site
+[ -d /tmp/site/vllm/model_executor ] || for t in vllm_src site312; do tar -xJf $C2/$t.tar.xz -C /tmp/site || exit 1; done
+# the entry point as an installed distribution would declare it (replayssm runs from the tree)
+EP=/tmp/site/replayssm_vllm_plugin-0.1.0.dist-info; mkdir -p $EP
+printf 'Metadata-Version: 2.1\nName: replayssm-vllm-plugin\nVersion: 0.1.0\n' > $EP/METADATA
+printf '[vllm.general_plugins]\nreplayssm = replayssm.integrations.vllm:register\n' > $EP/entry_points.txt
+export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+  TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+  TOKENIZERS_PARALLELISM=false REPLAYSSM_VLLM_MODELS=$C2/models
+python3 - <<'PY' || exit 2
+import vllm
+from importlib.metadata import entry_points
+print("vllm", vllm.__version__, "plugins:", [e.value for e in entry_points(group="vllm.general_plugins")])
+PY
+python3 -m pytest tests/test_vllm_plugin.py -m gpu -x -v -p no:cacheprovider "$@" 2>&1 | tee $LOG | tail -40
+echo "== vllm_check rc=${PIPESTATUS[0]} in $(( $(date +%s)-T0 )) s (log: $LOG)"

@@ -1,0 +1,140 @@
+"""Every vLLM symbol the plugin reads or patches, in one place, with the versions checked.
+
+A newer vLLM should need changes here only. The plugin touches:
+
+- `MambaMixer2` (NemotronH's Mamba-2 mixer): `get_state_shape`, `get_state_dtype` (the state
+  replayssm keeps per block) and `conv_ssm_forward` (decode rows on replayssm, prefill rows
+  on vLLM's own path). Reads its `A`, `D`, `dt_bias`, `conv_weights`, `conv1d.bias`,
+  `activation`, `split_hidden_states_B_C_fn`, `tped_intermediate_size`, `tped_conv_size`,
+  `tped_dt_size`, `num_heads`, `head_dim`, `n_groups`, `ssm_state_size`, `tp_size`,
+  `num_spec`, `prefix`, `kv_cache`, `cache_config`, `model_config`.
+- `QwenGatedDeltaNetAttention` (Qwen3-Next, Qwen3.5): the same two declarations and
+  `_forward_core`; reads `A_log`, `dt_bias`, `conv1d.weight`, `conv1d.bias`, `activation`,
+  `num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`, `key_dim`, `value_dim`,
+  `tp_size`, `num_spec`.
+- the model classes' `get_mamba_state_shape_from_config` / `get_mamba_state_dtype_from_config`
+  (vLLM sizes the attention block from them before the layers exist, so they must agree with
+  the layers' declarations).
+- the attention metadata each layer finds in `get_forward_context().attn_metadata[prefix]`
+  (`Mamba2AttentionMetadata`, `GDNAttentionMetadata`: fields named in `layers.py`), replaced
+  for the prefill-only call with `dataclasses.replace`.
+- `causal_conv1d_update` (the decode rows' convolution, vLLM's kernel), `is_conv_state_dim_first`,
+  `compute_causal_conv1d_metadata`, `NULL_BLOCK_ID`, `get_current_vllm_config`.
+"""
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+CHECKED_VERSIONS = ("0.25.0",)
+
+_PATCHED_ATTR = "_replayssm_original"
+
+
+class VLLMUnavailable(ImportError):
+    """vLLM is not importable here."""
+
+
+def vllm_version():
+    """vLLM's version string, or None when vLLM is not installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:                                     # pragma: no cover
+        return None
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def version_checked(v) -> bool:
+    """Whether `v` is a release the plugin was written and checked against (a local build
+    suffix, `0.25.0+cu129`, counts as its release)."""
+    return v is not None and v.split("+")[0] in CHECKED_VERSIONS
+
+
+def _get(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+def load() -> SimpleNamespace:
+    """The vLLM symbols, imported now (in a vLLM process, after vLLM itself)."""
+    if vllm_version() is None:
+        raise VLLMUnavailable("vLLM is not installed")
+    ns = SimpleNamespace(
+        MambaMixer2=_get("vllm.model_executor.layers.mamba.mamba_mixer2", "MambaMixer2"),
+        GDN=_get("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention"),
+        get_forward_context=_get("vllm.forward_context", "get_forward_context"),
+        get_current_vllm_config=_get("vllm.config", "get_current_vllm_config"),
+        causal_conv1d_update=_get("vllm.model_executor.layers.mamba.ops.causal_conv1d", "causal_conv1d_update"),
+        is_conv_state_dim_first=_get("vllm.model_executor.layers.mamba.mamba_utils", "is_conv_state_dim_first"),
+        extra_groups=_get("vllm.model_executor.layers.mamba.mamba_utils",
+                          "MambaStateShapeCalculator").extra_groups_for_head_shards,
+        compute_conv_metadata=_get("vllm.v1.attention.backends.utils", "compute_causal_conv1d_metadata"),
+        NULL_BLOCK_ID=_get("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID"),
+    )
+    # model classes whose state declarations vLLM reads from the config: (family, class)
+    models = []
+    for module, name, family in (("vllm.model_executor.models.nemotron_h", "NemotronHForCausalLM", "mamba2"),
+                                 ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM", "gdn"),
+                                 ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLMBase", "gdn"),
+                                 ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration", "gdn")):
+        try:
+            models.append((family, _get(module, name)))
+        except (ImportError, AttributeError):
+            continue
+    ns.models = models
+    return ns
+
+
+def patch_method(cls, name: str, make):
+    """Replace `cls.name` by `make(original)` once (plugins may be loaded more than once per
+    process); `make` gets the original function. Returns whether it patched now."""
+    current = cls.__dict__.get(name)
+    if current is None:
+        current = getattr(cls, name)
+    if getattr(current, _PATCHED_ATTR, None) is not None:
+        return False
+    new = make(current)
+    setattr(new, _PATCHED_ATTR, current)
+    setattr(cls, name, new)
+    return True
+
+
+def patch_classmethod(cls, name: str, make):
+    """As `patch_method` for a classmethod defined on `cls` itself (skipped when inherited:
+    the class that defines it is patched instead). `make` gets the bound original's function."""
+    raw = cls.__dict__.get(name)
+    if not isinstance(raw, classmethod):
+        return False
+    if getattr(raw.__func__, _PATCHED_ATTR, None) is not None:
+        return False
+    new = make(raw.__func__)
+    setattr(new, _PATCHED_ATTR, raw.__func__)
+    setattr(cls, name, classmethod(new))
+    return True
+
+
+def metadata_for(ns, prefix: str):
+    """This layer's attention metadata in the current forward, or None (profile run)."""
+    md = ns.get_forward_context().attn_metadata
+    if md is None:
+        return None
+    return md[prefix]
+
+
+class swapped_metadata:
+    """Within the block, the forward context's metadata of layer `prefix` is `replacement`
+    (for a call of vLLM's own forward on part of the batch)."""
+
+    def __init__(self, ns, prefix: str, replacement):
+        self.md = ns.get_forward_context().attn_metadata
+        self.prefix, self.replacement = prefix, replacement
+
+    def __enter__(self):
+        self.saved = self.md[self.prefix]
+        self.md[self.prefix] = self.replacement
+
+    def __exit__(self, *exc):
+        self.md[self.prefix] = self.saved
+        return False

@@ -1,0 +1,57 @@
+"""The plugin's settings, read from the environment when `register()` runs (every vLLM
+process runs it, so the engine core and its workers agree).
+
+- `REPLAYSSM_VLLM=1` turns the plugin on; unset, empty or `0`, `register()` does nothing.
+- `REPLAYSSM_VLLM_WINDOW` (default 16): `L`, records folded into the checkpoint every `L` tokens.
+- `REPLAYSSM_VLLM_RECORDS` (`auto` by default, `fp32`, `model`): the records' dtype. `auto`
+  keeps Mamba-2 records in the model dtype (they are copies of the layer's inputs, exact) and
+  GDN records in fp32 (GDN's `u` is computed, and bf16 would round it).
+- `REPLAYSSM_VLLM_STATE` (`auto` by default, `strided`, `staged`): how the kernels reach the
+  state in vLLM's blocks. `strided`: directly, which needs kernels that take a slot stride;
+  `staged`: the batch's rows are gathered into contiguous scratch tensors and written back
+  (correct with today's kernels, slower than stock); `auto` probes the kernels once.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV_ENABLE = "REPLAYSSM_VLLM"
+ENV_WINDOW = "REPLAYSSM_VLLM_WINDOW"
+ENV_RECORDS = "REPLAYSSM_VLLM_RECORDS"
+ENV_STATE = "REPLAYSSM_VLLM_STATE"
+
+RECORD_CHOICES = ("auto", "fp32", "model")
+STATE_CHOICES = ("auto", "strided", "staged")
+
+
+@dataclass(frozen=True)
+class Settings:
+    window: int = 16
+    records: str = "auto"
+    state: str = "auto"
+
+
+def enabled(environ=None) -> bool:
+    """Whether `REPLAYSSM_VLLM` asks for the plugin: `1`, `true`, `yes`, `on` (any case)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def settings(environ=None) -> Settings:
+    """The settings from the environment; ValueError naming the variable on a bad value."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_WINDOW, "16").strip()
+    try:
+        window = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_WINDOW}={raw!r} is not an integer") from None
+    if window < 1:
+        raise ValueError(f"{ENV_WINDOW}={window} must be >= 1")
+    records = env.get(ENV_RECORDS, "auto").strip().lower()
+    if records not in RECORD_CHOICES:
+        raise ValueError(f"{ENV_RECORDS}={records!r} must be one of {RECORD_CHOICES}")
+    state = env.get(ENV_STATE, "auto").strip().lower()
+    if state not in STATE_CHOICES:
+        raise ValueError(f"{ENV_STATE}={state!r} must be one of {STATE_CHOICES}")
+    return Settings(window=window, records=records, state=state)

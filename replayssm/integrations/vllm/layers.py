@@ -1,0 +1,288 @@
+"""The patched methods of vLLM's Mamba-2 and GDN layers (installed by `register()`).
+
+Declarations: `get_state_shape` / `get_state_dtype` return replayssm's per-block tensors
+(`state.StateSpec`): vLLM's conv state, then the checkpoint where vLLM keeps its SSM state,
+records and counters. The model classes' config-time declarations return the same.
+
+Forward (`conv_ssm_forward` of Mamba-2, `_forward_core` of GDN), for a batch with metadata:
+
+- prefill rows: rows that continue from a state fold their records into the checkpoint
+  (`batch.before_prefill`); vLLM's own forward then runs on the prefill rows alone (its
+  metadata with the decode rows taken out) and writes their final states into the
+  checkpoint; `batch.after_prefill` empties their records;
+- decode rows: vLLM's `causal_conv1d_update` on its conv state, then `batch.run_decode`
+  (replayssm decode, or commit + verify with speculative decoding).
+
+The profile run (no metadata) and layers in a process where the plugin is off run stock code.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _compat, batch
+from .config import Settings
+from .executors import make_executor
+from .state import BlockState, StateSpec
+
+_STATE_ATTR = "_replayssm_state"
+
+
+def record_dtype(settings: Settings, family: str, model_dtype: torch.dtype) -> torch.dtype:
+    if settings.records == "fp32" or (settings.records == "auto" and family == "gdn"):
+        return torch.float32
+    return model_dtype
+
+
+def make_spec(settings: Settings, family: str, stock_shapes, stock_dtypes, Hk: int, model_dtype,
+              num_spec: int) -> StateSpec:
+    """The replayssm declaration from vLLM's own (conv shape and dtype; `[HV, V, K]`)."""
+    conv_shape, (HV, V, K) = stock_shapes[0], stock_shapes[1]
+    spec = StateSpec(family=family, HV=HV, Hk=Hk, V=V, K=K, window=settings.window,
+                     max_draft=1 + num_spec, record_dtype=record_dtype(settings, family, model_dtype),
+                     conv_shape=tuple(conv_shape), conv_dtype=stock_dtypes[0])
+    spec.check_alignment()
+    return spec
+
+
+def _check_cache_mode(layer) -> None:
+    mode = layer.cache_config.mamba_cache_mode
+    if mode != "none":
+        raise NotImplementedError(
+            f"replayssm's vLLM plugin keeps one state block per request: mamba_cache_mode={mode!r} "
+            "(prefix caching of recurrent state) is not supported; serve without "
+            "--enable-prefix-caching, or unset REPLAYSSM_VLLM")
+
+
+# ------------------------------------------------------------------------------ declarations
+
+def _layer_spec(layer, settings, family, stock_shape, stock_dtype):
+    _check_cache_mode(layer)
+    if family == "mamba2":
+        Hk = layer.n_groups // layer.tp_size
+    else:
+        Hk = layer.num_k_heads // layer.tp_size
+    return make_spec(settings, family, stock_shape(layer), stock_dtype(layer), Hk,
+                     layer.model_config.dtype, layer.num_spec)
+
+
+def _stock(cls, name: str):
+    """vLLM's own method `name` of `cls` (the original under a patch)."""
+    fn = getattr(cls, name)
+    return getattr(fn, _compat._PATCHED_ATTR, None) or fn
+
+
+def declare_layer(ns, cls, family: str, settings: Settings) -> None:
+    shape, dtype = _stock(cls, "get_state_shape"), _stock(cls, "get_state_dtype")
+    _compat.patch_method(cls, "get_state_shape", lambda orig: lambda self: _layer_spec(
+        self, settings, family, shape, dtype).shapes())
+    _compat.patch_method(cls, "get_state_dtype", lambda orig: lambda self: _layer_spec(
+        self, settings, family, shape, dtype).dtypes())
+
+
+def _config_spec(ns, settings, family, vllm_config, shapes, dtypes):
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if family == "mamba2":
+        ng = vllm_config.model_config.hf_config.n_groups
+        Hk = (ng + ns.extra_groups(ng, tp)) // tp
+    else:
+        Hk = vllm_config.model_config.hf_text_config.linear_num_key_heads // tp
+    return make_spec(settings, family, shapes, dtypes, Hk, vllm_config.model_config.dtype,
+                     vllm_config.num_speculative_tokens or 0)
+
+
+def declare_model(ns, cls, family: str, settings: Settings) -> None:
+    raw_shape = cls.__dict__.get("get_mamba_state_shape_from_config")
+    raw_dtype = cls.__dict__.get("get_mamba_state_dtype_from_config")
+    if not (isinstance(raw_shape, classmethod) and isinstance(raw_dtype, classmethod)):
+        return                     # inherited: the class that defines them is patched
+    shape = getattr(raw_shape.__func__, _compat._PATCHED_ATTR, None) or raw_shape.__func__
+    dtype = getattr(raw_dtype.__func__, _compat._PATCHED_ATTR, None) or raw_dtype.__func__
+
+    def spec(kls, vllm_config):
+        return _config_spec(ns, settings, family, vllm_config, shape(kls, vllm_config), dtype(kls, vllm_config))
+
+    _compat.patch_classmethod(cls, "get_mamba_state_shape_from_config",
+                              lambda orig: lambda kls, vllm_config: spec(kls, vllm_config).shapes())
+    _compat.patch_classmethod(cls, "get_mamba_state_dtype_from_config",
+                              lambda orig: lambda kls, vllm_config: spec(kls, vllm_config).dtypes())
+
+
+# ------------------------------------------------------------------------------ state binding
+
+def bound_state(ns, layer, settings: Settings, family: str, params: dict, probe: dict):
+    """`(BlockState, executor)` of `layer` over the tensors vLLM bound to it, built on first
+    use (it allocates: must run before CUDA-graph capture, i.e. in vLLM's warm-up)."""
+    kv = layer.kv_cache
+    key = kv[1].data_ptr()
+    cached = getattr(layer, _STATE_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"replayssm: state of {layer.prefix} first seen inside a CUDA-graph capture")
+    spec = _layer_spec(layer, settings, family, _stock(type(layer), "get_state_shape"),
+                       _stock(type(layer), "get_state_dtype"))
+    st = BlockState.from_kv_cache(spec, kv)
+    max_batch = ns.get_current_vllm_config().scheduler_config.max_num_seqs
+    mode = settings.state
+    if st.ckpt.device.type != "cuda":
+        mode = "reference"
+    ex = make_executor(st, params, mode=mode, max_batch=max_batch, probe_inputs=probe["inputs"],
+                       probe_out=probe["out"])
+    setattr(layer, _STATE_ATTR, (key, st, ex))
+    return st, ex
+
+
+def _conv_view(ns, conv):
+    # vLLM's conv kernels take (..., dim, width - 1); the SD layout stores it transposed
+    return conv if ns.is_conv_state_dim_first() else conv.transpose(-1, -2)
+
+
+# ------------------------------------------------------------------------------ Mamba-2
+
+def _mamba2_params(layer) -> dict:
+    return {"A": layer.A, "dt_bias": layer.dt_bias, "D": layer.D}
+
+
+def _mamba2_probe(layer, dtype, device) -> dict:
+    HV, V = layer.num_heads // layer.tp_size, layer.head_dim
+    Hk, K = layer.n_groups // layer.tp_size, layer.ssm_state_size
+    z = dict(dtype=dtype, device=device)
+    return {"inputs": {"x": torch.zeros(1, HV, V, **z), "dt": torch.zeros(1, HV, **z),
+                       "B": torch.zeros(1, Hk, K, **z), "C": torch.zeros(1, Hk, K, **z)},
+            "out": torch.zeros(1, HV, V, **z)}
+
+
+def mamba2_forward(ns, settings: Settings):
+    def make(orig):
+        def conv_ssm_forward(self, projected_states, output):
+            md = _compat.metadata_for(ns, self.prefix)
+            if md is None:
+                return orig(self, projected_states, output)
+            st, ex = bound_state(ns, self, settings, "mamba2", _mamba2_params(self),
+                                 _mamba2_probe(self, projected_states.dtype, projected_states.device))
+            nd, ndt = md.num_decodes, md.num_decode_tokens
+            if md.num_prefills > 0:
+                batch.before_prefill(st, md.state_indices_tensor_p, md.has_initial_states_p, self.A)
+                only_p = dataclasses.replace(md, num_decodes=0, num_decode_tokens=0, state_indices_tensor_d=None,
+                                             query_start_loc_d=None, num_accepted_tokens=None)
+                end = ndt + md.num_prefill_tokens
+                with _compat.swapped_metadata(ns, self.prefix, only_p):
+                    orig(self, projected_states[ndt:end], output[ndt:end])
+                batch.after_prefill(st, md.state_indices_tensor_p)
+            if nd > 0:
+                _mamba2_decode(ns, self, md, st, ex, projected_states[:ndt], output[:ndt])
+        return conv_ssm_forward
+    return make
+
+
+def _mamba2_decode(ns, layer, md, st, ex, proj, out):
+    ndt = proj.shape[0]
+    xbc, dt = torch.split(proj[..., layer.tped_intermediate_size:], [layer.tped_conv_size, layer.tped_dt_size],
+                          dim=-1)
+    idx = md.state_indices_tensor_d
+    xbc = ns.causal_conv1d_update(xbc, _conv_view(ns, st.conv), layer.conv_weights, layer.conv1d.bias,
+                                  layer.activation, conv_state_indices=idx,
+                                  num_accepted_tokens=md.num_accepted_tokens, query_start_loc=md.query_start_loc_d,
+                                  max_query_len=idx.size(-1))
+    x, B, C = layer.split_hidden_states_B_C_fn(xbc)
+    HV, Hk = layer.num_heads // layer.tp_size, layer.n_groups // layer.tp_size
+    inputs = {"x": x.reshape(ndt, HV, layer.head_dim), "dt": dt,
+              "B": B.reshape(ndt, Hk, layer.ssm_state_size), "C": C.reshape(ndt, Hk, layer.ssm_state_size)}
+    batch.run_decode(ex, st, idx[:, 0], inputs, out.view(ndt, HV, layer.head_dim), spec_tokens=layer.num_spec,
+                     query_start_loc=md.query_start_loc_d, num_accepted=md.num_accepted_tokens)
+
+
+# ------------------------------------------------------------------------------ GDN
+
+def _gdn_params(layer) -> dict:
+    return {"A_log": layer.A_log, "dt_bias": layer.dt_bias}
+
+
+def _gdn_dims(layer):
+    tp = layer.tp_size
+    return layer.num_v_heads // tp, layer.num_k_heads // tp, layer.head_v_dim, layer.head_k_dim
+
+
+def _gdn_probe(layer, dtype, device) -> dict:
+    HV, Hk, V, K = _gdn_dims(layer)
+    z = dict(dtype=dtype, device=device)
+    return {"inputs": {"q": torch.zeros(1, Hk, K, **z), "k": torch.zeros(1, Hk, K, **z),
+                       "v": torch.zeros(1, HV, V, **z), "a": torch.zeros(1, HV, **z), "b": torch.zeros(1, HV, **z)},
+            "out": torch.zeros(1, HV, V, **z)}
+
+
+def _gdn_inputs(layer, qkv, a, b) -> dict:
+    HV, Hk, V, K = _gdn_dims(layer)
+    n = qkv.shape[0]
+    q, k, v = torch.split(qkv, [Hk * K, Hk * K, HV * V], dim=-1)
+    return {"q": q.reshape(n, Hk, K), "k": k.reshape(n, Hk, K), "v": v.reshape(n, HV, V), "a": a, "b": b}
+
+
+def gdn_forward(ns, settings: Settings):
+    def make(orig):
+        def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+            md = _compat.metadata_for(ns, self.prefix)
+            if md is None:
+                return orig(self, mixed_qkv, b, a, core_attn_out)
+            st, ex = bound_state(ns, self, settings, "gdn", _gdn_params(self),
+                                 _gdn_probe(self, mixed_qkv.dtype, mixed_qkv.device))
+            n = md.num_actual_tokens
+            spec = md.spec_sequence_masks is not None
+            mixed = md.num_prefills > 0 or md.num_decodes > 0
+            if md.num_prefills > 0:
+                _gdn_prefill(ns, orig, self, md, st, mixed_qkv, b, a, core_attn_out, spec)
+            w = self.conv1d.weight.view(self.conv1d.weight.size(0), self.conv1d.weight.size(2))
+            conv = _conv_view(ns, st.conv)
+            if spec:
+                tok = md.spec_token_indx if mixed else None
+                sel = (lambda t: t.index_select(0, tok)) if tok is not None else (lambda t: t[:n])
+                sidx = md.spec_state_indices_tensor
+                qkv = ns.causal_conv1d_update(sel(mixed_qkv), conv, w, self.conv1d.bias, self.activation,
+                                              conv_state_indices=sidx[:, 0][:md.num_spec_decodes],
+                                              num_accepted_tokens=md.num_accepted_tokens,
+                                              query_start_loc=md.spec_query_start_loc,
+                                              max_query_len=sidx.size(-1), validate_data=False)
+                HV, _, V, _ = _gdn_dims(self)
+                y = torch.zeros(qkv.shape[0], HV, V, dtype=core_attn_out.dtype, device=core_attn_out.device)
+                batch.run_decode(ex, st, sidx[:, 0], _gdn_inputs(self, qkv, sel(a), sel(b)), y,
+                                 spec_tokens=self.num_spec, query_start_loc=md.spec_query_start_loc,
+                                 num_accepted=md.num_accepted_tokens)
+                if tok is not None:
+                    core_attn_out.index_copy_(0, tok, y)
+                else:
+                    core_attn_out[:n] = y
+            elif md.num_decodes > 0:
+                nd = md.num_decodes
+                idx = md.non_spec_state_indices_tensor[:nd]
+                qkv = ns.causal_conv1d_update(mixed_qkv[:nd], conv, w, self.conv1d.bias, self.activation,
+                                              conv_state_indices=idx, validate_data=False)
+                batch.run_decode(ex, st, idx, _gdn_inputs(self, qkv, a[:nd], b[:nd]), core_attn_out[:nd],
+                                 spec_tokens=self.num_spec, query_start_loc=md.non_spec_query_start_loc[:nd + 1])
+        return _forward_core
+    return make
+
+
+def _gdn_prefill(ns, orig, layer, md, st, mixed_qkv, b, a, core_attn_out, spec):
+    """vLLM's own forward on the prefill rows only (with speculation, the rows without drafts,
+    which vLLM's metadata already counts as prefills)."""
+    if spec:
+        tok = md.non_spec_token_indx
+    else:
+        tok = torch.arange(md.num_decode_tokens, md.num_actual_tokens, device=mixed_qkv.device)
+    batch.before_prefill(st, md.prefill_state_indices, md.prefill_has_initial_state)
+    qsl = md.prefill_query_start_loc
+    nums, bptr, tptr = ns.compute_conv_metadata(qsl.cpu(), device=qsl.device)
+    only_p = dataclasses.replace(
+        md, num_decodes=0, num_decode_tokens=0, num_spec_decodes=0, num_spec_decode_tokens=0,
+        num_actual_tokens=md.num_prefill_tokens, has_initial_state=md.prefill_has_initial_state,
+        spec_query_start_loc=None, non_spec_query_start_loc=qsl, spec_state_indices_tensor=None,
+        non_spec_state_indices_tensor=md.prefill_state_indices, spec_sequence_masks=None,
+        spec_token_indx=None, non_spec_token_indx=None, num_accepted_tokens=None,
+        nums_dict=nums, batch_ptr=bptr, token_chunk_offset_ptr=tptr)
+    y = torch.zeros((tok.shape[0], *core_attn_out.shape[1:]), dtype=core_attn_out.dtype, device=core_attn_out.device)
+    with _compat.swapped_metadata(ns, layer.prefix, only_p):
+        orig(layer, mixed_qkv.index_select(0, tok), b.index_select(0, tok), a.index_select(0, tok), y)
+    core_attn_out.index_copy_(0, tok, y)
+    batch.after_prefill(st, md.prefill_state_indices)

@@ -1,0 +1,320 @@
+"""The vLLM plugin (replayssm.integrations.vllm): what runs without vLLM on the CPU, and the
+GPU checks with vLLM 0.25.0 (skipped where vLLM or CUDA is absent).
+
+CPU: the enable switch and settings; `register()` a no-op when off or without vLLM; the
+per-block declaration against `Layout.allocate`'s tensors and laid out as vLLM lays pages;
+the batch mapping (`batch.run_decode`: state indices with vLLM's null block as padding,
+decode, speculative commit + verify with accepted counts, prefill seeding and the flush
+before a prefill that continues a state) on page views against a `SlotPool` on the reference
+backend holding the same sequences; the staged kernel executor against the reference.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from replayssm import SlotPool
+from replayssm.integrations import vllm as plugin
+from replayssm.integrations.vllm import _compat, batch, config, state
+from replayssm.integrations.vllm.executors import KernelExecutor, ReferenceExecutor, params_for
+from replayssm.pool import Layout
+
+HV, Hk, V, K = 4, 2, 8, 16
+N = 7                                                   # blocks; block 0 is vLLM's null block
+
+
+def spec_for(family, T=1, window=4, rec=torch.float32):
+    return state.StateSpec(family=family, HV=HV, Hk=Hk, V=V, K=K, window=window, max_draft=T, record_dtype=rec,
+                           conv_shape=(3, 2 * Hk * K + HV * V), conv_dtype=torch.bfloat16)
+
+
+def layer_params(family, g):
+    if family == "mamba2":
+        return {"A": -torch.rand(HV, generator=g) - 0.5, "dt_bias": torch.randn(HV, generator=g) * 0.1,
+                "D": torch.randn(HV, generator=g)}
+    return {"A_log": torch.randn(HV, generator=g) * 0.3, "dt_bias": torch.randn(HV, generator=g) * 0.1}
+
+
+def tokens(family, n, g, T=None):
+    lead = (n,) if T is None else (n, T)
+    if family == "mamba2":
+        return {"x": torch.randn(*lead, HV, V, generator=g), "dt": torch.randn(*lead, HV, generator=g),
+                "B": torch.randn(*lead, Hk, K, generator=g), "C": torch.randn(*lead, Hk, K, generator=g)}
+    return {"q": torch.randn(*lead, Hk, K, generator=g), "k": torch.randn(*lead, Hk, K, generator=g),
+            "v": torch.randn(*lead, HV, V, generator=g), "a": torch.randn(*lead, HV, generator=g),
+            "b": torch.randn(*lead, HV, generator=g)}
+
+
+# ------------------------------------------------------------------------------ switch, register
+
+def test_enable_switch_and_settings():
+    assert not config.enabled({})
+    assert not config.enabled({"REPLAYSSM_VLLM": "0"})
+    assert config.enabled({"REPLAYSSM_VLLM": "1"}) and config.enabled({"REPLAYSSM_VLLM": " ON "})
+    s = config.settings({"REPLAYSSM_VLLM_WINDOW": "8", "REPLAYSSM_VLLM_STATE": "staged"})
+    assert (s.window, s.records, s.state) == (8, "auto", "staged")
+    for env in ({"REPLAYSSM_VLLM_WINDOW": "0"}, {"REPLAYSSM_VLLM_WINDOW": "x"},
+                {"REPLAYSSM_VLLM_RECORDS": "int8"}, {"REPLAYSSM_VLLM_STATE": "paged"}):
+        with pytest.raises(ValueError, match=next(iter(env))):
+            config.settings(env)
+
+
+def test_register_is_a_noop_when_disabled_or_without_vllm(monkeypatch):
+    assert plugin.register({}) is False
+    assert "REPLAYSSM_VLLM" in plugin.status()["reason"]
+    monkeypatch.setattr(_compat, "vllm_version", lambda: None)
+    with pytest.warns(RuntimeWarning, match="vLLM is not installed"):
+        assert plugin.register({"REPLAYSSM_VLLM": "1"}) is False
+    assert plugin.status()["registered"] is False
+    assert _compat.version_checked("0.25.0+cu129") and not _compat.version_checked("0.26.0")
+
+
+def test_entry_point_is_declared():
+    text = open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")).read()
+    assert '[project.entry-points."vllm.general_plugins"]' in text
+    assert 'replayssm = "replayssm.integrations.vllm:register"' in text
+
+
+# ------------------------------------------------------------------------------ declaration
+
+@pytest.mark.parametrize("family,T,rec", [("mamba2", 1, torch.bfloat16), ("gdn", 4, torch.float32)])
+def test_declaration_matches_layout(family, T, rec):
+    sp = spec_for(family, T=T, rec=rec)
+    lay = Layout.allocate(N=N, HV=HV, Hk=Hk, V=V, K=K, Lb=sp.capacity, dtype=torch.float32, record_dtype=rec,
+                          vector_decay=False, raw_records=False, hp_format=None, lp_format=None, device="cpu")
+    shapes, dtypes = sp.shapes(), sp.dtypes()
+    assert shapes[0] == sp.conv_shape and dtypes[0] == torch.bfloat16
+    for i, t in zip((1, 2, 3, 4), (lay.ckpt["data"], lay.buf["ld"], lay.buf["w"], lay.buf["k"])):
+        assert (shapes[i], dtypes[i]) == (tuple(t.shape[1:]), t.dtype)
+    assert (shapes[5], dtypes[5]) == ((2,), lay.cursor.dtype)
+    per_slot = sum(t[0].numel() * t.element_size() for t in (lay.ckpt["data"], *lay.buf.values()))
+    assert sp.page_bytes() == per_slot + 2 * 4 + 3 * sp.conv_shape[1] * 2
+
+
+def test_declaration_checks():
+    with pytest.raises(ValueError, match="not a multiple"):
+        state.StateSpec(family="gdn", HV=HV, Hk=Hk, V=V, K=K, window=4, max_draft=1, record_dtype=torch.float32,
+                        conv_shape=(3, 5), conv_dtype=torch.bfloat16).check_alignment()
+    with pytest.raises(ValueError, match="1..8"):
+        spec_for("gdn", T=9, window=16)
+    with pytest.raises(ValueError, match="smaller than max_draft"):
+        spec_for("gdn", T=4, window=2)
+
+
+def test_page_views_do_not_overlap():
+    st = state.BlockState.allocate_paged(spec_for("mamba2", T=2, rec=torch.bfloat16), N, pad_bytes=64)
+    page = st.pages.numel() // N
+    assert st.ckpt.stride(0) * 4 == page and st.cursor.stride(0) * 4 == page and not st.ckpt.is_contiguous()
+    fills = [(st.conv, 1.0), (st.ckpt, 2.0), (st.ld, 3.0), (st.w, 4.0), (st.k, 5.0), (st.cursor, 6), (st.pending, 7)]
+    for t, v in fills:
+        t.fill_(v)
+    for t, v in fills:
+        assert bool((t == v).all()), v
+    assert int(st.pages.view(N, page)[:, -64:].sum()) == 0          # the padding untouched
+
+
+# ------------------------------------------------------------------------------ batch mapping
+
+def _pair(family, T, g):
+    """The plugin's state (page views, reference executor) and an oracle pool, both empty."""
+    sp = spec_for(family, T=T)
+    params = layer_params(family, g)
+    st = state.BlockState.allocate_paged(sp, N)
+    oracle = SlotPool(params_for(family, **params), N, V, K, Hk, window=sp.window, max_draft=T,
+                      backend="reference", eager_max_batch=0)
+    return st, ReferenceExecutor(st, params), oracle, params
+
+
+def _prefill(st, oracle, blocks, g, A=None):
+    """What vLLM's prefill leaves: a final state in the checkpoint; the plugin seeds it."""
+    S = torch.randn(len(blocks), HV, V, K, generator=g) * 0.3
+    idx = torch.tensor(blocks, dtype=torch.int32)
+    batch.before_prefill(st, idx, torch.zeros(len(blocks), dtype=torch.bool), A)
+    st.ckpt[idx.long()] = S
+    batch.after_prefill(st, idx)
+    oracle.load(idx, S)
+
+
+def _assert_states(st, oracle, blocks, A):
+    idx = torch.tensor(blocks, dtype=torch.int32)
+    want = oracle.materialize(idx)
+    state.flush(st, idx, A)                     # the plugin's fold (what a later prefill reads)
+    got = st.ckpt[idx.long()]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    assert bool((st.cursor[idx.long()] == 0).all())
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_decode_rows_match_reference_pool(family):
+    g = torch.Generator().manual_seed(1)
+    st, ex, oracle, params = _pair(family, 1, g)
+    A = params.get("A")
+    _prefill(st, oracle, [2, 5, 3], g, A)
+    # continuous batching: rows come and go, CUDA-graph padding rows carry the null block
+    schedule = [[2, 5, 3], [5, 3, 0, 0], [3, 2], [2, 5, 3, 0], [5], [2, 3, 5]]
+    for step, blocks in enumerate(schedule):
+        if step == 2:
+            _prefill(st, oracle, [6], g, A)
+            blocks = blocks + [6]
+        idx = torch.tensor(blocks, dtype=torch.int32)
+        toks = tokens(family, len(blocks), g)
+        out = torch.full((len(blocks), HV, V), float("nan"))
+        batch.run_decode(ex, st, idx, toks, out)
+        live = idx > 0
+        want = oracle.decode(idx[live], **{k: v[live] for k, v in toks.items()})
+        assert torch.allclose(out[live], want, rtol=1e-5, atol=1e-6), step
+        assert bool((out[~live] == 0).all())
+        assert torch.equal(st.cursor[idx[live].long()], oracle.cursor[idx[live].long()])
+    assert int(st.cursor[0]) == 0 and float(st.ckpt[0].abs().sum()) == 0       # null block untouched
+    _assert_states(st, oracle, [2, 3, 5, 6], A)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_speculative_rows_match_reference_pool(family):
+    g = torch.Generator().manual_seed(2)
+    T = 3
+    st, ex, oracle, params = _pair(family, T, g)
+    A = params.get("A")
+    _prefill(st, oracle, [1, 4], g, A)
+    blocks = torch.tensor([1, 4, 0], dtype=torch.int32)          # one graph padding row
+    accepted_prev = None
+    for step, qlen in enumerate(([1, 1, 0], [3, 2, 0], [3, 3, 0], [2, 3, 0], [3, 1, 0], [1, 3, 0])):
+        qlen = torch.tensor(qlen)
+        qsl = torch.cat([torch.zeros(1, dtype=torch.long), qlen.cumsum(0)]).to(torch.int32)
+        ntok = int(qsl[-1]) + 2                                   # two padding tokens at the end
+        flat = tokens(family, ntok, g)
+        out = torch.full((ntok, HV, V), float("nan"))
+        num_acc = None if accepted_prev is None else torch.tensor(accepted_prev + [1], dtype=torch.int32)
+        batch.run_decode(ex, st, blocks, flat, out, spec_tokens=T - 1, query_start_loc=qsl, num_accepted=num_acc)
+        live = torch.tensor([0, 1])
+        if accepted_prev is not None:
+            oracle.commit(blocks[live], torch.tensor(accepted_prev, dtype=torch.int32))
+        padded, n = batch.pad_tokens(flat, qsl[:3], T)
+        want = oracle.verify(blocks[live], num_drafts=n[live], **{k: v[live] for k, v in padded.items()})
+        for b in (0, 1):
+            lo = int(qsl[b])
+            for t in range(int(qlen[b])):
+                assert torch.allclose(out[lo + t], want[b, t], rtol=1e-5, atol=1e-6), (step, b, t)
+        # the sampler accepts a prefix of each row's tokens (at least the first)
+        accepted_prev = [int(torch.randint(1, int(q) + 1, (1,), generator=g)) for q in qlen[:2]]
+    oracle.commit(blocks[:2], torch.tensor(accepted_prev, dtype=torch.int32))
+    state.commit(st, batch.slot_ids(blocks[:2]), torch.tensor(accepted_prev, dtype=torch.int32))
+    _assert_states(st, oracle, [1, 4], A)
+
+
+def test_flush_before_a_continuing_prefill():
+    """A row that vLLM prefills from its state (chunked prefill after decoding, or GDN's
+    draft-less rows in a speculative batch) first gets its records folded; fresh rows keep
+    what they have (vLLM overwrites them)."""
+    g = torch.Generator().manual_seed(3)
+    st, ex, oracle, params = _pair("mamba2", 1, g)
+    _prefill(st, oracle, [1, 2], g, params["A"])
+    for _ in range(3):
+        idx = torch.tensor([1, 2], dtype=torch.int32)
+        toks = tokens("mamba2", 2, g)
+        batch.run_decode(ex, st, idx, toks, torch.empty(2, HV, V))
+        oracle.decode(idx, **toks)
+    before2 = st.ckpt[2].clone()
+    batch.before_prefill(st, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([True, False]), params["A"])
+    assert torch.allclose(st.ckpt[1], oracle.materialize(torch.tensor([1]))[0], rtol=1e-4, atol=1e-5)
+    assert int(st.cursor[1]) == 0 and int(st.cursor[2]) == 3 and torch.equal(st.ckpt[2], before2)
+
+
+def test_pad_unpad_round_trip():
+    qsl = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
+    x = torch.arange(8.0)[:, None, None].expand(8, 1, 1).contiguous()
+    padded, n = batch.pad_tokens({"x": x}, qsl, 3)
+    assert n.tolist() == [2, 3, 1]
+    assert padded["x"][:, :, 0, 0].tolist() == [[0, 1, 0], [2, 3, 4], [5, 0, 0]]
+    out = torch.empty(8, 1, 1)
+    batch.unpad_outputs(padded["x"], qsl, out)
+    assert out[:6, 0, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert batch.slot_ids(torch.tensor([0, 3, -1, 5])).tolist() == [-1, 3, -1, 5]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_staged_kernels_match_reference(family):
+    """The kernel executor in mode "staged" (today's kernels on contiguous scratch rows,
+    gathered from and written back to the page views), decode then speculative verify,
+    against the reference executor on a copy of the same pages."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or the Triton interpreter")
+    g = torch.Generator().manual_seed(4)
+    T = 2
+    sp = spec_for(family, T=T)
+    params = layer_params(family, g)
+    a = state.BlockState.allocate_paged(sp, N)
+    b = state.BlockState.allocate_paged(sp, N)
+    S = torch.randn(2, HV, V, K, generator=g) * 0.3
+    for st in (a, b):
+        st.ckpt[torch.tensor([3, 5])] = S
+    ka, rb = KernelExecutor(a, params, mode="staged", max_batch=4), ReferenceExecutor(b, params)
+    idx = torch.tensor([5, 0, 3], dtype=torch.int32)
+    for step in range(3):
+        toks = tokens(family, 3, g)
+        ya, yb = torch.empty(3, HV, V), torch.empty(3, HV, V)
+        batch.run_decode(ka, a, idx, toks, ya)
+        batch.run_decode(rb, b, idx, toks, yb)
+        assert torch.allclose(ya, yb, rtol=1e-4, atol=1e-5), (step, (ya - yb).abs().max())
+    qsl = torch.tensor([0, 2, 2, 3], dtype=torch.int32)
+    for step in range(2):
+        flat = tokens(family, 3, g)
+        ya, yb = torch.empty(3, HV, V), torch.empty(3, HV, V)
+        acc = torch.tensor([2, 1, 1], dtype=torch.int32)
+        for ex, st, y in ((ka, a, ya), (rb, b, yb)):
+            batch.run_decode(ex, st, idx, flat, y, spec_tokens=T - 1, query_start_loc=qsl, num_accepted=acc)
+        assert torch.allclose(ya, yb, rtol=1e-4, atol=1e-5), (step, (ya - yb).abs().max())
+    for name in ("cursor", "pending"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.allclose(a.ckpt, b.ckpt, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ GPU, with vLLM
+
+MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's output folder
+
+
+def _generate(model, mode, enabled, extra="{}"):
+    env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0")
+    r = subprocess.run([sys.executable, "-m", "replayssm.integrations.vllm.check", os.path.join(MODELS, model),
+                        mode, extra],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")][-1]
+    return line[len("TOKENS "):]
+
+
+def _needs_vllm():
+    pytest.importorskip("vllm", reason="vLLM 0.25.0 is installed only on the GPU machine")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not MODELS:
+        pytest.skip("set REPLAYSSM_VLLM_MODELS to make_models.py's output folder")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["nemotron_h_tiny", "qwen3_next_tiny"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_vllm_greedy_equals_stock(model, mode):
+    """Greedy tokens with the plugin equal stock vLLM's, token for token, on requests of
+    different lengths that arrive together and finish at different steps."""
+    _needs_vllm()
+    extra = '{"gdn_prefill_backend": "triton"}' if model.startswith("qwen") else "{}"
+    assert _generate(model, mode, True, extra) == _generate(model, mode, False, extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["nemotron_h_tiny", "qwen3_next_tiny"])
+def test_vllm_ngram_speculative_equals_plain(model):
+    """n-gram speculative decoding with the plugin gives the tokens of plain decoding."""
+    _needs_vllm()
+    base = '"gdn_prefill_backend": "triton", ' if model.startswith("qwen") else ""
+    spec = '{' + base + '"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, ' \
+        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}}'
+    plain = '{' + base.rstrip(", ") + '}'
+    assert _generate(model, "graph", True, spec) == _generate(model, "graph", True, plain)
