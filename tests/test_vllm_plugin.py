@@ -6,7 +6,9 @@ per-block declaration against `Layout.allocate`'s tensors and laid out as vLLM l
 the batch mapping (`batch.run_decode`: state indices with vLLM's null block as padding,
 decode, speculative commit + verify with accepted counts, prefill seeding and the flush
 before a prefill that continues a state) on page views against a `SlotPool` on the reference
-backend holding the same sequences; the staged kernel executor against the reference.
+backend holding the same sequences; the staged kernel executor against the reference; two
+ranks of a 2-way tensor-parallel head split against the unsplit layer (on the GPU's kernels
+where CUDA is present).
 """
 from __future__ import annotations
 
@@ -272,6 +274,83 @@ def test_staged_kernels_match_reference(family):
     for name in ("cursor", "pending"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.allclose(a.ckpt, b.ckpt, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ tensor parallelism
+
+_HEAD_KEYS = {"mamba2": ({"x", "dt"}, {"B", "C"}), "gdn": ({"v", "a", "b"}, {"q", "k"})}
+
+
+def _rank_slice(family, toks, r, tp):
+    """Rank r's share of a batch's token inputs: its value heads and its key heads (groups),
+    contiguous blocks of each, as tensor parallelism shards a layer's heads."""
+    heads, keys = _HEAD_KEYS[family]
+    out = {}
+    for k, v in toks.items():
+        n = HV if k in heads else Hk
+        w = n // tp
+        out[k] = v.narrow(1, r * w, w).contiguous()
+    return out
+
+
+@pytest.mark.parametrize("executor", ["reference", "staged"])
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_tensor_parallel_ranks_concatenate_to_the_unsplit_layer(family, executor):
+    """Two ranks of a 2-way head split, each with the plugin's state for its heads (HV / 2 value
+    heads, Hk / 2 key heads per block), decoding and verifying the same batch (rows joining,
+    a padding row, speculative rounds with the same accepted counts on both ranks): the ranks'
+    outputs concatenated over heads equal the unsplit layer's, and so do their states."""
+    if executor == "staged" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or the Triton interpreter")
+    tp, T = 2, 3
+    dev = "cuda" if torch.cuda.is_available() and executor == "staged" else "cpu"
+    g = torch.Generator().manual_seed(8)
+    params = {k: v.to(dev) for k, v in layer_params(family, g).items()}
+    full = state.BlockState.allocate_paged(spec_for(family, T=T), N, device=dev)
+    ranks = []
+    for r in range(tp):
+        sp = state.StateSpec(family=family, HV=HV // tp, Hk=Hk // tp, V=V, K=K, window=4, max_draft=T,
+                             record_dtype=torch.float32, conv_shape=(3, 2 * (Hk // tp) * K + (HV // tp) * V),
+                             conv_dtype=torch.bfloat16)
+        ranks.append(state.BlockState.allocate_paged(sp, N, device=dev))
+    rank_params = [{k: v[r * (HV // tp):(r + 1) * (HV // tp)] for k, v in params.items()} for r in range(tp)]
+    make = (lambda st, p: ReferenceExecutor(st, p)) if executor == "reference" else (
+        lambda st, p: KernelExecutor(st, p, mode="staged", max_batch=4))
+    ex_full = make(full, params)
+    ex_ranks = [make(st, p) for st, p in zip(ranks, rank_params)]
+    S = (torch.randn(3, HV, V, K, generator=g) * 0.3).to(dev)
+    blocks = torch.tensor([2, 5, 3], dtype=torch.int32, device=dev)
+    full.ckpt[blocks.long()] = S
+    for r, st in enumerate(ranks):
+        st.ckpt[blocks.long()] = S[:, r * (HV // tp):(r + 1) * (HV // tp)]
+
+    def both(idx, toks, nout, **kw):
+        y = torch.full((nout, HV, V), float("nan"), device=dev)
+        batch.run_decode(ex_full, full, idx, toks, y, **kw)
+        parts = []
+        for r, (ex, st) in enumerate(zip(ex_ranks, ranks)):
+            yr = torch.full((nout, HV // tp, V), float("nan"), device=dev)
+            batch.run_decode(ex, st, idx, _rank_slice(family, toks, r, tp), yr, **kw)
+            parts.append(yr)
+        return y, torch.cat(parts, dim=1)
+
+    for step, idx in enumerate(([2, 5, 3], [5, 3, 0], [3, 2, 5])):
+        idx = torch.tensor(idx, dtype=torch.int32, device=dev)
+        toks = {k: v.to(dev) for k, v in tokens(family, 3, g).items()}
+        y, y2 = both(idx, toks, 3)
+        assert torch.allclose(y2, y, rtol=1e-5, atol=1e-6), (step, (y2 - y).abs().max())
+    qsl = torch.tensor([0, 3, 5, 6], dtype=torch.int32, device=dev)
+    acc = None
+    for step in range(3):
+        flat = {k: v.to(dev) for k, v in tokens(family, 6, g).items()}
+        y, y2 = both(blocks, flat, 6, spec_tokens=T - 1, query_start_loc=qsl, num_accepted=acc)
+        assert torch.allclose(y2, y, rtol=1e-5, atol=1e-6), ("verify", step, (y2 - y).abs().max())
+        # the same accepted counts on every rank (as vLLM broadcasts the sampler's)
+        acc = torch.tensor([1 + step % 3, 2, 1], dtype=torch.int32, device=dev)
+    for r, st in enumerate(ranks):
+        for name in ("cursor", "pending"):
+            assert torch.equal(getattr(st, name), getattr(full, name)), (r, name)
+        assert torch.allclose(st.ckpt, full.ckpt[:, r * (HV // tp):(r + 1) * (HV // tp)], rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ GPU, with vLLM
