@@ -157,12 +157,13 @@ def test_verify_benchmark_variants_get_their_own_rows(monkeypatch):
 PRECISION_FIELDS = {"shape", "family", "batch", "read_format", "hp_format", "scheme", "us_per_step",
                     "ratio_vs_fp32_read", "timing", "bytes_per_step", "tb_per_s", "finite"}
 PRECISION_US = {"fp32": 8.0, "fp16": 4.0, "bf16": 4.0, "fp8_e4m3": 2.0, "nvfp4": 1.0}
+CONV_LP_US = {"fp16": 9.0, "bf16": 10.0, "fp8_e4m3": 6.0}     # conventional, low-precision state (x 2: SR)
 
 
 def _precision_rows(monkeypatch, shape, lp_formats, batch=2, window=3):
     """`precision.measure` at a tiny shape with the kernels interpreted and the timing stubbed:
     each "timing" runs its function once and returns a time set per read format, and records
-    what one run did to the cursors, epochs and fp32 checkpoint."""
+    what one run did to the cursors, epochs, fp32 checkpoint and conventional states."""
     from replayssm.bench import precision
 
     cases, runs = [], []
@@ -172,15 +173,22 @@ def _precision_rows(monkeypatch, shape, lp_formats, batch=2, window=3):
             super().__init__(*args, **kwargs)
             cases.append(self)
 
-    # per timing, in order: each read format's non-flush steps, conventional, each format's windows
+    # per timing, in order: each read format's non-flush steps, conventional fp32, conventional
+    # on each low-precision state (nearest, stochastic), each format's windows
     reads = ["fp32"] + list(lp_formats)
-    us = [PRECISION_US[f] for f in reads] + [12.0] + [PRECISION_US[f] for f in reads]
+    conv_lp = [f for f in lp_formats if f in CONV_LP_US]
+    us = ([PRECISION_US[f] for f in reads] + [12.0] + [m * CONV_LP_US[f] for f in conv_lp for m in (1, 2)]
+          + [PRECISION_US[f] for f in reads])
+
+    def snap(case):
+        return (case.cursor.clone(), case.epoch.clone(), case.ckpt.clone(),
+                {f: {k: t.clone() for k, t in p.items()} for f, p in case.state_lp.items()})
 
     def stub(fn, reps=20, warmup=2):
         (case,) = cases
-        before = (case.cursor.clone(), case.epoch.clone(), case.ckpt.clone())
+        before = snap(case)
         fn()
-        runs.append((before, (case.cursor.clone(), case.epoch.clone(), case.ckpt.clone())))
+        runs.append((before, snap(case)))
         return us[len(runs) - 1] * window      # the benchmark divides by the steps per graph
 
     monkeypatch.setattr(precision, "PrecisionCase", Recorded)
@@ -191,30 +199,41 @@ def _precision_rows(monkeypatch, shape, lp_formats, batch=2, window=3):
 
 @pytest.mark.parametrize("shape, lp_formats", [("mamba2/4/2/16/32", ["fp16", "bf16", "fp8_e4m3", "nvfp4"]),
                                                ("gdn/4/2/16/32", ["fp8_e4m3", "nvfp4"]),
-                                               ("kda/2/2/16/16", ["fp16"])])
+                                               ("kda/2/2/16/16", ["fp16"]),
+                                               ("gdn/4/2/16/32", ["nvfp4"])])
 def test_precision_benchmark_bookkeeping(monkeypatch, shape, lp_formats):
     from replayssm import formats
 
     window = 3
     rows, case, runs = _precision_rows(monkeypatch, shape, lp_formats, window=window)
     reads = ["fp32"] + lp_formats
+    conv_lp = [f for f in lp_formats if f in CONV_LP_US]
     assert [(r["timing"], r["scheme"], r["read_format"]) for r in rows] == (
         [("non_flush", "replay", "fp32")] + [("non_flush", "separate", f) for f in lp_formats]
-        + [("window", "conventional", "fp32"), ("window", "replay", "fp32")]
-        + [("window", "separate", f) for f in lp_formats])
+        + [("window", "conventional", "fp32")]
+        + [("window", f"conventional-{f}{sr}", f) for f in conv_lp for sr in ("", "-sr")]
+        + [("window", "replay", "fp32")] + [("window", "separate", f) for f in lp_formats])
     for r in rows:
         assert PRECISION_FIELDS <= set(r), PRECISION_FIELDS - set(r)
-        assert r["hp_format"] == "fp32" and r["family"] == shape.split("/")[0] and r["batch"] == 2
+        lp_state = r["scheme"].startswith("conventional-")
+        assert r["hp_format"] == (r["read_format"] if lp_state else "fp32")
+        assert r["family"] == shape.split("/")[0] and r["batch"] == 2
         assert r["finite"]
     # the non-flush timings: L - 1 steps from cursor 0, no row flushes (epochs and the fp32
     # checkpoint untouched), every row ends at L - 1
-    for (cur0, ep0, ck0), (cur1, ep1, ck1) in runs[:len(reads)]:
+    for (cur0, ep0, ck0, _), (cur1, ep1, ck1, _) in runs[:len(reads)]:
         assert torch.equal(ep1, ep0) and torch.equal(ck1, ck0)
         assert cur1.tolist() == [window - 1] * 2
+    # conventional: its own state; each low-precision one rewrites its state in its format only
+    n_conv = 1 + 2 * len(conv_lp)
+    for i, (before, after) in enumerate(runs[len(reads):len(reads) + n_conv]):
+        assert all(torch.equal(a, b) for a, b in zip(before[:3], after[:3]))
+        changed = [f for f in before[3] if not all(torch.equal(before[3][f][k].view(torch.uint8),
+                                                               after[3][f][k].view(torch.uint8))
+                                                   for k in before[3][f])]
+        assert changed == ([] if i == 0 else [conv_lp[(i - 1) // 2]]), (i, changed)
     # whole windows: staggered rows, each flushes once per window and comes back to its cursor
-    (cur0, ep0, ck0), (cur1, ep1, ck1) = runs[len(reads)]                # conventional: its own state
-    assert torch.equal(cur1, cur0) and torch.equal(ep1, ep0) and torch.equal(ck1, ck0)
-    for (cur0, ep0, ck0), (cur1, ep1, ck1) in runs[len(reads) + 1:]:
+    for (cur0, ep0, ck0, _), (cur1, ep1, ck1, _) in runs[len(reads) + n_conv:]:
         assert cur0.tolist() == [0, 1] and torch.equal(cur1, cur0)
         assert torch.equal(ep1, ep0 + 1)
     assert not torch.equal(runs[-1][1][2], runs[-1][0][2])       # the flush wrote the fp32 checkpoint
@@ -234,6 +253,18 @@ def test_precision_benchmark_bookkeeping(monkeypatch, shape, lp_formats):
         assert r["ratio_vs_conventional"] == pytest.approx(12.0 / us[f])
         assert r["ratio_vs_fp32_read"] == pytest.approx(us["fp32"] / us[f])
         assert r["bytes_per_step"] < win["replayfp32"]["bytes_per_step"]
+        if f in CONV_LP_US:
+            assert r["ratio_vs_conventional_lp"] == pytest.approx(CONV_LP_US[f] / us[f])
+        else:
+            assert "ratio_vs_conventional_lp" not in r
+    for f in conv_lp:
+        for sr, m in (("", 1), ("-sr", 2)):
+            r = win[f"conventional-{f}{sr}" + f]
+            assert r["rounding"] == ("stochastic" if sr else "nearest")
+            assert r["us_per_step"] == pytest.approx(m * CONV_LP_US[f])
+            assert r["ratio_vs_conventional"] == pytest.approx(12.0 / (m * CONV_LP_US[f]))
+            assert r["ratio_vs_fp32_read"] == pytest.approx(us["fp32"] / (m * CONV_LP_US[f]))
+            assert r["bytes_per_step"] == 2 * formats.bytes_per_element(f, case.K) * case.HV * case.V * case.K * 2
 
 
 def test_precision_benchmark_low_precision_checkpoints_decode_the_fp32_one():
@@ -244,6 +275,9 @@ def test_precision_benchmark_low_precision_checkpoints_decode_the_fp32_one():
     case = precision.PrecisionCase("gdn/4/2/16/32", 3, 3, ["bf16", "nvfp4"], device="cpu")
     for f in ("bf16", "nvfp4"):
         assert torch.equal(formats.decode(case.ckpt_lp[f], f), formats.quantize(case.ckpt, f))
+    # and the conventional low-precision state (nvfp4 has no such kernel) the conventional one
+    assert list(case.state_lp) == ["bf16"]
+    assert torch.equal(formats.decode(case.state_lp["bf16"], "bf16"), formats.quantize(case.state, "bf16"))
     assert case.buf_v.shape == (3, 4, 4, 16) and case.buf_v.dtype == torch.bfloat16
 
 
@@ -288,6 +322,6 @@ def test_precision_benchmark_results_file(monkeypatch, tmp_path, capsys):
     assert points == [(s, b, 16, ("nvfp4",), False) for s in ("nemotron3-super", "qwen3.5-4b") for b in (64, 256)]
     doc = json.loads(out.read_text())
     assert {"benchmark", "device", "command", "git_commit", "date", "torch", "triton"} <= set(doc)
-    assert doc["benchmark"] == "precision" and doc["formats"] == ["nvfp4"] and "bf16/fp16 state" in doc["left_out"]
+    assert doc["benchmark"] == "precision" and doc["formats"] == ["nvfp4"] and "left_out" not in doc
     assert len(doc["rows"]) == 8 and out.with_suffix(".png").exists()
     assert "nvfp4" in capsys.readouterr().out

@@ -15,15 +15,21 @@ Per shape, batch and window `L`, two timings, each a CUDA graph replayed (median
    `s mod L`, as `bench decode`): `replay` (fp32 single checkpoint, always the windowed path),
    `separate` (an LP read format, fp32 high-precision checkpoint, both written at the flush),
    against `conventional` decoding with an fp32 state (`ratio_vs_conventional`; there
-   `ratio_vs_fp32_read` is against the fp32 `replay` window).
+   `ratio_vs_fp32_read` is against the fp32 `replay` window), and against conventional decoding
+   with a low-precision state, as serving engines offer it (`conventional_decode_lp` of
+   `ops.mamba2` and of `ops.gdn`, which runs KDA too):
+   `conventional-<fmt>` (the state rewritten round-to-nearest every step) and
+   `conventional-<fmt>-sr` (seeded stochastic rounding), for each read format among fp16, bf16
+   and fp8_e4m3 (`read_format` = `hp_format` = the state's format, `rounding`). A separate row's
+   `ratio_vs_conventional_lp` is conventional-<its format>'s time over its own.
 
-The high-precision checkpoint is fp32 in every row (`hp_format`): the kernels have no other.
-Conventional decoding with a bf16 or fp16 state has no kernel yet, so those rows are left out.
-Bytes: the state and record traffic of SPEC section 6 (`replayssm.traffic`), fp8 counting its
-row scales; GDN/KDA's separate steps also write the raw `v`, `beta` records that the flush
-reads instead of `u`. Token inputs and outputs have `--input-dtype`, records `--record-dtype`;
-layer parameters, the fp32 checkpoint and the conventional state are fp32. Results are
-written after every point (a run cut short keeps what it measured), then a plot and a table.
+The high-precision checkpoint of the ReplaySSM rows is fp32 (`hp_format`). Bytes: the state and
+record traffic of SPEC section 6 (`replayssm.traffic`), fp8 counting its row scales; GDN/KDA's
+separate steps also write the raw `v`, `beta` records that the flush reads instead of `u`; a
+conventional step reads and writes its state in its format. Token inputs and outputs have
+`--input-dtype`, records `--record-dtype`; layer parameters, the fp32 checkpoint and the
+conventional fp32 state are fp32. Results are written after every point (a run cut short keeps
+what it measured), then a plot and a table.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from .common import call_accepting, copy_bandwidth_tbs, graph_time_us, header, w
 from .decode import SHAPES, Case, _name
 
 LP_FORMATS = ("fp16", "bf16", "fp8_e4m3", "nvfp4")
+CONV_LP_FORMATS = ("fp16", "bf16", "fp8_e4m3")      # the formats of conventional_decode_lp's states
 BATCHES = (64, 256, 512)
 
 
@@ -46,6 +53,14 @@ def _lowp_decode(family):
     else:
         from ..ops.gdn.precision import lowp_decode   # KDA through its `family` argument
     return lowp_decode
+
+
+def _conventional_lp(family):
+    if family == "mamba2":
+        from ..ops.mamba2 import conventional_decode_lp
+    else:
+        from ..ops.gdn import conventional_decode_lp   # KDA through its `family` argument
+    return conventional_decode_lp
 
 
 def parse_formats(text: str) -> list:
@@ -59,9 +74,22 @@ def parse_formats(text: str) -> list:
     return list(dict.fromkeys(fmts))
 
 
+def _finite_parts(parts: dict) -> bool:
+    """Whether stored parts hold finite values only, without decoding them (fp8's NaN is the
+    code 0x7F of either sign; it has no infinities)."""
+    ok = True
+    for t in parts.values():
+        if t.dtype == torch.float8_e4m3fn:
+            ok = ok and bool(((t.view(torch.uint8) & 0x7F) != 0x7F).all())
+        elif t.is_floating_point():
+            ok = ok and bool(torch.isfinite(t).all())
+    return ok
+
+
 class PrecisionCase(Case):
     """`bench decode`'s point plus one low-precision checkpoint per read format (encoded
-    round-to-nearest from the fp32 checkpoint) and GDN/KDA's raw `v`, `beta` records."""
+    round-to-nearest from the fp32 checkpoint), GDN/KDA's raw `v`, `beta` records, and per read
+    format with a conventional low-precision kernel the conventional state in that format."""
 
     def __init__(self, shape, batch, window, lp_formats, record_dtype=torch.bfloat16, seed=0, *,
                  input_dtype=torch.bfloat16, device="cuda"):
@@ -73,13 +101,17 @@ class PrecisionCase(Case):
         self.buf_beta = torch.rand(N, Lb, self.HV, device=device, generator=g)
         self.start = self.cursor.clone()
         self.lowp = _lowp_decode(self.family)
-        self.ckpt_lp = {}
-        for fmt in lp_formats:
-            parts = formats.allocate(fmt, tuple(self.ckpt.shape), device=device)
-            for s0 in range(0, N, 32):          # in slot chunks: encode works in float64
-                for key, t in formats.encode(self.ckpt[s0:s0 + 32], fmt).items():
-                    parts[key][s0:s0 + 32] = t
-            self.ckpt_lp[fmt] = parts
+        self.conventional_lp = _conventional_lp(self.family)
+        self.ckpt_lp = {fmt: self._encoded(self.ckpt, fmt) for fmt in lp_formats}
+        self.state_lp = {fmt: self._encoded(self.state, fmt) for fmt in lp_formats if fmt in CONV_LP_FORMATS}
+
+    @staticmethod
+    def _encoded(x, fmt):
+        parts = formats.allocate(fmt, tuple(x.shape), device=x.device)
+        for s0 in range(0, x.shape[0], 32):          # in slot chunks: encode works in float64
+            for key, t in formats.encode(x[s0:s0 + 32], fmt).items():
+                parts[key][s0:s0 + 32] = t
+        return parts
 
     def step(self, i, read_format, config=None):
         """Step `i` of the window with checkpoint reads in `read_format` (fp32: `replay_decode`)."""
@@ -102,6 +134,15 @@ class PrecisionCase(Case):
         for i in range(self.window):
             self.step(i, read_format, config)
 
+    def conventional_lp_window(self, fmt, rounding, config=None):
+        """`window` conventional steps on the `fmt` state, written with `rounding` (step `i`
+        seeds the stochastic rounding of step `i`)."""
+        for i in range(self.window):
+            call_accepting(self.conventional_lp,
+                           dict(self._common(i), state=self.state_lp[fmt], slot_ids=self.slot_ids, fmt=fmt,
+                                out=self.out[i], config=config, rounding=rounding, seed=0, step=i,
+                                family=self.family, validate=False))
+
     def step_bytes(self, read_format, h):
         """Bytes one step at cursor `h` moves for the whole batch (SPEC section 6): the
         checkpoint read in `read_format` (the fp32 one at the flush, which writes fp32 and the
@@ -122,14 +163,15 @@ class PrecisionCase(Case):
         return (fp32 + extra) * self.batch
 
     def finite(self) -> bool:
-        return bool(torch.isfinite(self.ckpt).all() and torch.isfinite(self.state).all())
+        return bool(torch.isfinite(self.ckpt).all() and torch.isfinite(self.state).all()) and all(
+            _finite_parts(p) for p in self.state_lp.values())
 
 
 def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat16, input_dtype=torch.bfloat16,
             device="cuda", whole_window=True):
     """Rows of one (shape, batch, window) point: the non-flush step per read format (fp32
-    first), then (with `whole_window`) conventional, replay and each separate design over
-    whole windows."""
+    first), then (with `whole_window`) conventional (fp32, then each low-precision state, nearest
+    and stochastic), replay and each separate design over whole windows."""
     case = PrecisionCase(shape, batch, window, lp_formats, record_dtype, input_dtype=input_dtype, device=device)
     L = window
     base = dict(shape=shape, family=case.family, batch=batch, window=L, record_dtype=_name(record_dtype),
@@ -150,6 +192,8 @@ def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat
                          byte_bound_traffic=b_nf["fp32"] / b_nf[fmt]))
     if whole_window:
         t_conv = graph_time_us(case.conventional_window, reps=reps) / L
+        t_clp = {(fmt, r): graph_time_us(lambda: case.conventional_lp_window(fmt, r), reps=reps) / L
+                 for fmt in case.state_lp for r in ("nearest", "stochastic")}
         t_win, b_win = {}, {}
         for fmt in reads:
             t_win[fmt] = graph_time_us(lambda: case.whole_window(fmt), reps=reps) / L
@@ -158,12 +202,21 @@ def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat
         rows.append(dict(base, timing="window", scheme="conventional", read_format="fp32", cursors="staggered",
                          us_per_step=t_conv, ratio_vs_fp32_read=t_win["fp32"] / t_conv, ratio_vs_conventional=1.0,
                          bytes_per_step=b_conv, tb_per_s=b_conv / t_conv / 1e6))
+        for (fmt, r), t in t_clp.items():
+            b = 2 * formats.bytes_per_element(fmt, case.K) * case.V * case.K * case.HV * batch
+            rows.append(dict(base, timing="window", scheme=f"conventional-{fmt}" + ("-sr" if r == "stochastic" else ""),
+                             read_format=fmt, hp_format=fmt, rounding=r, cursors="staggered", us_per_step=t,
+                             ratio_vs_fp32_read=t_win["fp32"] / t, ratio_vs_conventional=t_conv / t,
+                             bytes_per_step=b, tb_per_s=b / t / 1e6))
         for fmt in reads:
-            rows.append(dict(base, timing="window", scheme="replay" if fmt == "fp32" else "separate",
-                             read_format=fmt, cursors="staggered", path="windowed", us_per_step=t_win[fmt],
-                             ratio_vs_fp32_read=t_win["fp32"] / t_win[fmt],
-                             ratio_vs_conventional=t_conv / t_win[fmt], bytes_per_step=b_win[fmt],
-                             tb_per_s=b_win[fmt] / t_win[fmt] / 1e6))
+            row = dict(base, timing="window", scheme="replay" if fmt == "fp32" else "separate",
+                       read_format=fmt, cursors="staggered", path="windowed", us_per_step=t_win[fmt],
+                       ratio_vs_fp32_read=t_win["fp32"] / t_win[fmt],
+                       ratio_vs_conventional=t_conv / t_win[fmt], bytes_per_step=b_win[fmt],
+                       tb_per_s=b_win[fmt] / t_win[fmt] / 1e6)
+            if (fmt, "nearest") in t_clp:
+                row["ratio_vs_conventional_lp"] = t_clp[fmt, "nearest"] / t_win[fmt]
+            rows.append(row)
     finite = case.finite()
     for r in rows:
         r["finite"] = finite
@@ -184,9 +237,9 @@ def _plot(rows, path):
               (axes[1], "window", "ratio_vs_conventional", "whole window: speed-up over conventional fp32"))
     for ax, timing, key, title in panels:
         for shape, fmt in sorted({(r["shape"], r["read_format"]) for r in rows
-                                  if r["timing"] == timing and r["scheme"] != "conventional"}):
+                                  if r["timing"] == timing and not r["scheme"].startswith("conventional")}):
             pts = sorted((r["batch"], r[key]) for r in rows if r["timing"] == timing and r["shape"] == shape
-                         and r["read_format"] == fmt and r["scheme"] != "conventional")
+                         and r["read_format"] == fmt and not r["scheme"].startswith("conventional"))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{shape} {fmt}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
@@ -200,14 +253,17 @@ def _plot(rows, path):
 
 def table(rows) -> str:
     """The printed summary: per point, each read format's non-flush time, its ratio against
-    fp32 reads and its byte bound, and its whole-window ratio against conventional decoding."""
-    lines = ["shape              batch  L read      non-flush us  vs fp32  byte bound  window us  vs conv"]
+    fp32 reads and its byte bound, and its whole-window ratio against conventional decoding
+    with an fp32 state and with a state in the read format (round-to-nearest)."""
+    lines = ["shape              batch  L read      non-flush us  vs fp32  byte bound  window us  vs conv  vs conv-lp"]
     for r in rows:
         if r["timing"] != "non_flush":
             continue
-        w = next((x for x in rows if x["timing"] == "window" and x["scheme"] != "conventional" and all(
+        w = next((x for x in rows if x["timing"] == "window" and not x["scheme"].startswith("conventional") and all(
             x[k] == r[k] for k in ("shape", "batch", "window", "read_format"))), None)
         win = f"{w['us_per_step']:9.1f} {w['ratio_vs_conventional']:7.2f}x" if w else ""
+        if w and "ratio_vs_conventional_lp" in w:
+            win += f" {w['ratio_vs_conventional_lp']:9.2f}x"
         lines.append(f"{r['shape']:18} {r['batch']:5d} {r['window']:2d} {r['read_format']:9} {r['us_per_step']:12.1f} "
                      f"{r['ratio_vs_fp32_read']:7.2f}x {r['byte_bound']:9.2f}x  {win}")
     return "\n".join(lines)
@@ -230,7 +286,7 @@ def main(argv=None):
                     help="dtype of the token inputs and outputs (layer parameters stay fp32)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-window", dest="whole_window", action="store_false",
-                    help="time the non-flush steps only (no whole windows, no conventional kernel)")
+                    help="time the non-flush steps only (no whole windows, no conventional kernels)")
     ap.add_argument("--out", default="precision.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
     try:
@@ -252,8 +308,7 @@ def main(argv=None):
     rdt, idt = getattr(torch, args.record_dtype), getattr(torch, args.input_dtype)
     doc = header("precision")
     doc.update(record_dtype=args.record_dtype, input_dtype=args.input_dtype, formats=lp_formats,
-               copy_tb_per_s=copy_bandwidth_tbs(),
-               left_out="conventional decoding with a bf16/fp16 state: no such kernel yet")
+               copy_tb_per_s=copy_bandwidth_tbs())
     print(f"{doc['device']}: device-to-device copy {doc['copy_tb_per_s']:.2f} TB/s; records "
           f"{args.record_dtype}, token inputs {args.input_dtype}; read formats fp32,{','.join(lp_formats)}", flush=True)
     rows = []

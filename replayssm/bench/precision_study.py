@@ -21,7 +21,9 @@ Designs (`DESIGNS`), for each low-precision format `LP` of `--formats`:
   stochastic rounding.
 * `conventional-lowp` (`LP` in bf16, fp16): the conventional recurrence whose state is rounded
   to `LP` after every token (`reference.schemes.shared_lowp_step`), nearest or stochastic, as
-  serving engines keep bf16/fp16 states.
+  serving engines keep bf16/fp16 states; on CUDA the batched engine runs them on the engines'
+  kernel, `conventional_decode_lp` (the state stored in `LP`, stochastic rounding's streams
+  `slot * 2**32 + token`).
 * `conventional-fp32`: the conventional fp32 recurrence, the floor every design is held to.
 
 The reference is the conventional recurrence in float64 (`params.step`), batched over the
@@ -34,7 +36,8 @@ first token whose outputs are not finite (`first_nonfinite`, None while they all
 Two engines of the same mathematics: `pool` (a `SlotPool` per variant; on CUDA the pools with an
 fp32 checkpoint and an LP copy decode on the kernels, the others on the reference, one row at a
 time) and `batched` (every variant as rows of one tensor, one conventional step per token; see
-`_Batched`), which agree to within 1% (round-to-nearest) at a tiny shape. Results for the issue
+`_Batched`; its conventional low-precision rows on the kernel where `kernels`), which agree to
+within 1% (round-to-nearest) at a tiny shape. Results for the issue
 come from a GPU run (`--engine batched --tokens 131072`); on the CPU every pool runs the
 reference, fit for short runs only.
 """
@@ -49,7 +52,7 @@ import torch
 
 from .. import shapes as shp
 from ..pool import SlotPool
-from ..formats import quantize
+from ..formats import allocate, quantize
 from ..reference.schemes import shared_lowp_step
 from ..testing import make_inputs, make_params
 from .common import header, write_results
@@ -141,18 +144,41 @@ class _Batched:
     fp32 (equal to the pool's unrolled sums within fp32 rounding); a flush outputs from `H`,
     then sets `H <- Q_HP(H)` and `O <- Q_LP(H)` (shared: `O <- H`), as `SlotPool._write`
     stores `S`. Stochastic roundings draw other random numbers than the pools' streams.
+    With `kernels`, the conventional low-precision designs are not rows of that tensor: each
+    keeps its state in its format, stepped by `conventional_decode_lp` (the serving engines'
+    kernel, its outputs from the fp32 update as `params.step`'s).
     """
 
-    def __init__(self, vars_, shape, batch, window, device, seed, layer):
+    def __init__(self, vars_, shape, batch, window, device, seed, layer, kernels=False):
         self.vars, self.B, self.window = vars_, batch, window
         self.pools = [i for i, v in enumerate(vars_) if not v["design"].startswith("conventional")]
-        self.convs = [i for i, v in enumerate(vars_) if v["design"].startswith("conventional")]
+        conv = [i for i, v in enumerate(vars_) if v["design"].startswith("conventional")]
+        self.lp_kernels = [i for i in conv if kernels and vars_[i]["hp_format"] != "fp32"]
+        self.convs = [i for i in conv if i not in self.lp_kernels]
         self.params = make_params(shape.family, shape.HV, shape.K, dtype=torch.float32, device=device,
                                   seed=_layer_seed(seed, layer))
         self.rows = 2 * len(self.pools) + len(self.convs)      # O rows, H rows, conventional rows
         self.S = torch.zeros(self.rows * batch, shape.HV, shape.V, shape.K, device=device)
         self.seed = _layer_seed(seed, layer)
         self.ar = torch.arange(batch, device=device, dtype=torch.int64)
+        self.lp_states = {i: allocate(vars_[i]["hp_format"], (batch, shape.HV, shape.V, shape.K), device)
+                          for i in self.lp_kernels}
+        if self.lp_kernels:
+            from ..ops import gdn, mamba2
+
+            self.lp_step = mamba2.conventional_decode_lp if shape.family == "mamba2" else gdn.conventional_decode_lp
+
+    def _kernel_step(self, t: int, i: int, inp: dict) -> torch.Tensor:
+        """Token `t` of conventional low-precision variant `i` on the kernel: its outputs `[B, HV, V]`."""
+        v, p = self.vars[i], self.params
+        # one seed per variant and layer: no two variants share random numbers
+        kw = dict(rounding=v["rounding"], seed=(self.seed * 1009 + i) % 2 ** 64, step=t)
+        if p.family == "mamba2":
+            return self.lp_step(inp["x"], inp["dt"], inp["B"], inp["C"], p.A, p.dt_bias, p.D, inp.get("z"),
+                                self.lp_states[i], self.ar, v["hp_format"], **kw)
+        return self.lp_step(inp["q"], inp["k"], inp["v"], inp["a"], inp["b"], p.A_log, p.dt_bias, p.scale,
+                            self.lp_states[i], self.ar, v["hp_format"], use_qk_l2norm=p.use_qk_l2norm,
+                            family=p.family, **kw)
 
     def _rows(self, j: int) -> slice:
         return slice(j * self.B, (j + 1) * self.B)
@@ -174,6 +200,8 @@ class _Batched:
         out = torch.empty(len(self.vars), *y.shape[1:], dtype=y.dtype, device=y.device)
         out[self.pools] = y[nP:2 * nP] if flush else y[:nP]
         out[self.convs] = y[2 * nP:]
+        for i in self.lp_kernels:
+            out[i] = self._kernel_step(t, i, inp)
         if flush:
             for j, i in enumerate(self.pools):
                 v = self.vars[i]
@@ -194,13 +222,14 @@ def _layer_seed(seed: int, layer: int) -> int:
 
 def run(shape, *, layers: int = 2, tokens: int = 256, batch: int = 2, window: int = 16,
         designs=DESIGNS, lp_formats=LP_FORMATS, device="cpu", seed: int = 0, engine: str = "pool",
-        progress=None) -> list:
+        progress=None, kernels=None) -> list:
     """The study for one shape (`shapes.Shape` or a name / `family/HV/Hk/V/K`): its rows, one per
     variant and log-spaced token count (`checkpoints(tokens)`).
 
     `engine`: "pool" (a `SlotPool` per variant: the kernels on CUDA for an fp32 checkpoint with
     an LP copy, the reference otherwise, one row at a time) or "batched" (`_Batched`: every
-    variant in one tensor, fast enough for 131072 tokens on a GPU)."""
+    variant in one tensor, fast enough for 131072 tokens on a GPU). `kernels` (batched engine):
+    the conventional low-precision designs on `conventional_decode_lp` (None: on CUDA)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     shape = shp.parse(shape) if isinstance(shape, str) else shape
@@ -213,7 +242,8 @@ def run(shape, *, layers: int = 2, tokens: int = 256, batch: int = 2, window: in
         lseed = _layer_seed(seed, layer)
         p64 = make_params(shape.family, shape.HV, shape.K, dtype=torch.float64, device=device, seed=lseed)
         if engine == "batched":
-            runners = _Batched(vars_, shape, batch, window, device, seed, layer)
+            runners = _Batched(vars_, shape, batch, window, device, seed, layer,
+                               kernels=device.type == "cuda" if kernels is None else kernels)
         else:
             runners = [_Runner(v, p64, batch, shape, window, device, seed, layer) for v in vars_]
         S64 = torch.zeros(batch, shape.HV, shape.V, shape.K, dtype=torch.float64, device=device)
@@ -391,6 +421,8 @@ def main(argv=None) -> dict:
     doc.update(engine=args.engine, layers=args.layers, tokens=args.tokens, batch=args.batch,
                window=args.window, seed=args.seed,
                teacher_forcing="independent random inputs per layer", reference="float64 conventional recurrence",
+               conventional_lowp="conventional_decode_lp kernels" if args.engine == "batched"
+               and device.startswith("cuda") else "reference (shared_lowp_step)",
                rows=[])
     for s in args.shapes:
         doc["rows"] += run(s, layers=args.layers, tokens=args.tokens, batch=args.batch, window=args.window,

@@ -1,7 +1,8 @@
 """Gated DeltaNet decode kernels: ReplaySSM standard decode and the conventional baseline.
 
 `replay_decode` keeps the state as checkpoint + ring buffer (docs/state-layout.md);
-`conventional_decode` reads, updates and writes the full state every step. Both are also
+`conventional_decode` reads, updates and writes the full state every step
+(`conventional_decode_lp`: the same on a bf16, fp16 or fp8 state, GDN or KDA). Both are also
 registered as torch custom ops (`torch.ops.replayssm.gdn_replay_decode`,
 `torch.ops.replayssm.gdn_conventional_decode`) for torch.compile and CUDA graphs.
 
@@ -17,12 +18,13 @@ from ..utils.launch import arrive_counter
 from .configs import conventional_config, replay_config
 from .configs import eager_max_batch as _eager_max_batch
 from .conventional import conventional_decode
+from .conventional_lp import conventional_decode_lp
 from .decode import replay_decode
 from .snapshot import snapshot_commit, snapshot_verify
 from .verify import replay_verify
 
-__all__ = ["replay_decode", "conventional_decode", "replay_config", "conventional_config", "eager_max_batch",
-           "arrive_counter", "replay_verify", "snapshot_verify", "snapshot_commit"]
+__all__ = ["replay_decode", "conventional_decode", "conventional_decode_lp", "replay_config", "conventional_config",
+           "eager_max_batch", "arrive_counter", "replay_verify", "snapshot_verify", "snapshot_commit"]
 
 
 def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:

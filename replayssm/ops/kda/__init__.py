@@ -11,12 +11,13 @@ from ..gdn.configs import eager_max_batch as _eager_max_batch
 from ..gdn.configs import replay_config as _replay_config
 from ..utils.launch import arrive_counter
 from .conventional import conventional_decode
+from .conventional_lp import conventional_decode_lp
 from .decode import replay_decode
 from .snapshot import snapshot_commit, snapshot_verify
 from .verify import replay_verify
 
 __all__ = ["replay_decode", "conventional_decode", "replay_config", "conventional_config", "eager_max_batch",
-           "arrive_counter", "replay_verify", "snapshot_verify", "snapshot_commit"]
+           "arrive_counter", "replay_verify", "snapshot_verify", "snapshot_commit", "conventional_decode_lp"]
 
 
 def replay_config(V: int, K: int, config: Optional[dict] = None, *, HG: int = 1,
