@@ -1,13 +1,15 @@
 """Compile, for sm_90a and without a GPU, every kernel launch a set of tests makes: compile
 errors, registers and stack of the kernels as the tests launch them.
 
-    python benchmarks/tools/compile_check.py tests/test_verify_mamba2.py [pytest args]
+    python benchmarks/tools/compile_check.py [--triton DIR] tests/test_verify_mamba2.py [pytest args]
 
 The tests run under the CPU interpreter, which records each distinct launch (kernel, argument
-types, constexprs, warps); a second process, without the interpreter, compiles each recorded
-launch with Triton's bundled ptxas (Triton 3.9 here; the GPU machine's 3.6 may differ a
-little). Constexprs derived from the interpreter itself (e.g. GDN's EXACT_BF16) keep their
-interpreter values. Exit status 1 if any launch fails to compile.
+types, constexprs, warps, stages); a second process, without the interpreter, compiles each
+recorded launch with Triton's bundled ptxas. `--triton DIR`: compile with the Triton installed
+under DIR (e.g. the GPU machine's 3.6: `pip install --no-deps --target DIR triton==3.6.0`),
+recording still with this environment's, since versions differ by tens of registers and in what
+compiles at all. Constexprs derived from the interpreter itself (e.g. GDN's EXACT_BF16) keep
+their interpreter values. Exit status 1 if any launch fails to compile.
 """
 from __future__ import annotations
 
@@ -53,11 +55,11 @@ def _record(pytest_args, path):
                     sig[p.name] = "i64" if abs(v) >= 2 ** 31 else "i32"
                 else:
                     sig[p.name] = "fp32"
-            nw = kwargs.get("num_warps", 4)
-            key = json.dumps([fn.__module__, fn.__name__, sig, const, nw], default=str)
+            nw, ns = kwargs.get("num_warps", 4), kwargs.get("num_stages", 3)
+            key = json.dumps([fn.__module__, fn.__name__, sig, const, nw, ns], default=str)
             if key not in seen:
                 seen.add(key)
-                records.append(dict(module=fn.__module__, name=fn.__name__, sig=sig, const=const, nw=nw))
+                records.append(dict(module=fn.__module__, name=fn.__name__, sig=sig, const=const, nw=nw, ns=ns))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
@@ -79,6 +81,7 @@ def _compile(path) -> int:
     from regcount import jit_function, report
 
     failed = 0
+    print(f"triton {triton.__version__} ({os.path.dirname(triton.__file__)})")
     for r in json.load(open(path)):
         consts = {(i,): v for i, v in r["const"]}
         label = f"{r['module']}.{r['name']} warps={r['nw']} " + " ".join(
@@ -86,7 +89,8 @@ def _compile(path) -> int:
         try:
             fn = jit_function(getattr(importlib.import_module(r["module"]), r["name"]))
             k = triton.compile(ASTSource(fn=fn, signature=r["sig"], constexprs=consts),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": r["nw"]})
+                               target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": r["nw"], "num_stages": r.get("ns", 3)})
             print("ok  ", report(k.asm["cubin"], label))
         except Exception as e:  # report every launch, then fail
             failed += 1
@@ -98,6 +102,9 @@ def _compile(path) -> int:
 def main(argv) -> int:
     if argv[:1] == ["--compile"]:
         return _compile(argv[1])
+    triton_dir = None
+    if argv[:1] == ["--triton"]:
+        triton_dir, argv = os.path.abspath(argv[1]), argv[2:]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "launches.json")
         env = dict(os.environ, TRITON_INTERPRET="1")
@@ -106,6 +113,8 @@ def main(argv) -> int:
             print(f"the tests failed (pytest exit {rc}); launches not compiled")
             return 1
         env.pop("TRITON_INTERPRET")
+        if triton_dir:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [triton_dir, env.get("PYTHONPATH")]))
         return subprocess.run([sys.executable, __file__, "--compile", path], env=env).returncode
 
 
