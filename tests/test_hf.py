@@ -143,6 +143,36 @@ def test_finished_rows_free_their_slots():
     assert sorted(state.free_slots) == list(range(state.num_slots))
 
 
+def test_generate_frees_finished_rows_at_once():
+    # stock generate on an enabled model: a row that emits EOS gives its slot back at once (its
+    # later tokens are padding the pools skip); tokens equal stock transformers'
+    import gc
+    name = "tiny_qwen3_5"
+    model = _model(name)
+    ids, mask = _padded([8, 5])
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    eos = int(plain[0, ids.shape[1] + 4])              # row 0 stops after its fifth token
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0)
+    hf.enable(model, num_slots=4)
+    state = hf.replay_state(model)
+    freed, steps = [], []
+    orig = state.free
+    state.free = lambda slots: (freed.append((len(steps), slots.tolist())), orig(slots))
+    layer = next(iter(state.layers.values()))
+    dec = layer.pool.decode
+    layer.pool.decode = lambda *a, **k: (steps.append(1), dec(*a, **k))[1]
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0)
+    assert torch.equal(out, ref)
+    first_eos = ref[0, ids.shape[1]:].tolist().index(eos)
+    assert len(freed[0][1]) == 1 and freed[0][0] <= first_eos + 1 < len(steps)   # row 0 alone, early
+    gc.collect()
+    assert sorted(state.free_slots) == list(range(state.num_slots))
+    hf.disable(model)
+    assert "generate" not in vars(model)
+
+
 def test_disable_restores_stock(monkeypatch):
     model = _model("tiny_nemotron_h")
     ids = _prompt(10)

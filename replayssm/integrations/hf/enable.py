@@ -2,7 +2,8 @@
 ReplaySSM state.
 
 `enable` walks the model for its recurrent mixers and gives each an instance-level
-`forward` (the class's is untouched, so other models and a disabled model run stock code):
+`forward` (the class's is untouched, so other models and a disabled model run stock code), and
+the model an instance-level `generate` that frees a sequence's slots as soon as it emits EOS:
 
 - prefill (the cache has no state for the layer yet) runs the mixer's own forward, then
   seeds the layer's pool (`load`) and convolution history from what it left in the cache;
@@ -94,6 +95,8 @@ def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = Non
                         scheme=scheme)
     for idx, mod in mixers:
         mod.forward = types.MethodType(_replay_forward(state.layers[idx]), mod)
+    if hasattr(model, "generate"):
+        model.generate = types.MethodType(_freeing_generate(state), model)
     setattr(model, _ATTR, state)
     return model
 
@@ -108,6 +111,8 @@ def disable(model):
         mod = layer.adapter.mixer
         if "forward" in vars(mod):
             del mod.forward
+    if "generate" in vars(model):
+        del model.generate
     delattr(model, _ATTR)
     return model
 
@@ -134,6 +139,41 @@ def attach_cache(model, cache) -> None:
             raise ValueError(f"the cache holds no recurrent state for layer {layer.index}: prefill it first")
         batch, device = cl.recurrent_states[0].shape[0], cl.recurrent_states[0].device
         _seed(layer, cache, batch, device)
+
+
+def _freeing_generate(state):
+    """The model's `generate` while enabled: stock, with one more stopping criterion that never
+    stops a row but frees the slots of each row that has just emitted EOS (its later tokens are
+    padding, which the pools skip), so that finished sequences leave the pools at once."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _FreeFinished(StoppingCriteria):
+        def __init__(self, eos):
+            self.eos, self.done = eos, None
+
+        def __call__(self, input_ids, scores, **kwargs):
+            never = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            binding = state.latest()
+            if binding is None or binding.slots.shape[0] != input_ids.shape[0]:
+                return never                    # not this generation's rows (e.g. beams): leave them
+            fin = torch.isin(input_ids[:, -1], self.eos.to(input_ids.device))
+            new = fin if self.done is None else fin & ~self.done
+            self.done = fin if self.done is None else self.done | fin
+            if bool(new.any()):
+                binding.release(new)
+            return never
+
+    def generate(self, *args, **kwargs):
+        stock = type(self).generate
+        cfg = kwargs.get("generation_config") or self.generation_config
+        eos = kwargs.get("eos_token_id", cfg.eos_token_id)
+        if eos is None or kwargs.get("num_beams", cfg.num_beams or 1) > 1:
+            return stock(self, *args, **kwargs)
+        eos = torch.tensor([eos] if isinstance(eos, int) else list(eos))
+        crit = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [_FreeFinished(eos)])
+        return stock(self, *args, stopping_criteria=crit, **kwargs)
+
+    return generate
 
 
 def _replay_forward(layer):

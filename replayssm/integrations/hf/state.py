@@ -4,7 +4,8 @@ recurrent layer, and the slots of the sequences in flight.
 A generation's rows are bound to slots through its transformers cache object: the first
 recurrent layer's prefill allocates one slot per row (`Binding`), every layer then addresses
 the same slots, and the slots return to the free list when the binding is released (the
-generation loop frees a finished row at once; otherwise the cache's finalizer frees all).
+generation loops, `generate` and `speculative_generate`, free a finished row at once; the
+cache's finalizer frees the rest).
 """
 from __future__ import annotations
 
@@ -156,6 +157,7 @@ class ReplayState:
         self.free_slots = list(range(num_slots))
         # while True, multi-token forwards leave their tokens pending (speculative verification)
         self.verifying = False
+        self.latest = lambda: None
 
     @property
     def max_tokens(self) -> int:
@@ -194,6 +196,7 @@ class ReplayState:
             binding = Binding(self, self.allocate(batch, device))
             cache._replayssm_binding = binding
             weakref.finalize(cache, binding.release)
+        self.latest = weakref.ref(binding)         # the generation in progress (`generate` frees its rows)
         return binding
 
     def commit(self, binding: Binding, accepted: Tensor) -> None:
