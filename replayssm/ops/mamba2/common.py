@@ -62,6 +62,42 @@ def token_decay(dt, dt_bias, A, off_dt, i_h):
 
 
 @triton.jit
+def draft_decays(dt, dt_bias, A, off_dt, stride_dt_t, i_h, o_t, m_t):
+    """The verify step's drafts (`o_t`, live where `m_t`) of head i_h: `1 / A`, `dt` (0 for
+    drafts that are not live) and log decays `dt A`."""
+    b_A = tl.load(A + i_h).to(tl.float32)
+    b_rA = tl.fdiv(1.0, b_A)
+    b_dt = softplus(tl.load(dt + off_dt + o_t * stride_dt_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+                    + tl.load(dt_bias + i_h).to(tl.float32))
+    b_dt = tl.where(m_t, b_dt, 0.0)
+    return b_rA, b_dt, b_dt * b_A
+
+
+@triton.jit
+def write_shared_drafts(dt, B, A, dt_bias, buf_ld, buf_k, slot, n, off_dt, stride_dt_t, off_B, stride_B_t,
+                        stride_B_g, o_k, m_k, HV: tl.constexpr, Hk: tl.constexpr, K: tl.constexpr,
+                        LB: tl.constexpr, T: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr):
+    """After a verify step's early flush, by the slot's last program: the drafts' fields that
+    other programs of the slot read as committed records until all arrived (every head's
+    decay, every group's key), at positions `0..n-1`, from the inputs."""
+    o_hv = tl.arange(0, HVP)
+    m_hv = o_hv < HV
+    o_g = tl.arange(0, HKP)
+    m_gk = (o_g < Hk)[:, None] & m_k[None, :]
+    b_As = tl.load(A + o_hv, mask=m_hv, other=0.0).to(tl.float32)
+    b_bias = tl.load(dt_bias + o_hv, mask=m_hv, other=0.0).to(tl.float32)
+    p_lds = buf_ld + slot * (LB * HV) + o_hv
+    p_ks = buf_k + slot * (LB * Hk * K) + o_g[:, None] * K + o_k[None, :]
+    for t in tl.static_range(T):
+        if t < n:
+            b_dts = tl.load(dt + off_dt + t * stride_dt_t + o_hv, mask=m_hv, other=0.0)
+            tl.store(p_lds + t * HV, softplus(b_dts.to(tl.float32) + b_bias) * b_As, mask=m_hv)
+            b_Ks = tl.load(B + off_B + t * stride_B_t + o_g[:, None] * stride_B_g + o_k[None, :],
+                           mask=m_gk, other=0.0)                                        # [HKP, BK]
+            tl.store(p_ks + t * (Hk * K), b_Ks.to(tl.float32).to(buf_k.dtype.element_ty), mask=m_gk)
+
+
+@triton.jit
 def record_masks(o_l, h, n_pos, RECMASK: tl.constexpr):
     """Masks of the record lanes at cursor h: `m_j` position j < h holds a record, `m_j1`
     position j + 1 does (the shifted log decays; the current token sits at position h), and

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..utils.cursor import verify_hand_off
 from ..utils.dots import dot_f32
-from .common import OPTIONAL_INPUTS, given, load_tile, softplus
+from .common import OPTIONAL_INPUTS, draft_decays, given, load_tile, write_shared_drafts
 
 __all__ = []
 
@@ -109,12 +109,7 @@ def _replay_verify_tc_kernel(
     m_vt = m_v[:, None] & m_t[None, :]
     b_XiT = tl.load(p_xT, mask=m_vt, other=0.0)                                        # [BV, TP]
     b_XdT = b_XiT.to(tl.float32)
-    b_A = tl.load(A + i_h).to(tl.float32)
-    b_rA = tl.fdiv(1.0, b_A)
-    b_dtd = softplus(tl.load(dt + i_b * stride_dt_b + o_t * stride_dt_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-                     + tl.load(dt_bias + i_h).to(tl.float32))
-    b_dtd = tl.where(m_t, b_dtd, 0.0)                                                   # [TP]
-    b_ldd = b_dtd * b_A
+    b_rA, b_dtd, b_ldd = draft_decays(dt, dt_bias, A, i_b * stride_dt_b, stride_dt_t, i_h, o_t, m_t)   # [TP]
 
     # committed suffixes sum_{j<i<h} ld_i and the drafts' sums sum_{r<i<=t} ld_i, each of
     # same-signed terms (never a difference of prefix sums: weights near 1 keep full precision)
@@ -172,21 +167,6 @@ def _replay_verify_tc_kernel(
 
     last = verify_hand_off(arrive, cursor, pending, epoch, slot, hc, n, flush, HV * NVB)
     if flush & last:
-        # positions 0..n-1 held committed records that other programs of the slot read (a
-        # head's decay, a group's key): written once all have arrived, from the inputs
-        o_hv = tl.arange(0, HVP)
-        m_hv = o_hv < HV
-        o_g = tl.arange(0, HKP)
-        m_gk = (o_g < Hk)[:, None] & m_k[None, :]
-        b_As = tl.load(A + o_hv, mask=m_hv, other=0.0).to(tl.float32)
-        b_bias = tl.load(dt_bias + o_hv, mask=m_hv, other=0.0).to(tl.float32)
-        p_lds = buf_ld + slot * (LB * HV) + o_hv
-        p_ks = buf_k + slot * (LB * Hk * K) + o_g[:, None] * K + o_k[None, :]
-        for t in tl.static_range(T):
-            if t < n:
-                b_dts = tl.load(dt + i_b * stride_dt_b + t * stride_dt_t + o_hv, mask=m_hv, other=0.0)
-                b_lds = softplus(b_dts.to(tl.float32) + b_bias) * b_As                  # [HVP]
-                tl.store(p_lds + t * HV, b_lds, mask=m_hv)
-                b_Ks = tl.load(B + i_b * stride_B_b + t * stride_B_t + o_g[:, None] * stride_B_g + o_k[None, :],
-                               mask=m_gk, other=0.0)                                    # [HKP, BK]
-                tl.store(p_ks + t * (Hk * K), b_Ks.to(tl.float32).to(buf_k.dtype.element_ty), mask=m_gk)
+        # positions 0..n-1 held committed records that other programs of the slot read
+        write_shared_drafts(dt, B, A, dt_bias, buf_ld, buf_k, slot, n, i_b * stride_dt_b, stride_dt_t,
+                            i_b * stride_B_b, stride_B_t, stride_B_g, o_k, m_k, HV, Hk, K, LB, T, HVP, HKP)
