@@ -75,6 +75,16 @@ def kv_bytes(model, batch: int, positions: int) -> int:
     return per_token * batch * positions
 
 
+def _no_room(need: int, device, kv_budget: float) -> str:
+    """Why a point is skipped ("" when its key/value cache of `need` bytes fits the budget)."""
+    if not (torch.cuda.is_available() and str(device).startswith("cuda")):
+        return ""
+    free = torch.cuda.mem_get_info()[0]
+    if need <= kv_budget * free:
+        return ""
+    return f"skipped: key/value cache {need / 2**30:.1f} GiB > {kv_budget:.0%} of free {free / 2**30:.1f} GiB"
+
+
 def step_budget(reps: int) -> int:
     """Decode steps one scheme may run on a cache: the first eager step, a capture's warm-up and
     replays, and an eager fallback's (the static cache must hold them all)."""
@@ -132,13 +142,11 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
         base = {"model": label, "batch": batch, "context": context, "dtype": str(dtype).replace("torch.", ""),
                 "window": window, "record_dtype": str(record_dtype).replace("torch.", "")}
         need = kv_bytes(model, batch, context + step_budget(reps))
-        if torch.cuda.is_available() and str(device).startswith("cuda"):
-            free = torch.cuda.mem_get_info()[0]
-            if need > kv_budget * free:
-                why = f"skipped: key/value cache {need / 2**30:.1f} GiB > {kv_budget:.0%} of free {free / 2**30:.1f} GiB"
-                rows += [dict(base, scheme=s, us_per_step=None, ratio_vs_conventional=None, timing=why)
-                         for s in schemes]
-                continue
+        why = _no_room(need, device, kv_budget)
+        if why:
+            rows += [dict(base, scheme=s, us_per_step=None, ratio_vs_conventional=None, timing=why)
+                     for s in schemes]
+            continue
         hf.disable(model)
         cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=step_budget(reps))
         pos = torch.tensor([context], device=first.device)
@@ -194,13 +202,11 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                 "dtype": str(dtype).replace("torch.", ""), "window": window,
                 "record_dtype": str(record_dtype).replace("torch.", "")}
         need = kv_bytes(model, batch, context + steps)
-        if torch.cuda.is_available() and str(device).startswith("cuda"):
-            free = torch.cuda.mem_get_info()[0]
-            if need > kv_budget * free:
-                why = f"skipped: key/value cache {need / 2**30:.1f} GiB > {kv_budget:.0%} of free {free / 2**30:.1f} GiB"
-                rows += [dict(base, scheme=s, us_per_round=None, tokens_per_s=None, timing=why)
-                         for s in ("snapshot", "replay")]
-                continue
+        why = _no_room(need, device, kv_budget)
+        if why:
+            rows += [dict(base, scheme=s, us_per_round=None, tokens_per_s=None, timing=why)
+                     for s in ("snapshot", "replay")]
+            continue
         hf.disable(model)
         cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=steps)
         tokens = first.expand(batch, T).contiguous()

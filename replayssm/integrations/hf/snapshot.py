@@ -21,8 +21,8 @@ from .conventional import capturing, pick_backend
 
 
 class SnapshotPool:
-    """The subset of `SlotPool` the integration calls (`decode`, `verify`, `commit`, `extend`,
-    `load`, `materialize`, `reset`) on `T + 1` states per slot. Padding rows (negative slot
+    """The subset of `SlotPool` the integration calls (`decode`, `verify`, `commit`, `load`,
+    `materialize`, `reset`; a committed multi-token step is the integration's verify + commit) on `T + 1` states per slot. Padding rows (negative slot
     ids) get zero outputs and touch nothing. `backend` as `ConventionalPool`'s."""
 
     def __init__(self, params, num_slots: int, head_v_dim: int, head_k_dim: int, num_k_heads: int, *,
@@ -38,6 +38,7 @@ class SnapshotPool:
                                    device=self.device)
         self._base = torch.zeros(num_slots + 1, dtype=torch.int32, device=self.device)
         self.states, self.base = self._states[:num_slots], self._base[:num_slots]
+        self._ones = torch.ones(num_slots, dtype=torch.int32, device=self.device)
         self.backend = pick_backend(backend, self.device)
 
     # -- verification and commit -------------------------------------------------------------
@@ -95,19 +96,11 @@ class SnapshotPool:
     def decode(self, slot_ids: Tensor, *, validate: bool = True, **inputs: Tensor) -> Tensor:
         """One token per row, committed: `[B, HV, V]` fp32."""
         y = self.verify(slot_ids, validate=validate, **{k: v[:, None] for k, v in inputs.items()})
-        ones = torch.ones(slot_ids.shape[0], dtype=torch.int32, device=self.device)
-        self.commit(slot_ids, ones, validate=validate)
+        B = slot_ids.shape[0]
+        if self._ones.shape[0] < B:         # kept: no allocation per decoded token once grown
+            self._ones = torch.ones(B, dtype=torch.int32, device=self.device)
+        self.commit(slot_ids, self._ones[:B], validate=validate)
         return y[:, 0]
-
-    def extend(self, slot_ids: Tensor, inputs: dict) -> Tensor:
-        """`S` tokens `[B, S, ...]` continuing each row (committed), `T1 - 1` at a time."""
-        S = next(iter(inputs.values())).shape[1]
-        ys = []
-        for start in range(0, S, self.T1 - 1):
-            n = min(self.T1 - 1, S - start)
-            ys.append(self.verify(slot_ids, **{k: v[:, start:start + n] for k, v in inputs.items()}))
-            self.commit(slot_ids, torch.full((slot_ids.shape[0],), n, dtype=torch.int32, device=self.device))
-        return torch.cat(ys, dim=1)
 
     # -- states --------------------------------------------------------------------------------
 
