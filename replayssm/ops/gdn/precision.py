@@ -34,7 +34,7 @@ from torch import Tensor
 from ..utils.checks import check_tensor
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, store_lp_rows, store_nvfp4_head
+from ..utils.lowp import LP_CODES, head_counter, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
 from ..utils.sround import checkpoint_args, store_sr_rows
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state, check_token_inputs)
@@ -259,15 +259,8 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     if ckpt_lp is None:
         raise ValueError("ckpt_lp: GDN/KDA's precision kernel needs a low-precision copy")
     ck = checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
-    cfg = {"BV": default_bv(V), "num_warps": 4}
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
-        cfg.update(config)
+    cfg = lowp_config(V, config)
     BV = cfg["BV"]
-    if not (isinstance(BV, int) and BV >= 1 and BV & (BV - 1) == 0):
-        raise ValueError(f"config: BV must be a power of two, got {BV!r}")
     scale = _scale(scale, K)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)

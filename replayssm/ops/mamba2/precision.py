@@ -31,7 +31,7 @@ from torch import Tensor
 from ..utils.checks import check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import LP_CODES, default_bv, head_counter, load_lp_tile, store_lp_rows, store_nvfp4_head
+from ..utils.lowp import LP_CODES, head_counter, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
 from ..utils.sround import HP_CODES, checkpoint_args, store_sr_rows
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
                      group_keys, head_weights, record_masks, token_decay)
@@ -199,15 +199,8 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
         check_window(window, Lb)
         check_slots(slot_ids, N)
     ck = checkpoint_args(ckpt, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
-    cfg = {"BV": default_bv(V), "num_warps": 4}
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
-        cfg.update(config)
+    cfg = lowp_config(V, config)
     BV = cfg["BV"]
-    if not (isinstance(BV, int) and BV >= 1 and BV & (BV - 1) == 0):
-        raise ValueError(f"config: BV must be a power of two, got {BV!r}")
     if out is None:
         out = torch.empty_like(x)
     if arrive is None:

@@ -14,6 +14,8 @@ Format codes (`LP` constexpr): 1 fp16, 2 bf16, 3 fp8-e4m3 (one fp32 scale per ro
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from .launch import capturing
 
-__all__ = ["LP_CODES", "lp_views", "default_bv", "head_counter", "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
+__all__ = ["LP_CODES", "lp_views", "default_bv", "lowp_config", "head_counter", "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
 
 LP_CODES = {"fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
 _HEAD_COUNTERS: dict = {}
@@ -62,6 +64,20 @@ def default_bv(V: int) -> int:
     """The precision kernels' default block of value rows (untuned): a quarter of the padded
     head, 8 to 32 rows, so that small heads too are split over programs."""
     return min(32, max(8, triton.next_power_of_2(V) // 4))
+
+
+def lowp_config(V: int, config: Optional[dict]) -> dict:
+    """The precision kernels' launch config (`BV`, `num_warps`) with a caller's overrides."""
+    cfg = {"BV": default_bv(V), "num_warps": 4}
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
+        cfg.update(config)
+    BV = cfg["BV"]
+    if not (isinstance(BV, int) and BV >= 1 and BV & (BV - 1) == 0):
+        raise ValueError(f"config: BV must be a power of two, got {BV!r}")
+    return cfg
 
 
 def head_counter(device, n: int) -> Tensor:
