@@ -122,6 +122,30 @@ def test_model_benchmark_prefill_in_chunks_equals_one_pass():
         assert torch.equal(whole[:, 0], model(ids).logits[:, -1].argmax(-1)), name
 
 
+def test_model_benchmark_short_prefill_fills_the_rest_of_the_context():
+    # `real`: the first positions prefilled through the model (their keys/values and recurrent
+    # states equal a prefill of those tokens alone), the rest of the context random keys/values,
+    # and the attention layers' length at the whole context
+    pytest.importorskip("transformers")
+    from transformers.cache_utils import StaticLayer
+
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+    model = hf.build("tiny_qwen3_5")
+    short, _ = mb.prefill(model, 2, 9, real=4, steps=3)
+    alone, first = mb.prefill(model, 2, 4, steps=8)
+    layers = [(a, b) for a, b in zip(short.layers, alone.layers) if isinstance(a, StaticLayer)]
+    assert layers
+    for a, b in layers:
+        assert torch.equal(a.keys[:, :, :4], b.keys[:, :, :4]) and torch.equal(a.values[:, :, :4], b.values[:, :, :4])
+        assert int(a.cumulative_length) == 9
+        filled = a.keys[:, :, 4:9]
+        assert filled.abs().sum() > 0 and filled.std() > 0.2 * a.keys[:, :, :4].std()
+        assert a.keys[:, :, 9:].abs().sum() == 0                  # the decode steps' room untouched
+    with pytest.raises(ValueError, match="real must be >= 0"):
+        mb.prefill(model, 2, 9, real=-1)
+
+
 def test_model_benchmark_cli(monkeypatch, capsys):
     from replayssm import cli
     from replayssm.bench import model as mb

@@ -100,19 +100,41 @@ def rewind(cache, context: int) -> None:
 
 
 @torch.no_grad()
-def prefill(model, batch: int, context: int, *, prefill_tokens: int = 131072, seed: int = 0, steps: int = 1):
+def prefill(model, batch: int, context: int, *, prefill_tokens: int = 131072, seed: int = 0, steps: int = 1,
+            real: int = 0):
     """A stock prefill of random tokens into a static cache with room for `steps` decode steps:
-    `(cache, first_token [batch, 1])`."""
+    `(cache, first_token [batch, 1])`.
+
+    `real` (0: all of `context`): prefill only the first `real` positions through the model and
+    fill the attention layers' keys and values at positions `real..context` with random values
+    of the prefilled ones' spread. The decode step then reads `context` positions as after a
+    full prefill, at the cost of its timing only: a decode step's work does not depend on the
+    cached values, and the recurrent states (fixed size) come from the `real` tokens. Without
+    fast prefill kernels (fla-core, mamba-ssm) a full prefill of 256 x 16384 tokens through
+    transformers' torch path takes minutes."""
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
     device = next(model.parameters()).device
-    ids = torch.randint(3, model.config.vocab_size, (batch, context),
+    if real < 0:
+        raise ValueError(f"real must be >= 0, got {real}")
+    real = context if real == 0 else min(real, context)
+    ids = torch.randint(3, model.config.vocab_size, (batch, real),
                         generator=torch.Generator().manual_seed(seed)).to(device)
     cache = StaticCache(config=model.config, max_cache_len=context + steps)
-    chunk = max(1, min(context, prefill_tokens // batch))
-    for start in range(0, context, chunk):
-        end = min(context, start + chunk)
+    chunk = max(1, min(real, prefill_tokens // batch))
+    for start in range(0, real, chunk):
+        end = min(real, start + chunk)
         out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
                     cache_position=torch.arange(start, end, device=device))
+    if real < context:
+        g = torch.Generator(device=device).manual_seed(seed + 1)
+        for layer in cache.layers:
+            if isinstance(layer, StaticLayer) and layer.is_initialized:
+                for buf in (layer.keys, layer.values):
+                    fill = buf[:, :, real:context]       # [batch, kv heads, positions, head dim]
+                    std = buf[:, :, :real].float().std().clamp_min(1e-3)
+                    fill.copy_(torch.randn(fill.shape, generator=g, device=device) * std)
+        rewind(cache, context)
     return cache, out.logits[:, -1:].argmax(-1)
 
 
@@ -131,7 +153,8 @@ def _time_step(step, reps: int, graphs: bool):
 @torch.no_grad()
 def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *, dtype=torch.bfloat16,
             device="cuda", window: int = 16, record_dtype=torch.bfloat16, reps: int = 20, graphs: bool = True,
-            prefill_tokens: int = 131072, kv_budget: float = 0.6, model=None, **overrides) -> list:
+            prefill_tokens: int = 131072, kv_budget: float = 0.6, model=None, real: int = 0,
+            **overrides) -> list:
     """Rows of one model (a key of MODELS or a shipped config name) over contexts x batches."""
     from ..integrations import hf
     label = name
@@ -148,7 +171,8 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
                      for s in schemes]
             continue
         hf.disable(model)
-        cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=step_budget(reps))
+        cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=step_budget(reps),
+                               real=real)
         pos = torch.tensor([context], device=first.device)
         got = {}
         for scheme in schemes:
@@ -187,7 +211,7 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
 def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: int = 3, dtype=torch.bfloat16,
                         device="cuda", window: int = 16, record_dtype=torch.bfloat16, reps: int = 20,
                         graphs: bool = True, prefill_tokens: int = 131072, kv_budget: float = 0.6, model=None,
-                        **overrides) -> list:
+                        real: int = 0, **overrides) -> list:
     """Speculative rows of one model: a verification round (`T` tokens per row, `accepted`
     kept) of the snapshot and the replay scheme, from the same prefilled cache."""
     from ..integrations import hf
@@ -208,7 +232,7 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                      for s in ("snapshot", "replay")]
             continue
         hf.disable(model)
-        cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=steps)
+        cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=steps, real=real)
         tokens = first.expand(batch, T).contiguous()
         pos = torch.arange(context, context + T, device=first.device)
         got = {}
@@ -300,6 +324,9 @@ def main(argv=None):
     ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prefill-tokens", type=int, default=131072, help="most tokens per prefill forward")
+    ap.add_argument("--real-prefill", type=int, default=0,
+                    help="prefill only this many positions through the model, the rest of the context "
+                         "with random keys/values (0: all; see prefill())")
     ap.add_argument("--no-graphs", action="store_true", help="time the steps eagerly (CUDA events)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the weights' dtype")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: the bookkeeping only, timed on the host)")
@@ -329,6 +356,8 @@ def main(argv=None):
     if not 1 <= args.accepted <= args.drafts:
         ap.error(f"--accepted must lie in 1..--drafts ({args.drafts}), got {args.accepted}")
     doc.update(window=args.window, record_dtype=args.record_dtype, dtype=args.dtype,
+               prefill=("whole context through the model" if args.real_prefill == 0 else
+                        f"{args.real_prefill} positions through the model, the rest random keys/values"),
                transformers=transformers.__version__,
                speculative=(f"T = {args.drafts} tokens per round, {args.accepted} kept per row every round "
                             "(fixed acceptance; drafting not timed)") if spec_batches else "not measured")
@@ -338,7 +367,7 @@ def main(argv=None):
         r = measure(m, args.batches, args.contexts, schemes, window=args.window, reps=args.reps,
                     dtype=getattr(torch, args.dtype), device=args.device,
                     record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
-                    prefill_tokens=args.prefill_tokens)
+                    prefill_tokens=args.prefill_tokens, real=args.real_prefill)
         rows += r
         doc["rows"] = rows
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
@@ -347,7 +376,7 @@ def main(argv=None):
                 m, spec_batches, args.contexts, T=args.drafts, accepted=args.accepted, window=args.window,
                 reps=args.reps, dtype=getattr(torch, args.dtype), device=args.device,
                 record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
-                prefill_tokens=args.prefill_tokens)
+                prefill_tokens=args.prefill_tokens, real=args.real_prefill)
             write_results(args.out, doc)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

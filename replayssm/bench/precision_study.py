@@ -2,9 +2,9 @@
 recurrent state in low precision drives a stack of layers' outputs from the float64 recurrence,
 as the sequence grows.
 
-Per family (Mamba-2, GDN) a stack of `--layers` layers at a real shape, each with its own
-parameters drawn as the models initialise them (`testing.make_params`: fast heads and
-long-memory heads with a decay near 1) and its own fixed random inputs (`testing.make_inputs`,
+Per family (Mamba-2, GDN) a stack of `--layers` layers at a real shape (run as one layer with
+`--layers` times the heads: see `run`), each with its own parameters drawn as the models
+initialise them (`testing.make_params`: fast heads and long-memory heads with a decay near 1) and its own fixed random inputs (`testing.make_inputs`,
 a few sequences per pool). Teacher forcing with independent inputs per layer: no design's
 error reaches another layer's input. Without trained projections a layer's output would have to
 pass through a random map to become the next layer's q/k/v/dt, which yields inputs of the same
@@ -235,32 +235,42 @@ def run(shape, *, layers: int = 2, tokens: int = 256, batch: int = 2, window: in
     shape = shp.parse(shape) if isinstance(shape, str) else shape
     device = torch.device(device)
     vars_ = variants(designs, lp_formats)
+    # The layers of a stack are independent trials (own parameters, own inputs) and every head's
+    # recurrence is independent of the others': a stack of `layers` layers is one layer with
+    # `layers` times the heads (and groups), which costs one pass over the tokens instead of one
+    # per layer (the host's launch overhead, not the GPU, bounds a pass).
+    wide = shp.Shape(shape.family, shape.HV * layers, shape.Hk * layers, shape.V, shape.K)
     err2 = torch.zeros(len(vars_), tokens, dtype=torch.float64, device=device)
     ref2 = torch.zeros(tokens, dtype=torch.float64, device=device)
     started = time.perf_counter()
-    for layer in range(layers):
-        lseed = _layer_seed(seed, layer)
-        p64 = make_params(shape.family, shape.HV, shape.K, dtype=torch.float64, device=device, seed=lseed)
+    lseed = _layer_seed(seed, 0)          # the runners draw their parameters from the same seed
+    p64 = make_params(wide.family, wide.HV, wide.K, dtype=torch.float64, device=device, seed=lseed)
+    if engine == "batched":
+        runners = _Batched(vars_, wide, batch, window, device, seed, 0,
+                           kernels=device.type == "cuda" if kernels is None else kernels)
+    else:
+        runners = [_Runner(v, p64, batch, wide, window, device, seed, 0) for v in vars_]
+    S64 = torch.zeros(batch, wide.HV, wide.V, wide.K, dtype=torch.float64, device=device)
+    g = torch.Generator().manual_seed(lseed)
+    chunk = 256              # tokens of inputs drawn and moved to the device at once
+    for t in range(tokens):
+        if t % chunk == 0:
+            inputs = make_inputs(p64, batch, wide.V, wide.K, wide.Hk, steps=min(chunk, tokens - t),
+                                 generator=g, device=device)
+        inp64 = {k: v[:, t % chunk] for k, v in inputs.items()}
+        y64, S64 = p64.step(S64, **inp64)
+        inp = {k: v.float() for k, v in inp64.items()}
+        ref2[t] += (y64 * y64).sum()
         if engine == "batched":
-            runners = _Batched(vars_, shape, batch, window, device, seed, layer,
-                               kernels=device.type == "cuda" if kernels is None else kernels)
+            err2[:, t] += ((runners.step(t, inp).double() - y64) ** 2).flatten(1).sum(1)
         else:
-            runners = [_Runner(v, p64, batch, shape, window, device, seed, layer) for v in vars_]
-        S64 = torch.zeros(batch, shape.HV, shape.V, shape.K, dtype=torch.float64, device=device)
-        g = torch.Generator().manual_seed(lseed)
-        for t in range(tokens):
-            inp64 = make_inputs(p64, batch, shape.V, shape.K, shape.Hk, generator=g, device=device)
-            y64, S64 = p64.step(S64, **inp64)
-            inp = {k: v.float() for k, v in inp64.items()}
-            ref2[t] += (y64 * y64).sum()
-            if engine == "batched":
-                err2[:, t] += ((runners.step(t, inp).double() - y64) ** 2).flatten(1).sum(1)
-                continue
             for i, r in enumerate(runners):
                 err2[i, t] += ((r.step(t, inp).double() - y64) ** 2).sum()
-        if progress:
-            progress(f"{shape.family} layer {layer + 1}/{layers}: {tokens} tokens, {len(vars_)} variants, "
-                     f"{time.perf_counter() - started:.0f} s")
+        if progress and (t + 1) % 16384 == 0 and t + 1 < tokens:
+            progress(f"{shape.family}: {t + 1}/{tokens} tokens, {time.perf_counter() - started:.0f} s")
+    if progress:
+        progress(f"{shape.family}: {tokens} tokens, {layers} layers, {len(vars_)} variants, "
+                 f"{time.perf_counter() - started:.0f} s")
     return _rows(shape, vars_, (err2 / ref2).sqrt().cpu(),
                  dict(layers=layers, batch=batch, window=window, engine=engine))
 

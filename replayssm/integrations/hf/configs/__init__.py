@@ -34,9 +34,9 @@ def build(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, devic
     """A causal LM of config `name` with random weights (seeded), in eval mode."""
     from transformers import AutoModelForCausalLM
     cfg = config(name, **overrides)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    # built where it runs: a 4B model's random initialisation on the host takes a minute
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    if device is not None:
-        model = model.to(device)
     return model.eval()
