@@ -32,6 +32,7 @@ second over the snapshot scheme's; `verify_agreement` the fraction of the round'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import time
 
@@ -122,10 +123,11 @@ def prefill(model, batch: int, context: int, *, prefill_tokens: int = 131072, se
                         generator=torch.Generator().manual_seed(seed)).to(device)
     cache = StaticCache(config=model.config, max_cache_len=context + steps)
     chunk = max(1, min(real, prefill_tokens // batch))
-    for start in range(0, real, chunk):
-        end = min(real, start + chunk)
-        out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
-                    cache_position=torch.arange(start, end, device=device))
+    with _short_scan_chunks(model, chunk):
+        for start in range(0, real, chunk):
+            end = min(real, start + chunk)
+            out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                        cache_position=torch.arange(start, end, device=device))
     if real < context:
         g = torch.Generator(device=device).manual_seed(seed + 1)
         for layer in cache.layers:
@@ -138,11 +140,51 @@ def prefill(model, batch: int, context: int, *, prefill_tokens: int = 131072, se
     return cache, out.logits[:, -1:].argmax(-1)
 
 
+@contextlib.contextmanager
+def _short_scan_chunks(model, tokens: int):
+    """Mamba-2 mixers' chunked torch scan (transformers' path without mamba-ssm) pads every
+    forward to its chunk length and builds `[batch, chunk, chunk, heads, state]` products: 48
+    GiB at batch 64 for a 128-token chunk. A forward of fewer tokens runs with a chunk just
+    covering them (the same result: the chunk length only splits the scan)."""
+    changed = []
+    for m in model.modules():
+        size = getattr(m, "chunk_size", None)
+        if isinstance(size, int) and hasattr(m, "ssm_state_size") and size > tokens:
+            changed.append((m, size))
+            m.chunk_size = max(1, tokens)
+    try:
+        yield
+    finally:
+        for m, size in changed:
+            m.chunk_size = size
+
+
+@contextlib.contextmanager
+def _capturable_masks():
+    """transformers 5.17's SDPA mask asks whether the causal mask may be skipped by comparing
+    the static cache's length (a device tensor) on the host, which a CUDA graph cannot capture
+    (multi-token forwards reach that test). While a graph is captured the mask is always
+    built, a path SDPA takes with the same result."""
+    from transformers import masking_utils as mu
+    original = mu._ignore_causal_mask_sdpa
+
+    def no_host_read(*args, **kwargs):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        return original(*args, **kwargs)
+    mu._ignore_causal_mask_sdpa = no_host_read
+    try:
+        yield
+    finally:
+        mu._ignore_causal_mask_sdpa = original
+
+
 def _time_step(step, reps: int, graphs: bool):
     """(us, timing): the captured step, or eager with the reason when capture fails."""
     if graphs and torch.cuda.is_available():
         try:
-            return graph_time_us(step, reps=reps, warmup=2), "cuda_graph"
+            with _capturable_masks():
+                return graph_time_us(step, reps=reps, warmup=2), "cuda_graph"
         except Exception as e:             # noqa: BLE001 - any capture failure falls back, said in the row
             torch.cuda.synchronize()
             why = f"eager: graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"

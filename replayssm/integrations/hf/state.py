@@ -69,12 +69,14 @@ class ConvHistory:
         xt = x.transpose(1, 2).to(hist.dtype)
         full = torch.cat([hist, xt], dim=-1)
         out = F.conv1d(full.to(weight.dtype), weight[:, None, :], bias, groups=C)[..., -S:]
+        # index_fill_, not `pending[s] = n`: a Python value is copied from the host, which a
+        # CUDA graph cannot capture
         if commit_all:
             self.buf[s, :, :keep] = full[..., -keep:]
-            self.pending[s] = 0
+            self.pending.index_fill_(0, s, 0)
         else:
             self.buf[s, :, keep:keep + S] = xt
-            self.pending[s] = S
+            self.pending.index_fill_(0, s, S)
         return act(out).to(x.dtype).transpose(1, 2)
 
     def commit(self, slots: Tensor, accepted: Tensor) -> None:
@@ -87,7 +89,7 @@ class ConvHistory:
         idx = (a[:, None] + torch.arange(keep, device=a.device))[:, None, :]
         rows = self.buf[s]
         self.buf[s, :, :keep] = torch.gather(rows, 2, idx.expand(-1, rows.shape[1], -1))
-        self.pending[s] = 0
+        self.pending.index_fill_(0, s, 0)
 
     def reset(self, slots: Tensor) -> None:
         s = slots[slots >= 0].long()
