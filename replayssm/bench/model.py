@@ -187,6 +187,9 @@ def _time_step(step, reps: int, graphs: bool):
                 return graph_time_us(step, reps=reps, warmup=2), "cuda_graph"
         except Exception as e:             # noqa: BLE001 - any capture failure falls back, said in the row
             torch.cuda.synchronize()
+            import traceback
+            where = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__)]
+            print(f"graph capture failed ({type(e).__name__}), timing eagerly; innermost frames: {where[-6:]}")
             why = f"eager: graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
             return eager_time_us(step, reps=reps), why
     return eager_time_us(step, reps=reps), "eager" + ("" if graphs else ": --no-graphs")
