@@ -161,17 +161,18 @@ def _short_scan_chunks(model, tokens: int):
 
 @contextlib.contextmanager
 def _capturable_masks():
-    """transformers 5.17's SDPA mask asks whether the causal mask may be skipped by comparing
-    the static cache's length (a device tensor) on the host, which a CUDA graph cannot capture
-    (multi-token forwards reach that test). While a graph is captured the mask is always
-    built, a path SDPA takes with the same result."""
+    """transformers 5.17's SDPA mask asks whether the causal mask may be skipped; for a
+    multi-token forward it compares the static cache's length (a device tensor) on the host,
+    which a CUDA graph cannot capture. While a graph of such a forward is captured the mask is
+    built, as the stock test decides for any cache that holds tokens. One-token forwards keep
+    the stock answer (no mask: SDPA's grouped-query kernel instead of the masked one)."""
     from transformers import masking_utils as mu
     original = mu._ignore_causal_mask_sdpa
 
-    def no_host_read(*args, **kwargs):
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    def no_host_read(padding_mask, q_length, *args, **kwargs):
+        if q_length != 1 and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False
-        return original(*args, **kwargs)
+        return original(padding_mask, q_length, *args, **kwargs)
     mu._ignore_causal_mask_sdpa = no_host_read
     try:
         yield
@@ -284,8 +285,17 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
         for scheme in ("snapshot", "replay"):
             rewind(cache, context)
             pos.copy_(torch.arange(context, context + T, device=pos.device))
-            hf.enable(model, scheme=scheme, window=window, max_draft=T, num_slots=batch,
-                      record_dtype=record_dtype if scheme == "replay" else None)
+            try:
+                hf.enable(model, scheme=scheme, window=window, max_draft=T, num_slots=batch,
+                          record_dtype=record_dtype if scheme == "replay" else None)
+            except torch.OutOfMemoryError:
+                # the scheme's recurrent state for `batch` sequences does not fit beside the cache
+                hf.disable(model)
+                torch.cuda.empty_cache()
+                rows.append(dict(base, scheme=scheme, us_per_round=None, tokens_per_s=None,
+                                 timing=f"skipped: the {scheme} scheme's state for {batch} sequences "
+                                        "does not fit beside the weights and key/value cache"))
+                continue
             hf.attach_cache(model, cache)
             state, binding = hf.replay_state(model), cache._replayssm_binding
             keep = torch.full((batch,), accepted, dtype=torch.int32, device=first.device)
@@ -308,13 +318,15 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                              # the recurrent layers' state per sequence, all layers
                              bytes_per_sequence=sum(layer.pool.memory_per_sequence()[scheme]
                                                     for layer in state.layers.values()),
-                             verify_agreement=float((got[scheme] == got["snapshot"]).float().mean())))
+                             verify_agreement=(float((got[scheme] == got["snapshot"]).float().mean())
+                                               if "snapshot" in got else None)))
             hf.disable(model)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         snap = rows[-2]
         for r in rows[-2:]:
-            r["ratio_vs_snapshot"] = r["tokens_per_s"] / snap["tokens_per_s"]
+            r["ratio_vs_snapshot"] = (r["tokens_per_s"] / snap["tokens_per_s"]
+                                      if r["tokens_per_s"] and snap["tokens_per_s"] else None)
         cache = None
     return rows
 
@@ -445,9 +457,10 @@ def main(argv=None):
             if r["us_per_round"] is None:
                 print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:10} {r['timing']}")
                 continue
+            ratio = "-" if r["ratio_vs_snapshot"] is None else f"{r['ratio_vs_snapshot']:.2f}x"
+            agree = "-" if r["verify_agreement"] is None else f"{r['verify_agreement']:.2f}"
             print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:10} {r['us_per_round']:9.1f} "
-                  f"{r['tokens_per_s']:10.0f} {r['ratio_vs_snapshot']:11.2f}x {r['verify_agreement']:6.2f}  "
-                  f"{r['timing']}")
+                  f"{r['tokens_per_s']:10.0f} {ratio:>12} {agree:>6}  {r['timing']}")
     return doc
 
 

@@ -232,7 +232,10 @@ def _step(layer, state, slots, hidden_states):
             y = pool.decode(pslots, **step)
         y = y[:, None]
     elif pending:
-        y = pool.verify(pslots, **inputs)
+        if capturing():
+            y = pool.verify(pslots, validate=False, **{k: v.to(pool.dtype) for k, v in inputs.items()})
+        else:
+            y = pool.verify(pslots, **inputs)
     elif state.scheme == "conventional":
         y = pool.extend(pslots, inputs)
     else:
