@@ -107,3 +107,11 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert "separate" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["study", "precision", "--designs", "nonsense"])
+
+
+def test_time_budget_ends_the_rows_at_the_tokens_run():
+    # out of time after the first 256-token block: the rows stop at 256 tokens, finite
+    rows = P.run("gdn/2/1/8/16", layers=1, tokens=10 ** 6, batch=1, designs=["conventional-fp32"],
+                  lp_formats=["bf16"], engine="batched", time_budget=1e-9)
+    assert max(r["tokens"] for r in rows) == 256
+    assert all(r["rel_error"] is not None and r["rel_error"] < 1e-5 for r in rows)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import time
 
@@ -180,6 +181,14 @@ def _capturable_masks():
         mu._ignore_causal_mask_sdpa = original
 
 
+def _free() -> None:
+    """Return a finished point's cache and pools to the device: the bindings between caches and
+    the recurrent state form reference cycles, which only the collector frees."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _time_step(step, reps: int, graphs: bool):
     """(us, timing): the captured step, or eager with the reason when capture fails."""
     if graphs and torch.cuda.is_available():
@@ -250,6 +259,7 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
             if "conventional" in got:
                 r["first_token_agreement"] = float((got[r["scheme"]] == got["conventional"]).float().mean())
         cache = None                       # the next point's prefill needs the memory
+        _free()
     return rows
 
 
@@ -328,6 +338,7 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
             r["ratio_vs_snapshot"] = (r["tokens_per_s"] / snap["tokens_per_s"]
                                       if r["tokens_per_s"] and snap["tokens_per_s"] else None)
         cache = None
+        _free()
     return rows
 
 
@@ -421,10 +432,12 @@ def main(argv=None):
     doc["speculative_rows"] = []
     rows = []
     for m in models:
+        # one model for the decode and the speculative points (two would not fit beside the caches)
+        model = hf.build(MODELS.get(m, m), dtype=getattr(torch, args.dtype), device=args.device)
         r = measure(m, args.batches, args.contexts, schemes, window=args.window, reps=args.reps,
                     dtype=getattr(torch, args.dtype), device=args.device,
                     record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
-                    prefill_tokens=args.prefill_tokens, real=args.real_prefill)
+                    prefill_tokens=args.prefill_tokens, real=args.real_prefill, model=model)
         rows += r
         doc["rows"] = rows
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
@@ -433,10 +446,10 @@ def main(argv=None):
                 m, spec_batches, args.contexts, T=args.drafts, accepted=args.accepted, window=args.window,
                 reps=args.reps, dtype=getattr(torch, args.dtype), device=args.device,
                 record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
-                prefill_tokens=args.prefill_tokens, real=args.real_prefill)
+                prefill_tokens=args.prefill_tokens, real=args.real_prefill, model=model)
             write_results(args.out, doc)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        model = None
+        _free()
     path = write_results(args.out, doc)
     try:
         _plot(rows, path.with_suffix(".png"))

@@ -222,12 +222,12 @@ def _layer_seed(seed: int, layer: int) -> int:
 
 def run(shape, *, layers: int = 2, tokens: int = 256, batch: int = 2, window: int = 16,
         designs=DESIGNS, lp_formats=LP_FORMATS, device="cpu", seed: int = 0, engine: str = "pool",
-        progress=None, kernels=None) -> list:
+        progress=None, kernels=None, time_budget: float = 0.0) -> list:
     """The study for one shape (`shapes.Shape` or a name / `family/HV/Hk/V/K`): its rows, one per
     variant and log-spaced token count (`checkpoints(tokens)`).
 
-    `engine`: "pool" (a `SlotPool` per variant: the kernels on CUDA for an fp32 checkpoint with
-    an LP copy, the reference otherwise, one row at a time) or "batched" (`_Batched`: every
+    `engine`: "pool" (a `SlotPool` per variant: on CUDA the precision kernels where they cover
+    it, the reference otherwise, one row at a time) or "batched" (`_Batched`: every
     variant in one tensor, fast enough for 131072 tokens on a GPU). `kernels` (batched engine):
     the conventional low-precision designs on `conventional_decode_lp` (None: on CUDA)."""
     if engine not in ENGINES:
@@ -254,6 +254,10 @@ def run(shape, *, layers: int = 2, tokens: int = 256, batch: int = 2, window: in
     g = torch.Generator().manual_seed(lseed)
     chunk = 256              # tokens of inputs drawn and moved to the device at once
     for t in range(tokens):
+        if time_budget and t % chunk == 0 and t and time.perf_counter() - started > time_budget:
+            # out of time: the rows end at the tokens run so far (`tokens` in each row says so)
+            err2, ref2, tokens = err2[:, :t], ref2[:t], t
+            break
         if t % chunk == 0:
             inputs = make_inputs(p64, batch, wide.V, wide.K, wide.Hk, steps=min(chunk, tokens - t),
                                  generator=g, device=device)
@@ -416,6 +420,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="benchmarks/results/precision_study.json",
                     help="JSON results (a .png plot beside it)")
     ap.add_argument("--no-plot", dest="do_plot", action="store_false")
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds per shape (0: none); a shape out of time ends its rows at the tokens run")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -429,7 +435,7 @@ def main(argv=None) -> dict:
         ap.error(f"nvfp4 needs K divisible by 16: {bad[0]}")
     doc = header("precision_study")
     doc.update(engine=args.engine, layers=args.layers, tokens=args.tokens, batch=args.batch,
-               window=args.window, seed=args.seed,
+               window=args.window, seed=args.seed, time_budget_s=args.time_budget or None,
                teacher_forcing="independent random inputs per layer", reference="float64 conventional recurrence",
                conventional_lowp="conventional_decode_lp kernels" if args.engine == "batched"
                and device.startswith("cuda") else "reference (shared_lowp_step)",
@@ -437,7 +443,9 @@ def main(argv=None) -> dict:
     for s in args.shapes:
         doc["rows"] += run(s, layers=args.layers, tokens=args.tokens, batch=args.batch, window=args.window,
                            designs=args.designs, lp_formats=args.formats, device=device, seed=args.seed,
-                           engine=args.engine, progress=lambda m: print(m, flush=True))
+                           engine=args.engine, progress=lambda m: print(m, flush=True),
+                           time_budget=args.time_budget)
+        write_results(args.out, doc)      # after every shape: a run cut short keeps what it measured
     print(f"\nmean output relative error against float64 over the tokens up to each count "
           f"({args.layers} layers, {args.batch} sequences, window {args.window}, {device}):")
     print(table(doc["rows"]))
