@@ -146,6 +146,29 @@ def test_model_benchmark_short_prefill_fills_the_rest_of_the_context():
         mb.prefill(model, 2, 9, real=-1)
 
 
+def test_model_benchmark_no_recurrence_skips_the_state_step():
+    # the floor scheme: the recurrent pools' decode never runs (their state untouched), the
+    # model still steps; its row carries no token agreement
+    pytest.importorskip("transformers")
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+    model = hf.build("tiny_nemotron_h")
+    rows = mb.measure("tiny_nemotron_h", [2], [5], ("conventional", "replay", "no-recurrence"), device="cpu",
+                      dtype=torch.float32, reps=1, graphs=False, model=model)
+    by = {r["scheme"]: r for r in rows}
+    assert set(by) == {"conventional", "replay", "no-recurrence"} and by["no-recurrence"]["us_per_step"] > 0
+    assert "first_token_agreement" not in by["no-recurrence"] and by["replay"]["first_token_agreement"] == 1.0
+    hf.enable(model, scheme="replay", num_slots=2)
+    cache, first = mb.prefill(model, 2, 5, steps=4)
+    hf.attach_cache(model, cache)
+    state = hf.replay_state(model)
+    mb._skip_recurrence(state, 2, first.device)
+    before = [layer.pool.cursor.clone() for layer in state.layers.values()]
+    model(input_ids=first, past_key_values=cache, cache_position=torch.tensor([5]), use_cache=True)
+    assert all(torch.equal(b, layer.pool.cursor) for b, layer in zip(before, state.layers.values()))
+    hf.disable(model)
+
+
 def test_model_benchmark_cli(monkeypatch, capsys):
     from replayssm import cli
     from replayssm.bench import model as mb

@@ -15,6 +15,9 @@ the replay scheme's flushes fall as in decoding (every `window` steps).
 `ratio_vs_conventional` is the conventional step's time over the scheme's (above 1: faster).
 `first_token_agreement` is the fraction of rows whose first decoded token equals the
 conventional scheme's (bf16 model, fp32 states: both schemes should agree on nearly all rows).
+The `no-recurrence` scheme (`--schemes ...,no-recurrence`) skips the recurrent layers' state
+step: its time is the model's time outside the recurrence, and conventional / its time is the
+most any scheme of the recurrent state can gain in this model.
 Points whose key/value cache would not fit are skipped with the reason in the row.
 
 Speculative rows (`speculative_rows`, batches `--spec-batches`): one round of speculative
@@ -42,7 +45,7 @@ import torch
 from .common import graph_time_us, header, write_results
 
 MODELS = {"nemotron3-nano-4b": "nemotron3_nano_4b", "qwen3.5-4b": "qwen3_5_4b"}
-SCHEMES = ("conventional", "replay", "stock")
+SCHEMES = ("conventional", "replay", "stock", "no-recurrence")
 
 
 def eager_time_us(fn, reps: int = 20, warmup: int = 2) -> float:
@@ -181,6 +184,16 @@ def _capturable_masks():
         mu._ignore_causal_mask_sdpa = original
 
 
+def _skip_recurrence(state, batch: int, device) -> None:
+    """The `no-recurrence` scheme: every recurrent layer's state step replaced by zero outputs
+    (no state read or written), the rest of the model as in the other schemes. Its step time
+    is what the model spends outside the recurrence: conventional / it bounds any scheme's
+    ratio (wrong tokens by design; only its time is reported)."""
+    for layer in state.layers.values():
+        zeros = torch.zeros(batch, layer.pool.HV, layer.pool.V, dtype=layer.pool.dtype, device=device)
+        layer.pool.decode = lambda slot_ids, *, out=None, validate=True, _z=zeros, **inputs: _z[:slot_ids.shape[0]]
+
+
 def _free() -> None:
     """Return a finished point's cache and pools to the device: the bindings between caches and
     the recurrent state form reference cycles, which only the collector frees."""
@@ -236,9 +249,12 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
             if scheme == "stock":
                 hf.disable(model)
             else:
-                hf.enable(model, scheme=scheme, window=window, max_draft=1, num_slots=batch,
-                          record_dtype=record_dtype if scheme == "replay" else None)
+                hf.enable(model, scheme="replay" if scheme == "no-recurrence" else scheme, window=window,
+                          max_draft=1, num_slots=batch,
+                          record_dtype=record_dtype if scheme != "conventional" else None)
                 hf.attach_cache(model, cache)
+                if scheme == "no-recurrence":
+                    _skip_recurrence(hf.replay_state(model), batch, first.device)
 
             def step():
                 logits = model(input_ids=first, past_key_values=cache, cache_position=pos, use_cache=True,
@@ -256,7 +272,7 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
         conv = next((r for r in rows[-len(schemes):] if r["scheme"] == "conventional"), None)
         for r in rows[-len(schemes):]:
             r["ratio_vs_conventional"] = conv["us_per_step"] / r["us_per_step"] if conv else None
-            if "conventional" in got:
+            if "conventional" in got and r["scheme"] != "no-recurrence":
                 r["first_token_agreement"] = float((got[r["scheme"]] == got["conventional"]).float().mean())
         cache = None                       # the next point's prefill needs the memory
         _free()
@@ -387,7 +403,8 @@ def main(argv=None):
     ap.add_argument("--batches", type=_ints, default=[1, 64, 256])
     ap.add_argument("--contexts", type=_ints, default=[2048, 16384], help="prefilled positions per row")
     ap.add_argument("--schemes", default="conventional,replay",
-                    help=f"comma-separated, of {','.join(SCHEMES)} (stock: transformers' own decode path)")
+                    help=f"comma-separated, of {','.join(SCHEMES)} (stock: transformers' own decode path; "
+                         "no-recurrence: the recurrent layers' state step skipped, the time spent outside it)")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--reps", type=int, default=20)
