@@ -14,16 +14,12 @@ import os
 import torch
 from torch import Tensor
 
+from ...ops.utils.launch import capturing
 from ...pool.pool import _params_to
 
 
 class ConventionalUnsupported(ValueError):
     """An operation the conventional scheme does not have (verification, commit)."""
-
-
-def capturing() -> bool:
-    """True while a CUDA graph is being captured on the current stream (no host reads then)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def pick_backend(backend: str, device: torch.device) -> str:

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .conventional import capturing
+from ...ops.utils.launch import capturing
 from .mixers import ADAPTERS, UNSUPPORTED, UnsupportedModelError, adapter_for
 from .state import ReplayState
 

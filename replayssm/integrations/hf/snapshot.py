@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from ...pool.pool import _params_to
-from .conventional import capturing, pick_backend
+from ...ops.utils.launch import capturing
+from .conventional import pick_backend
 
 
 class SnapshotPool:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...pool import SlotPool
-from .conventional import ConventionalPool, capturing
+from ...ops.utils.launch import capturing
+from .conventional import ConventionalPool
 from .snapshot import SnapshotPool
 
 
