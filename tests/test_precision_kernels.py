@@ -204,8 +204,8 @@ def test_lowp_pool_eager_steps(family):
     assert rel_err(fast.materialize(ids), ref.materialize(ids)) < 1e-5
 
 
-def test_lowp_pool_verify_stays_on_reference():
-    """A two-checkpoint pool verifies on the reference (same tensors), then decodes on the
+def test_lowp_pool_verify_then_decode_matches_reference():
+    """A two-checkpoint pool verifies (on the verify_lp kernels), commits, then decodes on the
     kernels again: it stays equal to the reference pool."""
     params, pools, g, (HV, Hk, V, K) = _pools("gdn", "bf16")
     fast, ref, _ = pools

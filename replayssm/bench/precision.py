@@ -21,7 +21,11 @@ Per shape, batch and window `L`, two timings, each a CUDA graph replayed (median
    `conventional-<fmt>` (the state rewritten round-to-nearest every step) and
    `conventional-<fmt>-sr` (seeded stochastic rounding), for each read format among fp16, bf16
    and fp8_e4m3 (`read_format` = `hp_format` = the state's format, `rounding`). A separate row's
-   `ratio_vs_conventional_lp` is conventional-<its format>'s time over its own.
+   `ratio_vs_conventional_lp` is conventional-<its format>'s time over its own. With `--shared`
+   (`measure(shared=True)`), the shared design too: `shared-<fmt>` and `shared-<fmt>-sr`, one
+   checkpoint in each read format (its own copy), read by every step and rewritten at the flush
+   round-to-nearest or with stochastic rounding (`lowp_decode` without an LP copy; `hp_format` =
+   `read_format`, `rounding`, `ratio_vs_conventional_lp` where that format has a conventional row).
 
 The high-precision checkpoint of the ReplaySSM rows is fp32 (`hp_format`). Bytes: the state and
 record traffic of SPEC section 6 (`replayssm.traffic`), fp8 counting its row scales; GDN/KDA's
@@ -92,7 +96,7 @@ class PrecisionCase(Case):
     format with a conventional low-precision kernel the conventional state in that format."""
 
     def __init__(self, shape, batch, window, lp_formats, record_dtype=torch.bfloat16, seed=0, *,
-                 input_dtype=torch.bfloat16, device="cuda"):
+                 input_dtype=torch.bfloat16, device="cuda", shared=False):
         super().__init__(shape, batch, window, "staggered", record_dtype, seed, input_dtype=input_dtype,
                          device=device)
         N, Lb = batch, window + 1
@@ -104,6 +108,8 @@ class PrecisionCase(Case):
         self.conventional_lp = _conventional_lp(self.family)
         self.ckpt_lp = {fmt: self._encoded(self.ckpt, fmt) for fmt in lp_formats}
         self.state_lp = {fmt: self._encoded(self.state, fmt) for fmt in lp_formats if fmt in CONV_LP_FORMATS}
+        # the shared design's one checkpoint per format (rewritten by its windows)
+        self.ckpt_shared = {fmt: self._encoded(self.ckpt, fmt) for fmt in lp_formats} if shared else {}
 
     @staticmethod
     def _encoded(x, fmt):
@@ -134,6 +140,16 @@ class PrecisionCase(Case):
         for i in range(self.window):
             self.step(i, read_format, config)
 
+    def shared_window(self, fmt, rounding, config=None):
+        """`window` steps of the shared design on its `fmt` checkpoint, written with `rounding`."""
+        for i in range(self.window):
+            call_accepting(self.lowp, dict(self._common(i), ckpt=self.ckpt_shared[fmt], ckpt_lp=None, lp_format=None,
+                                           hp_format=fmt, hp_rounding=rounding, seed=0, buf_ld=self.buf_ld,
+                                           buf_w=self.buf_w, buf_k=self.buf_k, buf_v=None, buf_beta=None,
+                                           cursor=self.cursor, epoch=self.epoch, arrive=self.arrive,
+                                           slot_ids=self.slot_ids, window=self.window, out=self.out[i],
+                                           config=config, family=self.family, validate=False))
+
     def conventional_lp_window(self, fmt, rounding, config=None):
         """`window` conventional steps on the `fmt` state, written with `rounding` (step `i`
         seeds the stochastic rounding of step `i`)."""
@@ -143,10 +159,11 @@ class PrecisionCase(Case):
                                 out=self.out[i], config=config, rounding=rounding, seed=0, step=i,
                                 family=self.family, validate=False))
 
-    def step_bytes(self, read_format, h):
+    def step_bytes(self, read_format, h, shared=False):
         """Bytes one step at cursor `h` moves for the whole batch (SPEC section 6): the
         checkpoint read in `read_format` (the fp32 one at the flush, which writes fp32 and the
-        LP copy), the `h` records, and the step's own record (none at the flush)."""
+        LP copy), the `h` records, and the step's own record (none at the flush). `shared`: the
+        one checkpoint in `read_format`, read by every step and written by the flush."""
         rb = torch.finfo(self.record_dtype).bits // 8
         fp32 = traffic.decode_step_bytes(h, self.window, self.HV, self.V, self.K, self.Hk, value_bytes=rb,
                                          key_bytes=rb, decay_len=self.K if self.family == "kda" else 1)
@@ -154,6 +171,8 @@ class PrecisionCase(Case):
             return fp32 * self.batch
         lp_state = formats.bytes_per_element(read_format, self.K) * self.V * self.K * self.HV
         fp32_state = traffic.state_bytes(self.V, self.K) * self.HV
+        if shared:
+            return (fp32 + (lp_state - fp32_state) * (2 if h + 1 >= self.window else 1)) * self.batch
         if h + 1 >= self.window:
             extra = lp_state + (4 * h * self.HV if self.family != "mamba2" else 0)   # beta read
         else:
@@ -164,15 +183,17 @@ class PrecisionCase(Case):
 
     def finite(self) -> bool:
         return bool(torch.isfinite(self.ckpt).all() and torch.isfinite(self.state).all()) and all(
-            _finite_parts(p) for p in self.state_lp.values())
+            _finite_parts(p) for p in (*self.state_lp.values(), *self.ckpt_shared.values()))
 
 
 def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat16, input_dtype=torch.bfloat16,
-            device="cuda", whole_window=True):
+            device="cuda", whole_window=True, shared=False):
     """Rows of one (shape, batch, window) point: the non-flush step per read format (fp32
     first), then (with `whole_window`) conventional (fp32, then each low-precision state, nearest
-    and stochastic), replay and each separate design over whole windows."""
-    case = PrecisionCase(shape, batch, window, lp_formats, record_dtype, input_dtype=input_dtype, device=device)
+    and stochastic), replay and each separate design over whole windows, and with `shared` the
+    shared design per read format (nearest, then stochastic) over whole windows."""
+    case = PrecisionCase(shape, batch, window, lp_formats, record_dtype, input_dtype=input_dtype, device=device,
+                         shared=shared and whole_window)
     L = window
     base = dict(shape=shape, family=case.family, batch=batch, window=L, record_dtype=_name(record_dtype),
                 input_dtype=_name(input_dtype), hp_format="fp32")
@@ -217,6 +238,16 @@ def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat
             if (fmt, "nearest") in t_clp:
                 row["ratio_vs_conventional_lp"] = t_clp[fmt, "nearest"] / t_win[fmt]
             rows.append(row)
+        for fmt, r in itertools.product(case.ckpt_shared, ("nearest", "stochastic")):
+            t = graph_time_us(lambda: case.shared_window(fmt, r), reps=reps) / L
+            b = sum(case.step_bytes(fmt, h, shared=True) for h in range(L)) / L
+            row = dict(base, timing="window", scheme=f"shared-{fmt}" + ("-sr" if r == "stochastic" else ""),
+                       read_format=fmt, hp_format=fmt, rounding=r, cursors="staggered", path="windowed",
+                       us_per_step=t, ratio_vs_fp32_read=t_win["fp32"] / t, ratio_vs_conventional=t_conv / t,
+                       bytes_per_step=b, tb_per_s=b / t / 1e6)
+            if (fmt, "nearest") in t_clp:
+                row["ratio_vs_conventional_lp"] = t_clp[fmt, "nearest"] / t
+            rows.append(row)
     finite = case.finite()
     for r in rows:
         r["finite"] = finite
@@ -237,9 +268,9 @@ def _plot(rows, path):
               (axes[1], "window", "ratio_vs_conventional", "whole window: speed-up over conventional fp32"))
     for ax, timing, key, title in panels:
         for shape, fmt in sorted({(r["shape"], r["read_format"]) for r in rows
-                                  if r["timing"] == timing and not r["scheme"].startswith("conventional")}):
+                                  if r["timing"] == timing and r["scheme"] in ("replay", "separate")}):
             pts = sorted((r["batch"], r[key]) for r in rows if r["timing"] == timing and r["shape"] == shape
-                         and r["read_format"] == fmt and not r["scheme"].startswith("conventional"))
+                         and r["read_format"] == fmt and r["scheme"] in ("replay", "separate"))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{shape} {fmt}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
@@ -259,7 +290,7 @@ def table(rows) -> str:
     for r in rows:
         if r["timing"] != "non_flush":
             continue
-        w = next((x for x in rows if x["timing"] == "window" and not x["scheme"].startswith("conventional") and all(
+        w = next((x for x in rows if x["timing"] == "window" and x["scheme"] in ("replay", "separate") and all(
             x[k] == r[k] for k in ("shape", "batch", "window", "read_format"))), None)
         win = f"{w['us_per_step']:9.1f} {w['ratio_vs_conventional']:7.2f}x" if w else ""
         if w and "ratio_vs_conventional_lp" in w:
@@ -287,6 +318,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-window", dest="whole_window", action="store_false",
                     help="time the non-flush steps only (no whole windows, no conventional kernels)")
+    ap.add_argument("--shared", action="store_true",
+                    help="also time whole windows of the shared design (one checkpoint in each read format, "
+                         "round-to-nearest and stochastic rounding)")
     ap.add_argument("--out", default="precision.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
     try:
@@ -314,7 +348,7 @@ def main(argv=None):
     rows = []
     for shape, window, batch in itertools.product(shape_list, windows, batches):
         r = measure(shape, batch, window, lp_formats, args.reps, record_dtype=rdt, input_dtype=idt,
-                    whole_window=args.whole_window)
+                    whole_window=args.whole_window, shared=args.shared)
         rows += r
         doc["rows"] = rows
         write_results(args.out, doc)      # after every point: a run cut short keeps what it measured

@@ -33,13 +33,13 @@ of the stack; each row reports the mean of it over the tokens `(previous count, 
 log-spaced counts (`rel_error`) and its value at the count itself (`rel_error_at`), and the
 first token whose outputs are not finite (`first_nonfinite`, None while they all are).
 
-Two engines of the same mathematics: `pool` (a `SlotPool` per variant; on CUDA the pools with an
-fp32 checkpoint and an LP copy decode on the kernels, the others on the reference, one row at a
-time) and `batched` (every variant as rows of one tensor, one conventional step per token; see
-`_Batched`; its conventional low-precision rows on the kernel where `kernels`), which agree to
-within 1% (round-to-nearest) at a tiny shape. Results for the issue
-come from a GPU run (`--engine batched --tokens 131072`); on the CPU every pool runs the
-reference, fit for short runs only.
+Two engines of the same mathematics: `pool` (a `SlotPool` per variant; on CUDA the pools decode
+on the precision kernels, shared designs included, but for `separate-fp8sr` with an NVFP4 copy,
+which runs on the reference, one row at a time) and `batched` (every variant as rows of one
+tensor, one conventional step per token; see `_Batched`; its conventional low-precision rows on
+the kernel where `kernels`), which agree to within 1% (round-to-nearest) at a tiny shape.
+Results for the issue come from a GPU run (`--engine batched --tokens 131072`); on the CPU every
+pool runs the reference, fit for short runs only.
 """
 from __future__ import annotations
 
@@ -114,8 +114,9 @@ class _Runner:
             return
         hp = None if var["hp_format"] == "fp32" else var["hp_format"]
         lp = None if d == "shared" else var["read_format"]
-        # only pools with an fp32 checkpoint have kernels; "auto" would warn for the others
-        backend = "auto" if hp is None else "reference"
+        # the decode kernels cover every pool here but an fp8 HP beside an NVFP4 copy (its scale
+        # per head needs the fp32 matrix); "auto" would warn for that one
+        backend = "reference" if hp is not None and lp == "nvfp4" else "auto"
         # eager_max_batch=0: a few rows must still take the window (the eager step keeps no records)
         self.pool = SlotPool(params, batch, shape.V, shape.K, shape.Hk, window=window, dtype=torch.float32,
                              device=device, hp_format=hp, hp_rounding=var["rounding"] if hp else None,

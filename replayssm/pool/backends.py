@@ -81,38 +81,44 @@ for _family, _kernels in (("mamba2", _mamba2), ("gdn", _gdn), ("kda", _kda)):
 
 # ---------------------------------------------------------------------------------------------
 # triton: standard decode of pools with an fp32 checkpoint and a low-precision copy read by
-# non-flush steps (SPEC section 5; ops/<family>/precision.py)
+# non-flush steps, of pools whose fp16/bf16/fp8 HP checkpoint beside such a copy is written with
+# stochastic rounding, and of the shared design: one checkpoint in fp16, bf16, fp8_e4m3 or
+# nvfp4, read by every step, rewritten at the flush with the pool's rounding (lp_format None)
+# (SPEC section 5; ops/<family>/precision.py)
 
 _HP_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
               torch.float8_e4m3fn: "fp8_e4m3"}
 
 
-def _lowp_state(layout, slot_ids, window, out):
-    # the HP format from its parts' dtype; the seed of its stochastic rounding from the layout
-    hp_format = _HP_DTYPES[layout.ckpt["data"].dtype]
-    ckpt = layout.ckpt["data"] if hp_format == "fp32" else layout.ckpt
+def _lowp_state(layout, slot_ids, window, out, hp_rounding="stochastic"):
+    # the HP format from its parts (NVFP4: packed bytes and a tensor scale); the seed of its
+    # stochastic rounding from the layout
+    parts = layout.ckpt
+    hp_format = "nvfp4" if "tensor_scale" in parts else _HP_DTYPES[parts["data"].dtype]
+    ckpt = parts["data"] if hp_format == "fp32" else parts
     return dict(ckpt=ckpt, ckpt_lp=layout.ckpt_lp, buf_ld=layout.buf["ld"],
                 buf_w=layout.buf["w"], buf_k=layout.buf["k"], cursor=layout.cursor, epoch=layout.epoch,
                 arrive=layout.arrive, slot_ids=slot_ids, window=window, out=out, validate=False,
-                hp_format=hp_format, seed=layout.stream_seed)
+                hp_format=hp_format, seed=layout.stream_seed, hp_rounding=hp_rounding)
 
 
 @register("mamba2", "decode_lp")
-def _mamba2_decode_lp(params, layout, slot_ids, inputs, window, out, lp_format):
+def _mamba2_decode_lp(params, layout, slot_ids, inputs, window, out, lp_format, hp_rounding="stochastic"):
     from ..ops.mamba2 import precision
     inputs = dict(inputs)
     z = inputs.pop("z", None)
     return precision.lowp_decode(A=params.A, dt_bias=params.dt_bias, D=params.D, z=z, **inputs,
-                                 lp_format=lp_format, **_lowp_state(layout, slot_ids, window, out))
+                                 lp_format=lp_format, **_lowp_state(layout, slot_ids, window, out, hp_rounding))
 
 
 def _delta_decode_lp(family):
-    def run(params, layout, slot_ids, inputs, window, out, lp_format):
+    def run(params, layout, slot_ids, inputs, window, out, lp_format, hp_rounding="stochastic"):
         from ..ops.gdn import precision
+        # (the shared design keeps no raw records)
         return precision.lowp_decode(A_log=params.A_log, dt_bias=params.dt_bias, scale=params.scale,
                                      use_qk_l2norm=params.use_qk_l2norm, **inputs, lp_format=lp_format,
-                                     buf_v=layout.buf["v"], buf_beta=layout.buf["beta"], family=family,
-                                     **_lowp_state(layout, slot_ids, window, out))
+                                     buf_v=layout.buf.get("v"), buf_beta=layout.buf.get("beta"), family=family,
+                                     **_lowp_state(layout, slot_ids, window, out, hp_rounding))
     return run
 
 
@@ -153,3 +159,59 @@ def _commit(layout, slot_ids, accepted):
 for _family, _run in (("mamba2", _mamba2_verify), ("gdn", _delta_verify(_gdn)), ("kda", _delta_verify(_kda))):
     register(_family, "verify")(_run)
     register(_family, "commit")(_commit)
+
+
+# ---------------------------------------------------------------------------------------------
+# triton: speculative verification of pools with a low-precision copy or a narrow high-precision
+# checkpoint (SPEC section 5, Algorithm 3; ops/<family>/verify_lp.py)
+
+_VERIFY_LP_HP = ("fp32", "fp16", "bf16", "fp8_e4m3")
+_VERIFY_LP_COPY = ("fp16", "bf16", "fp8_e4m3", "nvfp4")
+
+
+def verify_lp_covers(hp_format, hp_rounding, lp_format) -> bool:
+    """Whether the `verify_lp` kernels take a pool's checkpoints: an fp32 HP beside any copy,
+    or an fp16/bf16/fp8_e4m3 HP (stochastic or nearest) beside an fp16/bf16/fp8_e4m3 copy or
+    alone (NVFP4's scale per head needs the fp32 matrix). One fp32 checkpoint is `verify`'s."""
+    hp = hp_format or "fp32"
+    if hp not in _VERIFY_LP_HP or lp_format not in (None,) + _VERIFY_LP_COPY:
+        return False
+    if hp == "fp32":
+        return lp_format is not None
+    return lp_format != "nvfp4" and hp_rounding in ("stochastic", "nearest")
+
+
+def _verify_lp_state(layout, slot_ids, window, num_drafts, out, lp_format, hp_format, hp_rounding):
+    hp_format = hp_format or "fp32"
+    ckpt = layout.ckpt["data"] if hp_format == "fp32" else layout.ckpt
+    return dict(ckpt=ckpt, ckpt_lp=layout.ckpt_lp, lp_format=lp_format, buf_ld=layout.buf["ld"],
+                buf_w=layout.buf["w"], buf_k=layout.buf["k"], cursor=layout.cursor, pending=layout.pending,
+                epoch=layout.epoch, arrive=layout.arrive, slot_ids=slot_ids, window=window,
+                num_drafts=num_drafts, out=out, validate=False, hp_format=hp_format,
+                hp_rounding=hp_rounding, seed=layout.stream_seed)
+
+
+@register("mamba2", "verify_lp")
+def _mamba2_verify_lp(params, layout, slot_ids, inputs, window, num_drafts, out, lp_format, hp_format,
+                      hp_rounding):
+    from ..ops.mamba2 import verify_lp
+    inputs = dict(inputs)
+    z = inputs.pop("z", None)
+    return verify_lp.lowp_verify(A=params.A, dt_bias=params.dt_bias, D=params.D, z=z, **inputs,
+                                 **_verify_lp_state(layout, slot_ids, window, num_drafts, out, lp_format,
+                                                    hp_format, hp_rounding))
+
+
+def _delta_verify_lp(family):
+    def run(params, layout, slot_ids, inputs, window, num_drafts, out, lp_format, hp_format, hp_rounding):
+        from ..ops.gdn import verify_lp
+        return verify_lp.lowp_verify(A_log=params.A_log, dt_bias=params.dt_bias, scale=params.scale,
+                                     use_qk_l2norm=params.use_qk_l2norm, **inputs, buf_v=layout.buf.get("v"),
+                                     buf_beta=layout.buf.get("beta"), family=family,
+                                     **_verify_lp_state(layout, slot_ids, window, num_drafts, out, lp_format,
+                                                        hp_format, hp_rounding))
+    return run
+
+
+register("gdn", "verify_lp")(_delta_verify_lp("gdn"))
+register("kda", "verify_lp")(_delta_verify_lp("kda"))

@@ -32,6 +32,8 @@ from .layout import Layout
 _STREAM_SLOT_STRIDE = 1 << 32
 # low-precision checkpoint formats whose reads the decode kernels decode (None: no LP copy)
 _KERNEL_LP_FORMATS = (None, "fp16", "bf16", "fp8_e4m3", "nvfp4")
+# high-precision checkpoint formats the decode kernels write (nvfp4: only without a copy)
+_KERNEL_HP_FORMATS = (None, "fp32", "fp16", "bf16", "fp8_e4m3", "nvfp4")
 # default `layer` ids: distinct for every pool built in this process, in construction order
 _LAYER_IDS = itertools.count()
 
@@ -66,10 +68,11 @@ class SlotPool:
             index in its model) defaults to a fresh id per pool built in this process; give it
             for runs reproducible from `seed` alone.
         backend: "reference" (plain PyTorch, any device), "triton" (the GPU kernels: CUDA, fp32
-            state; with or without a low-precision copy in fp16, bf16, fp8_e4m3 or nvfp4) or
-            "auto" (triton where it applies). Operations the kernels do not cover yet run on
-            the reference, on the same tensors: `verify` of a pool with a low-precision
-            checkpoint is one of them (`backend_note` speaks of decode only).
+            state; with or without a low-precision copy in fp16, bf16, fp8_e4m3 or nvfp4, or
+            one narrow checkpoint, the shared design) or "auto" (triton where it applies).
+            Operations the kernels do not cover yet run on the reference, on the same tensors:
+            `verify` of a pool whose one checkpoint is nvfp4 is one of them (`backend_note`
+            speaks of decode only).
         eager_max_batch: `decode` batches of at most this many rows take the eager step
             (window 1: every row flushes, folding the records it still holds, so the
             checkpoint is the state, as in conventional decoding; no record is written).
@@ -148,13 +151,14 @@ class SlotPool:
         interpreted = self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
         if self.device.type != "cuda" and not (interpreted and backend == "triton"):
             why = f"device {self.device} is not CUDA (on the CPU: TRITON_INTERPRET=1 and backend='triton')"
-        elif self.dtype != torch.float32 or self.hp_format not in (None, "fp32", "fp16", "bf16", "fp8_e4m3"):
-            why = "the kernels cover a float32 pool's high-precision checkpoint in fp32, fp16, bf16 or fp8_e4m3"
-        elif self.hp_format not in (None, "fp32") and (
-                self.hp_rounding != "stochastic" or self.lp_format in (None, "nvfp4")):
-            # without a copy, verify would take the one-checkpoint fp32 verify kernel
-            why = ("the kernels write an fp16/bf16/fp8 high-precision checkpoint with stochastic rounding "
-                   "only, beside an fp16/bf16/fp8 low-precision copy")
+        elif self.dtype != torch.float32 or self.hp_format not in _KERNEL_HP_FORMATS:
+            why = ("the kernels cover a float32 pool's high-precision checkpoint in fp32, fp16, bf16, "
+                   "fp8_e4m3 or (alone) nvfp4")
+        elif self.hp_format not in (None, "fp32") and self.lp_format is not None and (
+                self.hp_rounding != "stochastic" or "nvfp4" in (self.hp_format, self.lp_format)):
+            # alone (the shared design) a narrow checkpoint takes either rounding, NVFP4 included
+            why = ("beside a low-precision copy the kernels write an fp16/bf16/fp8 high-precision "
+                   "checkpoint with stochastic rounding only, and the copy in fp16/bf16/fp8")
         elif self.lp_format not in _KERNEL_LP_FORMATS:
             why = f"the kernels read low-precision checkpoints in {_KERNEL_LP_FORMATS[1:]}, not {self.lp_format}"
         elif self.record_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -164,8 +168,8 @@ class SlotPool:
         if backend == "reference":
             why = "backend='reference' was asked for"
         # why decode runs on the reference; None when it runs on the kernels. A pool with a
-        # low-precision checkpoint decodes on the kernels (ops/<family>/precision.py) but still
-        # verifies on the reference, on the same tensors.
+        # low-precision copy, or with one narrow checkpoint (the shared design), decodes on the
+        # precision kernels (ops/<family>/precision.py); `verify` says what it runs on.
         self.backend_note = why
         if backend == "auto" and why and self.device.type == "cuda":
             warnings.warn(f"SlotPool on {self.device} decodes on the reference: {why}", stacklevel=3)
@@ -251,11 +255,12 @@ class SlotPool:
 
     def _decode_kernel(self, slot_ids: Tensor, inputs: dict, out: Optional[Tensor], window: int) -> Tensor:
         inputs = {k: v.contiguous() for k, v in inputs.items()}
-        if self.lp_format is None:
+        if self.lp_format is None and self.hp_format in (None, "fp32"):
             y = backends.get(self.family, "decode")(self.params, self.layout, slot_ids, inputs, window, out)
         else:
+            # a low-precision copy, or one narrow checkpoint (the shared design, lp_format None)
             y = backends.get(self.family, "decode_lp")(self.params, self.layout, slot_ids, inputs, window,
-                                                        out, self.lp_format)
+                                                        out, self.lp_format, self.hp_rounding)
         # padding rows write the spare entry, so no host-side mask is needed
         self.layout.pending_all.index_fill_(0, torch.where(slot_ids < 0, self.N, slot_ids.long()), 0)
         return y
@@ -274,7 +279,9 @@ class SlotPool:
 
         `out` `[B, T, HV, V]` as for `decode`. On the triton backend, `out` and
         `validate=False` make the call free of host synchronisation and allocation (CUDA
-        graphs): validate once, outside the graph.
+        graphs): validate once, outside the graph. A pool with a low-precision copy, or with
+        one fp16/bf16/fp8 checkpoint, verifies on `ops.<family>.lowp_verify` there
+        (`backends.verify_lp_covers`; a shared NVFP4 checkpoint on the reference).
         """
         if validate:
             slot_ids = check.slots(self, slot_ids)
@@ -287,13 +294,16 @@ class SlotPool:
         if B == 0:
             return out if out is not None else torch.zeros(0, T, self.HV, self.V, dtype=self.dtype,
                                                            device=self.device)
-        # two checkpoints: verify stays on the reference (the verify kernels read one fp32 checkpoint)
-        run = (backends.get(self.family, "verify") if self.backend == "triton" and self.lp_format is None
-               and self.hp_format in (None, "fp32") else None)
-        if run is not None:
-            y = run(self.params, self.layout, slot_ids, {k: v.contiguous() for k, v in inputs.items()},
+        if self.backend == "triton":
+            args = (self.params, self.layout, slot_ids, {k: v.contiguous() for k, v in inputs.items()},
                     self.window, num_drafts, out)
-            return y
+            # one fp32 checkpoint: the verify kernels; a low-precision copy or a narrow HP
+            # checkpoint: the verify_lp kernels where they cover it, else the reference below
+            if self.lp_format is None and self.hp_format in (None, "fp32"):
+                return backends.get(self.family, "verify")(*args)
+            if backends.verify_lp_covers(self.hp_format, self.hp_rounding, self.lp_format):
+                return backends.get(self.family, "verify_lp")(*args, self.lp_format, self.hp_format,
+                                                               self.hp_rounding)
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)
         ns = [T] * B if num_drafts is None else num_drafts.tolist()

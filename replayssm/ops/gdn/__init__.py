@@ -8,7 +8,8 @@ registered as torch custom ops (`torch.ops.replayssm.gdn_replay_decode`,
 
 Modules: `configs` (launch tables), `common` (the token loads both kernels share, the checks at
 the Python boundary), `conventional` (the conventional kernel and the eager step), `decode`
-(the replay kernels), `gluon_decode` (the Gluon replay kernel, GPU only). KDA
+(the replay kernels), `gluon_decode` (the Gluon replay kernel, GPU only), `verify_lp`
+(`lowp_verify`: drafts verified on two checkpoints, SPEC section 5, GDN or KDA). KDA
 (`replayssm.ops.kda`) builds on these; the harness that runs them against the float64
 reference is `replayssm.testing.delta_harness`.
 """
@@ -22,9 +23,11 @@ from .conventional_lp import conventional_decode_lp
 from .decode import replay_decode
 from .snapshot import snapshot_commit, snapshot_verify
 from .verify import replay_verify
+from .verify_lp import lowp_verify
 
 __all__ = ["replay_decode", "conventional_decode", "conventional_decode_lp", "replay_config", "conventional_config",
-           "eager_max_batch", "arrive_counter", "replay_verify", "snapshot_verify", "snapshot_commit"]
+           "eager_max_batch", "arrive_counter", "replay_verify", "lowp_verify", "snapshot_verify",
+           "snapshot_commit"]
 
 
 def eager_max_batch(HV: int, V: int, K: int, Hk: int) -> int:

@@ -21,6 +21,12 @@ The HP checkpoint may instead be fp16, bf16 or scaled fp8-e4m3 (`HP`, ops/utils/
 the flush decodes it, folds in fp32 and writes it back with seeded stochastic rounding, bit for
 bit `formats.encode(S, hp, "stochastic", seed, stream=slot * 2**32 + epoch[slot])` of its fp32
 fold; the LP copy is then the nearest encoding of that fold (not of the rounded HP), as the pool's.
+
+The shared design (`SHARED`, `ckpt_lp=None`) keeps one checkpoint in fp16, bf16, fp8-e4m3 or
+NVFP4: every step is the output-only step on it, and a flush folds the buffered u (they came
+from this checkpoint: nothing to recompute) as decode.py does and writes it back round-to-nearest
+or stochastically (`SR`); a shared NVFP4 head by its last program, which folds the whole head
+twice from the old checkpoint (amax, then rows).
 """
 from __future__ import annotations
 
@@ -34,14 +40,17 @@ from torch import Tensor
 from ..utils.checks import check_tensor
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import LP_CODES, head_counter, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
-from ..utils.sround import checkpoint_args, store_sr_rows
+from ..utils.lowp import (LP_CODES, head_counter, load_lp_tile, lowp_config, store_lp_rows,
+                          store_nvfp4_head)
+from ..utils.sround import (SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows,
+                           store_sr_rows)
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state, check_token_inputs)
 
-__all__ = ["lowp_decode", "LP_FORMATS"]
+__all__ = ["lowp_decode", "LP_FORMATS", "SHARED_FORMATS"]
 
 LP_FORMATS = tuple(LP_CODES)
+SHARED_FORMATS = tuple(SHARED_CODES)
 
 
 @triton.jit
@@ -93,6 +102,127 @@ def _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, 
 
 
 @triton.jit
+def _output_only(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_m, h, o_v, m_v,
+                 o_k, m_k, b_q, b_k, b_v, b_ld, b_beta, HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
+                 K: tl.constexpr, LBCAP: tl.constexpr, LB: tl.constexpr, IS_KDA: tl.constexpr,
+                 LP: tl.constexpr):
+    """The output-only step of decode.py on the decoded checkpoint tile (`LP` code) and the
+    records at positions j < h: `(u_t, o)`, each `[BV]`."""
+    o_j = tl.arange(0, LB)
+    m_j = o_j < h
+    m_j1 = (o_j + 1) < h
+    o_rec = i_s * LBCAP + o_j
+    b_C = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V, K, LP)  # [BV, BK]
+    b_Kb = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
+                   mask=m_j[:, None] & m_k[None, :], other=0.)
+    b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.)                          # [LB, BK]
+    b_U = tl.load(buf_w + (o_rec[:, None] * HV + i_hv) * V + o_v[None, :],
+                  mask=m_j[:, None] & m_v[None, :], other=0.)
+    b_U = tl.where(m_j[:, None], b_U.to(tl.float32), 0.)                            # [LB, BV]
+    # suffix sums of the decays shifted by one position (a reverse scan, never total minus
+    # prefix: weights near 1 keep full precision), as decode.py
+    if IS_KDA:
+        b_LDs = tl.load(buf_ld + ((o_rec + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
+                        mask=m_j1[:, None] & m_k[None, :], other=0.)
+        b_LDs = tl.where(m_j1[:, None], b_LDs, 0.)
+        b_LDs = tl.where((o_j + 1 == h)[:, None], b_ld[None, :], b_LDs)             # [LB, BK]
+        b_ld0 = tl.load(buf_ld + (i_s * LBCAP * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+        b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+        b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))                                # [BK]
+        b_Kw = b_Kb * tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True))                 # [LB, BK]
+        b_kk = tl.sum(b_Kw * b_k[None, :], axis=1)                                  # [LB]
+        b_kq = tl.sum(b_Kw * b_q[None, :], axis=1)
+    else:
+        b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_j1, other=0.)
+        b_LDs = tl.where(m_j1, b_LDs, tl.where(o_j + 1 == h, b_ld, 0.))             # [LB]
+        b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv)
+        b_ld0 = tl.where(h == 0, b_ld, b_ld0)
+        b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))
+        b_w = tl.where(m_j, tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True)), 0.)     # [LB]
+        b_kk = tl.sum(b_Kb * b_k[None, :], axis=1) * b_w
+        b_kq = tl.sum(b_Kb * b_q[None, :], axis=1) * b_w
+    # one read of the checkpoint tile, two matvecs
+    b_Pk = tl.sum(b_C * (b_gC * b_k)[None, :], axis=1) + tl.sum(b_U * b_kk[:, None], axis=0)
+    b_Pq = tl.sum(b_C * (b_gC * b_q)[None, :], axis=1) + tl.sum(b_U * b_kq[:, None], axis=0)
+    b_u = b_beta * (b_v - b_Pk)
+    return b_u, b_Pq + tl.sum(b_k * b_q) * b_u
+
+
+@triton.jit
+def _shared_fold_rows(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_m, h, o_r, m_r,
+                      o_k, m_k, b_k, b_ld, HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
+                      K: tl.constexpr, LBCAP: tl.constexpr, IS_KDA: tl.constexpr, LP: tl.constexpr):
+    """Rows `o_r` (`[RC]`) of the shared design's flush, `[RC, BK]`: decode.py's fold (the
+    buffered u, this token's included, newest first) on the decoded checkpoint rows."""
+    o_h = i_s * LBCAP + h
+    b_ut = tl.load(buf_w + (o_h * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
+    b_S = b_ut[:, None] * b_k[None, :]                          # [RC, BK]
+    b_sr = b_ld
+    for i_r in range(0, h):
+        o_p = i_s * LBCAP + h - 1 - i_r
+        b_kr = tl.load(buf_k + (o_p * HK + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_ur = tl.load(buf_w + (o_p * HV + i_hv) * V + o_r, mask=m_r, other=0.).to(tl.float32)
+        if IS_KDA:
+            b_S += b_ur[:, None] * (tl.exp(b_sr) * b_kr)[None, :]
+            b_sr += tl.load(buf_ld + (o_p * HV + i_hv) * K + o_k, mask=m_k, other=0.)
+        else:
+            b_S += (tl.exp(b_sr) * b_ur)[:, None] * b_kr[None, :]
+            b_sr += tl.load(buf_ld + o_p * HV + i_hv)
+    b_Cr = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
+    if IS_KDA:
+        b_S += b_Cr * tl.exp(b_sr)[None, :]
+    else:
+        b_S += b_Cr * tl.exp(b_sr)
+    return b_S
+
+
+@triton.jit
+def _shared_flush(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, head_arrive, i_s, i_hv, i_hk, i_m, i_v,
+                  h, o_k, m_k, b_k, b_ld, sr_key, st, HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
+                  K: tl.constexpr, LBCAP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, NV: tl.constexpr,
+                  IS_KDA: tl.constexpr, RC: tl.constexpr, LP: tl.constexpr, SR: tl.constexpr):
+    """The shared design's flush: this program's rows folded and rewritten in the checkpoint's
+    format (fp32 as is; fp16/bf16/fp8 round-to-nearest or stochastically, per row chunk); NVFP4
+    by the head's last program, which folds the whole head twice from the old checkpoint (the
+    amax gives the tensor scale, stored last since the old rows' decoding reads it)."""
+    if LP != 4:
+        for r0 in tl.static_range(0, BV, RC):
+            o_r = i_v * BV + r0 + tl.arange(0, RC)
+            m_r = o_r < V
+            b_S = _shared_fold_rows(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_m, h,
+                                    o_r, m_r, o_k, m_k, b_k, b_ld, HV, HK, V, K, LBCAP, IS_KDA, LP)
+            if LP == 0:
+                tl.store(lp_data + i_m * (V * K) + o_r[:, None] * K + o_k[None, :], b_S,
+                         mask=m_r[:, None] & m_k[None, :])
+            elif SR:
+                store_sr_rows(b_S, lp_data, lp_scale, i_m, i_hv, o_r, m_r, o_k, m_k, sr_key, st, V, K, LP)
+            else:
+                store_lp_rows(b_S, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
+    else:
+        tl.debug_barrier()
+        n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
+        if n_arrived == NV - 1:
+            tl.debug_barrier()
+            amax = tl.zeros([RC], dtype=tl.float32)
+            for r0 in range(0, V, RC):
+                o_r = r0 + tl.arange(0, RC)
+                b_S = _shared_fold_rows(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_m,
+                                        h, o_r, o_r < V, o_k, m_k, b_k, b_ld, HV, HK, V, K, LBCAP, IS_KDA, 4)
+                amax = tl.maximum(amax, tl.max(tl.where(b_S == b_S, tl.abs(b_S), float("inf")), axis=1))
+            ts = nvfp4_tensor_scale(tl.max(amax, axis=0))
+            for r0 in range(0, V, RC):
+                o_r = r0 + tl.arange(0, RC)
+                b_S = _shared_fold_rows(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_m,
+                                        h, o_r, o_r < V, o_k, m_k, b_k, b_ld, HV, HK, V, K, LBCAP, IS_KDA, 4)
+                tl.debug_barrier()      # every thread has read these rows before they are overwritten
+                store_nvfp4_rows(b_S, ts, lp_data, lp_scale, i_m, i_hv, o_r, o_r < V, o_k, sr_key, st, V, K,
+                                 BK, RC, SR)
+            tl.debug_barrier()
+            tl.store(lp_tscale + i_m, ts)
+            tl.store(head_arrive + i_m, 0)
+
+
+@triton.jit
 def _lowp_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
     ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
@@ -103,7 +233,7 @@ def _lowp_decode_kernel(
     HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     LBCAP: tl.constexpr, LB: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr, RC: tl.constexpr,
-    LP: tl.constexpr, HP: tl.constexpr,
+    LP: tl.constexpr, HP: tl.constexpr, SHARED: tl.constexpr = False, SR: tl.constexpr = True,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     HG: tl.constexpr = HV // HK
@@ -134,7 +264,37 @@ def _lowp_decode_kernel(
                                    stride_v_b, stride_v_h, stride_a_b, stride_a_h,
                                    stride_b_b, stride_b_h, K, IS_KDA)
     flush = h + 1 >= WINDOW
-    if flush:
+    if SHARED:
+        # one checkpoint (the lp_* arguments are its parts): every step outputs from it as the
+        # non-flush steps below do, and a flush folds the buffered u into it (no raw records)
+        b_u, b_o = _output_only(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_m, h,
+                                o_v, m_v, o_k, m_k, b_q, b_k, b_v, b_ld, b_beta, HV, HK, V, K, LBCAP, LB,
+                                IS_KDA, LP)
+        tl.store(p_o, _for_store(b_o, p_o, EXACT_BF16), mask=m_v)
+        # the record at h, on a flush too (the fold reads this token's u back by row chunks);
+        # h < LBCAP guards other slots against a bad cursor
+        in_buf = h < LBCAP
+        n_v = tl.where(in_buf, V, 0)
+        n_k = tl.where(in_buf, K, 0)
+        o_h = i_s * LBCAP + h
+        p_w = buf_w + (o_h * HV + i_hv) * V + o_v
+        tl.store(p_w, _for_store(b_u, p_w, EXACT_BF16), mask=o_v < n_v)
+        if i_v == 0:
+            if IS_KDA:
+                tl.store(buf_ld + (o_h * HV + i_hv) * K + o_k, b_ld, mask=o_k < n_k)
+            else:
+                tl.store(buf_ld + o_h * HV + i_hv, b_ld, mask=in_buf)
+            if i_hv % HG == 0:
+                p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
+                tl.store(p_kh, _for_store(b_k, p_kh, EXACT_BF16), mask=o_k < n_k)
+        if flush:
+            # this token's u visible to every thread, and the tile read before it is rewritten
+            tl.debug_barrier()
+            st = i_s * 4294967296 + tl.load(epoch + i_s)
+            _shared_flush(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, head_arrive, i_s, i_hv, i_hk, i_m,
+                          i_v, h, o_k, m_k, b_k, b_ld, sr_key, st, HV, HK, V, K, LBCAP, BV, BK, NV, IS_KDA, RC,
+                          LP, SR)
+    elif flush:
         # the stochastic-rounding stream of this write: slot and write count, as pool._write
         st = i_s * 4294967296 + tl.load(epoch + i_s)
         _hp_flush(p_Ch, o, v, buf_ld, buf_k, buf_v, buf_beta, i_s, i_b, i_hv, i_hk, i_v, h,
@@ -149,45 +309,11 @@ def _lowp_decode_kernel(
                 store_nvfp4_head(p_Ch, lp_data, lp_scale, lp_tscale, i_m, V, K, BK, RC)
                 tl.store(head_arrive + i_m, 0)
     else:
-        # the output-only step of decode.py on the decoded LP tile; positions j < h hold records
-        o_j = tl.arange(0, LB)
-        m_j = o_j < h
-        m_j1 = (o_j + 1) < h
-        o_rec = i_s * LBCAP + o_j
-        b_C = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V, K, LP)  # [BV, BK]
-        b_Kb = tl.load(buf_k + (o_rec * HK + i_hk)[:, None] * K + o_k[None, :],
-                       mask=m_j[:, None] & m_k[None, :], other=0.)
-        b_Kb = tl.where(m_j[:, None], b_Kb.to(tl.float32), 0.)                          # [LB, BK]
-        b_U = tl.load(buf_w + (o_rec[:, None] * HV + i_hv) * V + o_v[None, :],
-                      mask=m_j[:, None] & m_v[None, :], other=0.)
-        b_U = tl.where(m_j[:, None], b_U.to(tl.float32), 0.)                            # [LB, BV]
-        # suffix sums of the decays shifted by one position (a reverse scan, never total minus
-        # prefix: weights near 1 keep full precision), as decode.py
-        if IS_KDA:
-            b_LDs = tl.load(buf_ld + ((o_rec + 1) * HV + i_hv)[:, None] * K + o_k[None, :],
-                            mask=m_j1[:, None] & m_k[None, :], other=0.)
-            b_LDs = tl.where(m_j1[:, None], b_LDs, 0.)
-            b_LDs = tl.where((o_j + 1 == h)[:, None], b_ld[None, :], b_LDs)             # [LB, BK]
-            b_ld0 = tl.load(buf_ld + (i_s * LBCAP * HV + i_hv) * K + o_k, mask=m_k, other=0.)
-            b_ld0 = tl.where(h == 0, b_ld, b_ld0)
-            b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))                                # [BK]
-            b_Kw = b_Kb * tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True))                 # [LB, BK]
-            b_kk = tl.sum(b_Kw * b_k[None, :], axis=1)                                  # [LB]
-            b_kq = tl.sum(b_Kw * b_q[None, :], axis=1)
-        else:
-            b_LDs = tl.load(buf_ld + (o_rec + 1) * HV + i_hv, mask=m_j1, other=0.)
-            b_LDs = tl.where(m_j1, b_LDs, tl.where(o_j + 1 == h, b_ld, 0.))             # [LB]
-            b_ld0 = tl.load(buf_ld + i_s * LBCAP * HV + i_hv)
-            b_ld0 = tl.where(h == 0, b_ld, b_ld0)
-            b_gC = tl.exp(b_ld0 + tl.sum(b_LDs, axis=0))
-            b_w = tl.where(m_j, tl.exp(tl.cumsum(b_LDs, axis=0, reverse=True)), 0.)     # [LB]
-            b_kk = tl.sum(b_Kb * b_k[None, :], axis=1) * b_w
-            b_kq = tl.sum(b_Kb * b_q[None, :], axis=1) * b_w
-        # one read of C_LP, two matvecs
-        b_Pk = tl.sum(b_C * (b_gC * b_k)[None, :], axis=1) + tl.sum(b_U * b_kk[:, None], axis=0)
-        b_Pq = tl.sum(b_C * (b_gC * b_q)[None, :], axis=1) + tl.sum(b_U * b_kq[:, None], axis=0)
-        b_u = b_beta * (b_v - b_Pk)
-        tl.store(p_o, _for_store(b_Pq + tl.sum(b_k * b_q) * b_u, p_o, EXACT_BF16), mask=m_v)
+        # the output-only step of decode.py on the decoded LP tile
+        b_u, b_o = _output_only(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_m, h,
+                                o_v, m_v, o_k, m_k, b_q, b_k, b_v, b_ld, b_beta, HV, HK, V, K, LBCAP, LB,
+                                IS_KDA, LP)
+        tl.store(p_o, _for_store(b_o, p_o, EXACT_BF16), mask=m_v)
 
         # record h: u (from C_LP, for the outputs of this window) and the raw v, beta (for the
         # HP refold at the flush); decay once per value head, key once per key head
@@ -210,14 +336,15 @@ def _lowp_decode_kernel(
 
 
 def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                dt_bias: Tensor, scale: Optional[float], ckpt, ckpt_lp: dict, lp_format: str,
-                buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, buf_v: Tensor, buf_beta: Tensor,
+                dt_bias: Tensor, scale: Optional[float], ckpt, ckpt_lp: Optional[dict], lp_format: Optional[str],
+                buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, buf_v: Optional[Tensor], buf_beta: Optional[Tensor],
                 cursor: Tensor, epoch: Tensor, slot_ids: Tensor, window: int,
                 out: Optional[Tensor] = None, use_qk_l2norm: bool = True, *, family: str = "gdn",
                 arrive: Optional[Tensor] = None, config: Optional[dict] = None,
-                validate: bool = True, hp_format: str = "fp32", seed: int = 0) -> Tensor:
-    """One GDN (`family="gdn"`) or KDA (`"kda"`) standard decode step on two checkpoints, in
-    place; returns `out` `[Bt, HV, V]`.
+                validate: bool = True, hp_format: str = "fp32", seed: int = 0,
+                hp_rounding: str = "stochastic") -> Tensor:
+    """One GDN (`family="gdn"`) or KDA (`"kda"`) standard decode step on two checkpoints (or
+    the shared design's one), in place; returns `out` `[Bt, HV, V]`.
 
     Arguments as :func:`replayssm.ops.gdn.replay_decode` (KDA: `a` `[Bt, HV, K]`, `dt_bias`
     `[HV, K]`, `buf_ld` `[N, Lb, HV, K]`), plus: `ckpt` `[N, HV, V, K]` fp32, the
@@ -229,15 +356,25 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     `hp_format` fp16, bf16 or fp8_e4m3: `ckpt` is a dict of its parts, decoded by the flush and
     rewritten with seeded stochastic rounding (`formats.encode(S, hp_format, "stochastic",
     seed=seed, stream=slot * 2**32 + epoch)` bit for bit); the LP copy must not be nvfp4.
+    The shared design: `ckpt_lp`, `lp_format` (and `buf_v`, `buf_beta`) None, one checkpoint in
+    `hp_format`, one of `SHARED_FORMATS` (NVFP4 too), from which every step outputs as the
+    non-flush steps above do; a flush folds the buffered `u` into it (nothing to recompute: they
+    came from it) and rewrites it with `hp_rounding` ("stochastic", seeded as above, or
+    "nearest"), bit for bit `formats.encode(S, hp_format, hp_rounding, ...)` of the fp32 fold.
+    An fp32 `ckpt` there is that fold unrounded (the same kernel's arithmetic, for comparisons).
     Window 1 flushes every row (the eager step), folding the records it holds (cursor < Lb).
     """
     if family not in ("gdn", "kda"):
         raise ValueError(f"family must be 'gdn' or 'kda', got {family!r}")
+    shared = ckpt_lp is None and lp_format is None
     hp_parts = ckpt
     if isinstance(ckpt, dict):
         hp = ckpt.get("data")
-        # the checks below see an fp32 stand-in of the HP parts' shape (checkpoint_args checks those)
-        ckpt = torch.empty(hp.shape, dtype=torch.float32, device=hp.device) if validate else hp
+        # the checks below see an fp32 stand-in of the logical shape (the *_args helpers check the parts)
+        if validate and isinstance(hp, Tensor) and hp.dim() == 4:
+            ckpt = torch.empty((*hp.shape[:3], k.shape[-1]), dtype=torch.float32, device=hp.device)
+        else:
+            ckpt = hp
     if validate:
         Bt, Hk, K, HV, V = check_token_inputs(family, q, k, v, a, b, A_log, dt_bias, out)
         if arrive is None:
@@ -245,20 +382,28 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
                 and ckpt.dim() == 4 else None
         N, Lb = check_state(family, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
                             HV, Hk, V, K, window)
-        check_tensor("buf_v", buf_v, (N, Lb, HV, V), (buf_w.dtype,), contiguous=True)
-        check_tensor("buf_beta", buf_beta, (N, Lb, HV), (torch.float32,), contiguous=True)
+        if not shared:
+            check_tensor("buf_v", buf_v, (N, Lb, HV, V), (buf_w.dtype,), contiguous=True)
+            check_tensor("buf_beta", buf_beta, (N, Lb, HV), (torch.float32,), contiguous=True)
         check_slot_ids(slot_ids, Bt)
         check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ckpt=ckpt,
                       buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, buf_v=buf_v, buf_beta=buf_beta,
                       cursor=cursor, epoch=epoch, arrive=arrive, slot_ids=slot_ids, out=out)
         check_slot_values(slot_ids, N)
         check_cursor_values(cursor, slot_ids, Lb, window)
-    N, HV, V, K = ckpt.shape
-    Bt, Hk = q.shape[0], q.shape[1]
+    N, HV, V = ckpt.shape[:3]
+    Bt, Hk, K = q.shape
     LBCAP = buf_w.shape[1]
-    if ckpt_lp is None:
-        raise ValueError("ckpt_lp: GDN/KDA's precision kernel needs a low-precision copy")
-    ck = checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
+    if shared:
+        ck = shared_args(hp_parts, hp_format, hp_rounding, seed, N, HV, V, K)
+    else:
+        if ckpt_lp is None or buf_v is None or buf_beta is None:
+            raise ValueError("ckpt_lp, buf_v, buf_beta: two checkpoints need the copy and the raw records "
+                             "(the shared design: ckpt_lp and lp_format None)")
+        if hp_format != "fp32" and hp_rounding != "stochastic":
+            raise ValueError(f"hp_rounding {hp_rounding!r}: beside a low-precision copy a {hp_format} checkpoint "
+                             "is written with stochastic rounding only")
+        ck = dict(checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K), SR=1)
     cfg = lowp_config(V, config)
     BV = cfg["BV"]
     scale = _scale(scale, K)
@@ -281,5 +426,5 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
         HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, LB=max(2, triton.next_power_of_2(npos)), WINDOW=int(window),
         BV=BV, BK=triton.next_power_of_2(K), IS_KDA=family == "kda",
         USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(), RC=min(16, BV), LP=ck["LP"],
-        HP=ck["HP"], num_warps=cfg["num_warps"], num_stages=1)
+        HP=ck["HP"], SHARED=shared, SR=bool(ck["SR"]), num_warps=cfg["num_warps"], num_stages=1)
     return out

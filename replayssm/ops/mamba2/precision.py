@@ -18,6 +18,11 @@ The HP checkpoint may instead be fp16, bf16 or scaled fp8-e4m3 (`HP`, ops/utils/
 the flush decodes it, folds in fp32 and writes it back with seeded stochastic rounding, bit for
 bit `formats.encode(S, hp, "stochastic", seed, stream=slot * 2**32 + epoch[slot])` of its fp32
 fold; the LP copy is then the nearest encoding of that fold (not of the rounded HP), as the pool's.
+
+The shared design (`ckpt_lp=None`, the comparison of issue 18) keeps one checkpoint in fp16,
+bf16, fp8-e4m3 or NVFP4: every step reads it, a flush folds from it as above and writes it back
+round-to-nearest or stochastically (`SR`). A shared NVFP4 head is written by its last program,
+which folds the whole head from the old checkpoint (no fp32 copy holds it) twice: amax, then rows.
 """
 from __future__ import annotations
 
@@ -31,15 +36,68 @@ from torch import Tensor
 from ..utils.checks import check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import LP_CODES, head_counter, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
-from ..utils.sround import HP_CODES, checkpoint_args, store_sr_rows
+from ..utils.lowp import (LP_CODES, head_counter, load_lp_tile, lowp_config, store_lp_rows,
+                          store_nvfp4_head)
+from ..utils.sround import (HP_CODES, SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args,
+                           store_nvfp4_rows, store_sr_rows)
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
                      group_keys, head_weights, record_masks, token_decay)
 
-__all__ = ["lowp_decode", "LP_FORMATS", "HP_FORMATS"]
+__all__ = ["lowp_decode", "LP_FORMATS", "HP_FORMATS", "SHARED_FORMATS"]
 
 LP_FORMATS = tuple(LP_CODES)
 HP_FORMATS = tuple(HP_CODES)
+SHARED_FORMATS = tuple(SHARED_CODES)
+
+
+@triton.jit
+def _fold_rows(p_Sh, ckpt, hp_scale, lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, p_x, p_w, p_kj,
+               b_g, b_dt, b_kc, b_coef, o_l, h, HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr,
+               K: tl.constexpr, HP: tl.constexpr, LP: tl.constexpr):
+    """Rows `o_r` (`[RC]`) of the head's flush, `[RC, BK]`: the checkpoint rows (fp32 at `p_Sh`,
+    or decoded: the HP parts, NVFP4 through the LP arguments), decayed, plus the token and the
+    records 0..h-1 one rank-1 update each (decode.py's arithmetic, in its order)."""
+    if HP == 0:
+        b_Sr = tl.load(p_Sh + (o_r[:, None] * K + o_k[None, :]), mask=m_r[:, None] & m_k[None, :], other=0.0)
+    elif HP == 4:
+        b_Sr = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
+    else:
+        b_Sr = load_lp_tile(ckpt, hp_scale, hp_scale, i_m, o_r, m_r, o_k, m_k, V, K, HP)
+    b_xr = tl.load(p_x + o_r, mask=m_r, other=0.0)
+    b_Sr = b_g * b_Sr + (b_dt * b_xr.to(tl.float32))[:, None] * b_kc[None, :]
+    p_wj = p_w + o_r
+    for j in range(0, h):
+        c_j = tl.sum(tl.where(o_l == j, b_coef, 0.0), axis=0)
+        w_j = tl.load(p_wj + j * (HV * V), mask=m_r, other=0.0).to(tl.float32)
+        k_j = tl.load(p_kj + j * (Hk * K), mask=m_k, other=0.0).to(tl.float32)
+        b_Sr += (c_j * w_j)[:, None] * k_j[None, :]
+    return b_Sr
+
+
+@triton.jit
+def _shared_nvfp4_head(p_Sh, ckpt, hp_scale, lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_x, p_w,
+                       p_kj, b_g, b_dt, b_kc, b_coef, o_l, h, sr_key, st, HV: tl.constexpr, Hk: tl.constexpr,
+                       V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr,
+                       SR: tl.constexpr):
+    """The shared NVFP4 checkpoint's flush of one head, by its last program: the fold of every
+    row twice (its amax gives the tensor scale, then the rows are encoded under it), from the old
+    checkpoint, which no other program reads any more; the tensor scale is stored last, as the
+    decoding of the old rows reads it."""
+    amax = tl.zeros([RC], dtype=tl.float32)
+    for r0 in range(0, V, RC):
+        o_r = r0 + tl.arange(0, RC)
+        b_Sr = _fold_rows(p_Sh, ckpt, hp_scale, lp_data, lp_scale, lp_tscale, i_m, o_r, o_r < V, o_k, m_k,
+                          p_x, p_w, p_kj, b_g, b_dt, b_kc, b_coef, o_l, h, HV, Hk, V, K, 4, 4)
+        amax = tl.maximum(amax, tl.max(tl.where(b_Sr == b_Sr, tl.abs(b_Sr), float("inf")), axis=1))
+    ts = nvfp4_tensor_scale(tl.max(amax, axis=0))
+    for r0 in range(0, V, RC):
+        o_r = r0 + tl.arange(0, RC)
+        b_Sr = _fold_rows(p_Sh, ckpt, hp_scale, lp_data, lp_scale, lp_tscale, i_m, o_r, o_r < V, o_k, m_k,
+                          p_x, p_w, p_kj, b_g, b_dt, b_kc, b_coef, o_l, h, HV, Hk, V, K, 4, 4)
+        tl.debug_barrier()          # every thread has read these rows before they are overwritten
+        store_nvfp4_rows(b_Sr, ts, lp_data, lp_scale, i_m, i_h, o_r, o_r < V, o_k, sr_key, st, V, K, BK, RC, SR)
+    tl.debug_barrier()
+    tl.store(lp_tscale + i_m, ts)
 
 
 @triton.heuristics(OPTIONAL_INPUTS)
@@ -53,7 +111,7 @@ def _lowp_decode_kernel(
     HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
     NPOS: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
     NVB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, LP: tl.constexpr, RC: tl.constexpr,
-    HP: tl.constexpr, HAS_LP: tl.constexpr,
+    HP: tl.constexpr, HAS_LP: tl.constexpr, SR: tl.constexpr,
 ):
     # grid (HV * NVB, Bt): a program owns V-block i_v of head i_h
     pid = tl.program_id(0)
@@ -88,10 +146,10 @@ def _lowp_decode_kernel(
     if is_flush and HP == 0:
         b_S = tl.load(p_S0 + i_h * (V * K) + o_v[:, None] * K + o_k[None, :],
                       mask=m_v[:, None] & m_k[None, :], other=0.0)                  # [BV, BK]
-    elif is_flush:
+    elif is_flush and HP != 4:
         b_S = load_lp_tile(ckpt, hp_scale, hp_scale, i_m, o_v, m_v, o_k, m_k, V, K, HP)
     else:
-        # (without an LP copy lp_* are the HP parts and LP their code)
+        # (without an LP copy lp_* are the HP parts and LP their code: the shared design)
         b_S = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V, K, LP)
     p_Wh = buf_w + slot * (LB * HV * V) + i_h * V
     b_W = tl.load(p_Wh + (o_l[:, None] * (HV * V) + o_v[None, :]),
@@ -121,29 +179,25 @@ def _lowp_decode_kernel(
         p_kj = buf_k + slot * (LB * Hk * K) + i_g * K + o_k
         # the stochastic-rounding stream of this write: slot and write count, as pool._write
         st = slot * 4294967296 + tl.load(epoch + slot)
-        for r0 in tl.static_range(0, BV, RC):
-            o_r = i_v * BV + r0 + tl.arange(0, RC)
-            m_r = o_r < V
-            p_Sr = p_S0 + i_h * (V * K) + (o_r[:, None] * K + o_k[None, :])
-            m_Sr = m_r[:, None] & m_k[None, :]
-            if HP == 0:
-                b_Sr = tl.load(p_Sr, mask=m_Sr, other=0.0)                              # [RC, BK]
-            else:
-                b_Sr = load_lp_tile(ckpt, hp_scale, hp_scale, i_m, o_r, m_r, o_k, m_k, V, K, HP)
-            b_xr = tl.load(x + i_b * stride_x_b + i_h * stride_x_h + o_r, mask=m_r, other=0.0)
-            b_Sr = b_g * b_Sr + (b_dt * b_xr.to(tl.float32))[:, None] * b_kc[None, :]
-            p_wj = buf_w + slot * (LB * HV * V) + i_h * V + o_r
-            for j in range(0, h):
-                c_j = tl.sum(tl.where(o_l == j, b_coef, 0.0), axis=0)
-                w_j = tl.load(p_wj + j * (HV * V), mask=m_r, other=0.0).to(tl.float32)
-                k_j = tl.load(p_kj + j * (Hk * K), mask=m_k, other=0.0).to(tl.float32)
-                b_Sr += (c_j * w_j)[:, None] * k_j[None, :]
-            if HP == 0:
-                tl.store(p_Sr, b_Sr, mask=m_Sr)
-            else:
-                store_sr_rows(b_Sr, ckpt, hp_scale, i_m, i_h, o_r, m_r, o_k, m_k, sr_key, st, V, K, HP)
-            if HAS_LP and LP != 4:
-                store_lp_rows(b_Sr, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
+        p_Sh = p_S0 + i_h * (V * K)
+        p_xh = x + i_b * stride_x_b + i_h * stride_x_h
+        p_wh0 = buf_w + slot * (LB * HV * V) + i_h * V
+        if not HAS_LP:
+            tl.debug_barrier()      # the one checkpoint: every thread has read its tile before it is rewritten
+        if HP != 4:
+            for r0 in tl.static_range(0, BV, RC):
+                o_r = i_v * BV + r0 + tl.arange(0, RC)
+                m_r = o_r < V
+                b_Sr = _fold_rows(p_Sh, ckpt, hp_scale, lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k,
+                                  p_xh, p_wh0, p_kj, b_g, b_dt, b_kc, b_coef, o_l, h, HV, Hk, V, K, HP, LP)
+                if HP == 0:
+                    tl.store(p_Sh + (o_r[:, None] * K + o_k[None, :]), b_Sr, mask=m_r[:, None] & m_k[None, :])
+                elif SR:
+                    store_sr_rows(b_Sr, ckpt, hp_scale, i_m, i_h, o_r, m_r, o_k, m_k, sr_key, st, V, K, HP)
+                else:
+                    store_lp_rows(b_Sr, ckpt, hp_scale, i_m, o_r, m_r, o_k, m_k, V, K, HP)
+                if HAS_LP and LP != 4:
+                    store_lp_rows(b_Sr, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
         if HAS_LP and LP == 4:
             # release this program's rows; the head's last program encodes the whole matrix
             tl.debug_barrier()
@@ -151,6 +205,17 @@ def _lowp_decode_kernel(
             if n_arrived == NVB - 1:
                 tl.debug_barrier()
                 store_nvfp4_head(p_S0 + i_h * (V * K), lp_data, lp_scale, lp_tscale, i_m, V, K, BK, RC)
+                tl.store(head_arrive + i_m, 0)
+        if HP == 4:
+            # the shared NVFP4 checkpoint: its scale per head needs the whole fold, which the
+            # head's last program recomputes from the old checkpoint
+            tl.debug_barrier()
+            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
+            if n_arrived == NVB - 1:
+                tl.debug_barrier()
+                _shared_nvfp4_head(p_Sh, ckpt, hp_scale, lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_xh,
+                                   p_wh0, p_kj, b_g, b_dt, b_kc, b_coef, o_l, h, sr_key, st, HV, Hk, V, K, BK,
+                                   RC, SR)
                 tl.store(head_arrive + i_m, 0)
     else:
         p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
@@ -170,8 +235,10 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
                 buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor,
                 slot_ids: Tensor, window: int, out: Optional[Tensor] = None, *,
                 arrive: Optional[Tensor] = None, config: Optional[dict] = None,
-                validate: bool = True, hp_format: str = "fp32", seed: int = 0) -> Tensor:
-    """One Mamba-2 standard decode step on two checkpoints, in place; returns `y` `[Bt, HV, V]`.
+                validate: bool = True, hp_format: str = "fp32", seed: int = 0,
+                hp_rounding: str = "stochastic") -> Tensor:
+    """One Mamba-2 standard decode step on two checkpoints (or the shared design's one), in place;
+    returns `y` `[Bt, HV, V]`.
 
     Arguments as :func:`replayssm.ops.mamba2.replay_decode` (token inputs `x` `[Bt, HV, V]`,
     `dt` `[Bt, HV]`, `B`, `C` `[Bt, Hk, K]`, `z` or None; `A`, `dt_bias`, `D` `[HV]`; records,
@@ -183,22 +250,38 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
     `hp_format` one of `HP_FORMATS`: other than fp32, `ckpt` is a dict of its parts
     (`formats.allocate`), decoded by the flush and rewritten with seeded stochastic rounding
     (`formats.encode(S, hp_format, "stochastic", seed=seed, stream=slot * 2**32 + epoch)` bit
-    for bit); `ckpt_lp` and `lp_format` may then be None (non-flush steps read the HP parts;
-    an nvfp4 copy needs an fp32 HP).
+    for bit); an nvfp4 copy needs an fp32 HP.
+    The shared design: `ckpt_lp` and `lp_format` None, one checkpoint in `hp_format`, one of
+    `SHARED_FORMATS` (NVFP4 too), read by every step and rewritten by a flush with
+    `hp_rounding` ("stochastic", seeded as above, or "nearest"): bit for bit
+    `formats.encode(S, hp_format, hp_rounding, ...)` of the flush's fp32 fold. An fp32 `ckpt`
+    there is that fold unrounded (the same kernel's arithmetic, for comparisons).
     Window 1 flushes every row (the eager step), folding the records it holds (cursor < Lb).
     """
     hp = ckpt.get("data") if isinstance(ckpt, dict) else ckpt
-    N, HV, V, K = hp.shape if isinstance(hp, Tensor) and hp.dim() == 4 else (0, 0, 0, 0)
+    N, HV, V = hp.shape[:3] if isinstance(hp, Tensor) and hp.dim() == 4 else (0, 0, 0)
+    K = B.shape[-1] if isinstance(B, Tensor) and B.dim() == 3 else 0
+    shared = ckpt_lp is None and lp_format is None
     if validate:
         Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
+        if shared and hp_format == "nvfp4" and isinstance(hp, Tensor) and hp.dim() == 4:
+            # the checks see a stand-in of the logical shape (shared_args checks the packed parts)
+            hp = torch.empty((hp.shape[0], HV, V, K), dtype=hp.dtype, device=hp.device)
         N, Lb = check_state(hp, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
                             Hk=Hk, K=K, device=dev, ckpt_dtypes=(getattr(hp, "dtype", None),))
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_window(window, Lb)
         check_slots(slot_ids, N)
-    ck = checkpoint_args(ckpt, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
+    if shared:
+        ck = shared_args(ckpt, hp_format, hp_rounding, seed, N, HV, V, K)
+    else:
+        # two checkpoints: a narrow HP is written with stochastic rounding only
+        if hp_format != "fp32" and hp_rounding != "stochastic":
+            raise ValueError(f"hp_rounding {hp_rounding!r}: beside a low-precision copy a {hp_format} checkpoint "
+                             "is written with stochastic rounding only")
+        ck = dict(checkpoint_args(ckpt, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K), SR=1)
     cfg = lowp_config(V, config)
     BV = cfg["BV"]
     if out is None:

@@ -10,7 +10,8 @@ which rounds once, like the reference's float64 product cast to fp32. The kernel
 as integer views (`lp_views`): fp16/bf16 data as int16, fp8 data and e4m3 scales as uint8.
 
 Format codes (`LP` constexpr): 1 fp16, 2 bf16, 3 fp8-e4m3 (one fp32 scale per row of K),
-4 NVFP4 (two e2m1 codes per byte, one e4m3 scale per 16 elements, one fp32 scale per head).
+4 NVFP4 (two e2m1 codes per byte, one e4m3 scale per 16 elements, one fp32 scale per head);
+`load_lp_tile` also reads code 0, an fp32 checkpoint.
 """
 from __future__ import annotations
 
@@ -176,9 +177,12 @@ def load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V: tl.co
                  K: tl.constexpr, LP: tl.constexpr):
     """Rows `o_v` (`[BV]`, valid where `m_v`) of head matrix `i_m` (= slot * HV + head) of the
     low-precision checkpoint, decoded to fp32: `[BV, BK]`, zero where masked, equal to
-    `formats.decode` of those parts."""
+    `formats.decode` of those parts. LP 0 reads an fp32 checkpoint as it is."""
     m = m_v[:, None] & m_k[None, :]
-    if LP == 1:
+    if LP == 0:
+        return tl.load(lp_data + i_m * (V * K) + o_v[:, None] * K + o_k[None, :], mask=m, other=0.,
+                       eviction_policy="evict_first")
+    elif LP == 1:
         p = lp_data + i_m * (V * K) + o_v[:, None] * K + o_k[None, :]
         b = tl.load(p, mask=m, other=0, eviction_policy="evict_first")
         return b.to(tl.float16, bitcast=True).to(tl.float32)

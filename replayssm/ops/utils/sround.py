@@ -10,6 +10,10 @@ index within the slot's checkpoint, `(head * V + row) * K + col`.
 
 Format codes (`HP` constexpr): 0 fp32 (no rounding), 1 fp16, 2 bf16, 3 fp8-e4m3 (one fp32 scale
 per row of K). The parts are read with `lowp.load_lp_tile` under the same codes.
+
+The shared design (one checkpoint in a low-precision format, read by every step and rewritten
+at every flush, `shared_args`) adds code 4, NVFP4, and round-to-nearest writes (`SR` 0):
+`store_nvfp4_rows` encodes rows of a head matrix whose tensor scale is already known.
 """
 from __future__ import annotations
 
@@ -18,11 +22,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .lowp import LP_CODES, _f32_scale, lp_views
+from .lowp import LP_CODES, _e4m3_value, _f32_scale, _round_bits64, lp_views
 
-__all__ = ["HP_CODES", "seed_key", "hp_views", "checkpoint_args", "uniform_bits", "store_sr_rows", "kernel_uniform_bits"]
+__all__ = ["HP_CODES", "SHARED_CODES", "ROUNDINGS", "seed_key", "hp_views", "checkpoint_args", "shared_args",
+           "uniform_bits", "store_sr_rows", "nvfp4_tensor_scale", "store_nvfp4_rows", "kernel_uniform_bits"]
 
 HP_CODES = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3}
+# the one checkpoint of the shared design (fp32: the same kernels' fold, unrounded)
+SHARED_CODES = dict(HP_CODES, nvfp4=4)
+ROUNDINGS = ("nearest", "stochastic")
 _M32 = 0xFFFFFFFF
 
 
@@ -78,6 +86,28 @@ def checkpoint_args(ckpt, ckpt_lp, lp_format, hp_format: str, seed: int, N: int,
     return dict(ckpt=hp_data, hp_scale=hp_scale, sr_key=seed_key(seed), lp_data=lp_data,
                 lp_scale=lp_scale, lp_tscale=lp_tscale, LP=lp_code, HP=HP_CODES[hp_format],
                 HAS_LP=ckpt_lp is not None)
+
+
+def shared_args(ckpt, hp_format: str, hp_rounding: str, seed: int, N: int, HV: int, V: int, K: int) -> dict:
+    """The precision kernels' checkpoint arguments for the shared design: one checkpoint `ckpt`
+    in `hp_format` (`SHARED_CODES`; an fp32 tensor, else a dict of parts), read by every step
+    and rewritten by a flush with `hp_rounding` (`ROUNDINGS`; none for fp32). The LP arguments
+    are the same parts under the same code, and `HAS_LP` is False."""
+    if hp_format not in SHARED_CODES:
+        raise ValueError(f"hp_format {hp_format!r} has no shared-checkpoint kernel; expected one of "
+                         f"{sorted(SHARED_CODES)}")
+    if hp_rounding not in ROUNDINGS:
+        raise ValueError(f"hp_rounding must be one of {ROUNDINGS}, got {hp_rounding!r}")
+    if hp_format == "fp32":
+        data, scale, tscale = hp_views(ckpt, "fp32", N, HV, V, K) + (None,)
+    else:
+        try:
+            data, scale, tscale = lp_views(ckpt, hp_format, N, HV, V, K)
+        except ValueError as e:
+            raise ValueError(str(e).replace("ckpt_lp", "ckpt")) from None
+    return dict(ckpt=data, hp_scale=scale, sr_key=seed_key(seed), lp_data=data, lp_scale=scale,
+                lp_tscale=tscale, LP=SHARED_CODES[hp_format], HP=SHARED_CODES[hp_format], HAS_LP=False,
+                SR=int(hp_rounding == "stochastic" and hp_format != "fp32"))
 
 
 @triton.jit
@@ -181,6 +211,52 @@ def store_sr_rows(b_S, hp_data, hp_scale, i_m, i_h, o_r, m_r, o_k, m_k, key, st,
         bits = tl.where(neg, bits | 0x80, bits)
         tl.store(p, bits.to(tl.uint8), mask=m)
         tl.store(hp_scale + i_m * V + o_r, s, mask=m_r)
+
+
+@triton.jit
+def nvfp4_tensor_scale(amax):
+    """An NVFP4 matrix's fp32 tensor scale from its amax (NaN counted as inf by the caller), as
+    `formats.encode`'s for finite matrices; NaN for a non-finite one, whose every element then
+    decodes to NaN (formats.decode gives NaN, or inf where the element was inf: non-finite either
+    way, so a state that overflowed is not laundered into finite codes)."""
+    return tl.where(amax < float("inf"), _f32_scale(amax, 2688.0), float("nan"))     # 6 * 448
+
+
+@triton.jit
+def store_nvfp4_rows(b_S, ts, lp_data, lp_scale, i_m, i_h, o_r, m_r, o_k, key, st, V: tl.constexpr,
+                     K: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr, SR: tl.constexpr):
+    """Encode fp32 rows `b_S` (`[RC, BK]`, zero in padded columns; rows `o_r` of head `i_h`,
+    matrix `i_m`) to NVFP4 under the matrix's fp32 tensor scale `ts`: block scales rounded up,
+    elements round-to-nearest (SR 0) or stochastically (SR 1, the uniforms of
+    `formats.encode(S[None], "nvfp4", "stochastic", seed, stream=st)` of the slot's `[HV, V, K]`
+    checkpoint). `ts` (`nvfp4_tensor_scale`) is the caller's to store."""
+    NB: tl.constexpr = BK // 16
+    BH: tl.constexpr = BK // 2
+    ts64 = ts.to(tl.float64)
+    bmax = tl.max(tl.reshape(tl.abs(b_S), [RC, NB, 16]), axis=2)                      # [RC, NB]
+    qs = bmax.to(tl.float64) / (6.0 * ts64)
+    qs = tl.where(qs > 448.0, 448.0, qs)
+    sbits = _round_bits64(qs, 3, -6, True).to(tl.int32)      # rounded up: |x / denom| <= 6
+    den = _e4m3_value(sbits).to(tl.float64) * ts64           # exact
+    den = tl.where(den > 0, den, 1.0)
+    dp = tl.reshape(tl.broadcast_to(den[:, :, None], [RC, NB, 16]), [RC, BK])
+    xb = b_S.to(tl.int32, bitcast=True)
+    y = (xb & 0x7FFFFFFF).to(tl.float32, bitcast=True).to(tl.float64) / dp
+    y = tl.where(y > 6.0, 6.0, y)
+    if SR:
+        r = uniform_bits(key, st, (i_h * V + o_r)[:, None] * K + o_k[None, :])
+        code = _sr_bits64(y, r, 1, 0).to(tl.int32)
+    else:
+        code = _round_bits64(y, 1, 0, False).to(tl.int32)
+    nib = tl.where(xb < 0, code | 8, code)
+    # element 2i in the low nibble: the pair's bits are disjoint, so their sum is the byte
+    byte = tl.sum(tl.reshape(nib << ((o_k & 1) * 4)[None, :], [RC, BH, 2]), axis=2)     # [RC, BH]
+    o_i = tl.arange(0, BH)
+    o_b = tl.arange(0, NB)
+    tl.store(lp_data + i_m * (V * (K // 2)) + o_r[:, None] * (K // 2) + o_i[None, :], byte.to(tl.uint8),
+             mask=m_r[:, None] & (o_i < K // 2)[None, :])
+    tl.store(lp_scale + i_m * (V * (K // 16)) + o_r[:, None] * (K // 16) + o_b[None, :], sbits.to(tl.uint8),
+             mask=m_r[:, None] & (o_b < K // 16)[None, :])
 
 
 @triton.jit
