@@ -262,17 +262,21 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
                 pos.add_(1)           # on the device: a replayed graph moves on like decoding
                 return logits
 
-            got[scheme] = step()[:, -1].argmax(-1)          # one eager step first: the tokens
-            us, timing = _time_step(step, reps, graphs)
-            rows.append(dict(base, scheme=scheme, us_per_step=us, timing=timing, tokens_per_s=batch / us * 1e6,
-                             kv_bytes=need))
+            try:
+                got[scheme] = step()[:, -1].argmax(-1)          # one eager step first: the tokens
+                us, timing = _time_step(step, reps, graphs)
+            except torch.OutOfMemoryError:
+                # transformers' SDPA path copies the key/value cache per step (repeat_kv): more
+                # than the cache itself, which the room check counts
+                us, timing = None, "skipped: out of memory in the step (the model's attention copies the cache)"
+            rows.append(dict(base, scheme=scheme, us_per_step=us, timing=timing,
+                             tokens_per_s=batch / us * 1e6 if us else None, kv_bytes=need))
             hf.disable(model)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        conv = next((r for r in rows[-len(schemes):] if r["scheme"] == "conventional"), None)
+            _free()
+        conv = next((r for r in rows[-len(schemes):] if r["scheme"] == "conventional" and r["us_per_step"]), None)
         for r in rows[-len(schemes):]:
-            r["ratio_vs_conventional"] = conv["us_per_step"] / r["us_per_step"] if conv else None
-            if "conventional" in got and r["scheme"] != "no-recurrence":
+            r["ratio_vs_conventional"] = conv["us_per_step"] / r["us_per_step"] if conv and r["us_per_step"] else None
+            if "conventional" in got and r["scheme"] in got and r["scheme"] != "no-recurrence":
                 r["first_token_agreement"] = float((got[r["scheme"]] == got["conventional"]).float().mean())
         cache = None                       # the next point's prefill needs the memory
         _free()
@@ -337,8 +341,15 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                 pos.add_(accepted)            # on the device: a replayed graph moves on like generation
                 return logits
 
-            got[scheme] = round_().argmax(-1)
-            us, timing = _time_step(round_, reps, graphs)
+            try:
+                got[scheme] = round_().argmax(-1)
+                us, timing = _time_step(round_, reps, graphs)
+            except torch.OutOfMemoryError:
+                hf.disable(model)
+                _free()
+                rows.append(dict(base, scheme=scheme, us_per_round=None, tokens_per_s=None,
+                                 timing="skipped: out of memory in the round (the model's attention copies the cache)"))
+                continue
             rows.append(dict(base, scheme=scheme, us_per_round=us, timing=timing,
                              tokens_per_s=batch * accepted / us * 1e6,
                              # the recurrent layers' state per sequence, all layers
