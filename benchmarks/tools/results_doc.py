@@ -5,7 +5,7 @@
 For each JSON file named in the index's tables (in the index's order, under its section
 headings): the file's own provenance (command, GPU, date, code version) and a compact table of
 its rows, with the columns that matter for its benchmark (`decode`, `eager_sweep`, `tune`,
-`records`, `verify`). `--check` writes nothing and exits 1 when docs/results.md differs from
+`records`, `verify`, `model`, `precision`, `precision_study`). `--check` writes nothing and exits 1 when docs/results.md differs from
 what would
 be written (benchmarks/tools/test_tools.py runs the same comparison). Reads JSON only: it
 imports nothing of the package.
@@ -174,6 +174,53 @@ def verify_table(rows: list) -> list:
     return _table(header, out)
 
 
+def model_table(data: dict) -> list:
+    """Whole-model decode steps (one line per model, context, batch: each scheme's step time,
+    its ratio to the conventional step) and the speculative rounds' tokens per second."""
+    header = ["model", "context", "batch", "scheme", "us/step", "vs conventional", "timing"]
+    out = [[r["model"], r["context"], r["batch"], f"`{r['scheme']}`", _us(r["us_per_step"]) if r["us_per_step"] else "",
+            f"{r['ratio_vs_conventional']:.2f}x" if r.get("ratio_vs_conventional") else "", r["timing"]]
+           for r in data["rows"]]
+    lines = _table(header, out)
+    spec = data.get("speculative_rows") or []
+    if spec:
+        header = ["model", "context", "batch", "scheme", "us/round", "tokens/s", "vs snapshot", "MB/seq", "timing"]
+        out = [[r["model"], r["context"], r["batch"], f"`{r['scheme']}`", _us(r["us_per_round"]) if r["us_per_round"] else "",
+                f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "",
+                f"{r['ratio_vs_snapshot']:.2f}x" if r.get("ratio_vs_snapshot") else "",
+                f"{r['bytes_per_sequence'] / 2 ** 20:.0f}" if r.get("bytes_per_sequence") else "", r["timing"]]
+               for r in spec]
+        lines += ["", f"Speculative rounds ({data.get('speculative', '')}):", ""] + _table(header, out)
+    return lines
+
+
+def precision_table(rows: list) -> list:
+    """One line per row of the separate-precision benchmark."""
+    header = ["shape", "batch", "timing", "scheme", "read", "us/step", "vs fp32 read", "byte bound", "vs conventional"]
+    out = [[r["shape"], r["batch"], r["timing"], f"`{r['scheme']}`", r["read_format"], _us(r["us_per_step"]),
+            f"{r['ratio_vs_fp32_read']:.2f}x" if r.get("ratio_vs_fp32_read") else "",
+            f"{r['byte_bound']:.2f}x" if r.get("byte_bound") else "",
+            f"{r['ratio_vs_conventional']:.2f}x" if r.get("ratio_vs_conventional") else ""] for r in rows]
+    return _table(header, out)
+
+
+def precision_study_table(rows: list) -> list:
+    """One line per (family, design, formats, rounding): the mean relative output error over
+    the first log-spaced bin past 1024 tokens and over the last bin, and the first non-finite
+    token."""
+    header = ["family", "design", "read", "HP", "rounding", "tokens", "error near 1K", "error at the end", "non-finite"]
+    groups = defaultdict(dict)
+    for r in rows:
+        groups[(r["family"], r["design"], r["read_format"], r["hp_format"], r["rounding"])][r["tokens"]] = r
+    out = []
+    for key, by in groups.items():
+        ts = sorted(by)
+        near = next((t for t in ts if t >= 1024), ts[-1])
+        bad = next((by[t]["first_nonfinite"] for t in ts if by[t]["first_nonfinite"] is not None), None)
+        out.append([*key, ts[-1], _err(by[near]["rel_error"]), _err(by[ts[-1]]["rel_error"]), bad or ""])
+    return _table(header, out)
+
+
 # ----------------------------------------------------------------------------------------------
 # The document
 
@@ -201,6 +248,12 @@ def file_section(name: str, data: dict) -> list:
         out += records_table(data["rows"])
     elif kind == "verify":
         out += verify_table(data["rows"])
+    elif kind == "model":
+        out += model_table(data)
+    elif kind == "precision":
+        out += precision_table(data["rows"])
+    elif kind == "precision_study":
+        out += precision_study_table(data["rows"])
     else:
         out.append(f"{len(data['rows'])} rows of benchmark `{kind}` (no table for it here).")
     return out + [""]
