@@ -142,7 +142,7 @@ def _mul32(x: Tensor, c: int) -> Tensor:
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit avalanche mix (a bijection of `[0, 2**32)`), on int64 tensors."""
+    """A 32-bit avalanche mix (a bijection of `[0, 2**32)`), on int64 tensors or Python ints."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -188,7 +188,8 @@ def uniform(shape, seed: int, stream: Optional[Tensor] = None, device=None) -> T
 
     # Per-row keys: a chain of mixes through the seed and stream words (every bit matters).
     seed = int(seed)
-    k = _mix32(torch.tensor([(seed & _M32) ^ 0x9E3779B9], dtype=torch.int64, device=device))
+    # the seed's words mixed as Python ints: no tensor from host data (a CUDA graph can capture it)
+    k = _mix32((seed & _M32) ^ 0x9E3779B9)
     k = _mix32(k ^ ((seed >> 32) & _M32))
     k1 = _mix32(k ^ (st & _M32))
     k1 = _mix32(k1 ^ ((st >> 32) & _M32))[:, None]  # [B, 1]

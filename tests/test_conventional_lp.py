@@ -130,6 +130,34 @@ def test_one_step_tensor_state_with_scales_and_int32_slots():
     assert empty.shape == (0, HV, V)
 
 
+@pytest.mark.parametrize("family, fmt", [("mamba2", "fp8_e4m3"), ("gdn", "bf16")])
+def test_step_as_a_device_tensor(family, fmt):
+    """`step` as a one-element tensor the kernel reads (what a replayed CUDA graph needs): the
+    same bits as the int form, 0-d int64 and `[1]` int32 alike, a step past 31 bits included; the
+    value is read at each launch (a new value in the same tensor gives the int form's new
+    stream); a float, two-element or other-device tensor is refused."""
+    slots = torch.tensor([2, -1, 0], device=DEV)
+    p, inp, g = _layer(family, len(slots), seed=12)
+    S0 = _state(fmt, 3, g)
+
+    def run(step):
+        st = {key: t.clone() for key, t in S0.items()}
+        return _lp(family, p, inp, st, slots, fmt, rounding="stochastic", seed=99, step=step), st
+
+    t64 = torch.tensor(0, dtype=torch.int64, device=DEV)
+    for value, dev_step in ((2 ** 32 - 1, t64), (5, torch.tensor([5], dtype=torch.int32, device=DEV)), (6, t64)):
+        dev_step.fill_(value)
+        (y, st), (y_int, st_int) = run(dev_step), run(value)
+        assert torch.equal(y, y_int) and _same_bits(st, st_int), value
+    assert not _same_bits(run(5)[1], st_int)          # the streams do depend on the step
+    for bad in (torch.tensor(1.0, device=DEV), torch.tensor([1, 2], device=DEV)):
+        with pytest.raises(ValueError, match="step"):
+            run(bad)
+    if GPU:
+        with pytest.raises(ValueError, match="step"):
+            run(torch.tensor(1))
+
+
 def test_kda_entry_point_is_the_shared_kernel():
     """`ops.kda.conventional_decode_lp` runs the GDN kernel's KDA specialisation: the same bits."""
     from replayssm.ops import kda

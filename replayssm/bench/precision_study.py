@@ -36,10 +36,15 @@ first token whose outputs are not finite (`first_nonfinite`, None while they all
 Two engines of the same mathematics: `pool` (a `SlotPool` per variant; on CUDA the pools decode
 on the precision kernels, shared designs included, but for `separate-fp8sr` with an NVFP4 copy,
 which runs on the reference, one row at a time) and `batched` (every variant as rows of one
-tensor, one conventional step per token; see `_Batched`; its conventional low-precision rows on
-the kernel where `kernels`), which agree to within 1% (round-to-nearest) at a tiny shape.
-Results for the issue come from a GPU run (`--engine batched --tokens 131072`); on the CPU every
-pool runs the reference, fit for short runs only.
+tensor, one conventional step per token; see `precision_engine.BatchedEngine`; its conventional
+low-precision rows on the kernel where `kernels`), which agree to within 1% (round-to-nearest)
+at a tiny shape. The batched engine steps a window of `--window` tokens per call of one function
+of device data (`--loop`, `precision_engine.WindowLoop`): on CUDA captured once in a CUDA graph
+and replayed (`graph`, the default there: a few host calls per window instead of a few hundred
+torch calls per token), on the CPU run eagerly (`window`, the default there); `token` steps
+token by token from the host, as the pool engine does. The three give the same rows (bit for
+bit on the CPU). Results for the issue come from a GPU run (`--engine batched --tokens 131072`);
+on the CPU every pool runs the reference, fit for short runs only.
 """
 from __future__ import annotations
 
@@ -47,21 +52,23 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from .. import shapes as shp
 from ..pool import SlotPool
-from ..formats import allocate, quantize
 from ..reference.schemes import shared_lowp_step
-from ..testing import make_inputs, make_params
+from ..testing import make_params
 from .common import header, write_results
+from .precision_engine import INPUT_CHUNK, BatchedEngine, StudyInputs, WindowLoop, layer_seed
 
 LP_FORMATS = ("fp16", "bf16", "fp8_e4m3", "nvfp4")
 DESIGNS = ("shared", "separate", "separate-fp8sr", "conventional-lowp", "conventional-fp32")
 DEFAULT_SHAPES = ("nemotron3-nano-4b", "qwen3.5-4b")
 _CONV_FORMATS = ("bf16", "fp16")
 ENGINES = ("pool", "batched")
+LOOPS = ("token", "window", "graph")
 _FIELDS = ("design", "family", "read_format", "hp_format", "rounding")
 
 
@@ -108,9 +115,9 @@ class _Runner:
         d = var["design"]
         if d.startswith("conventional"):
             self.params = make_params(shape.family, shape.HV, shape.K, dtype=torch.float32,
-                                      device=device, seed=_layer_seed(seed, layer))
+                                      device=device, seed=layer_seed(seed, layer))
             self.state = torch.zeros(batch, shape.HV, shape.V, shape.K, device=device)
-            self.seed = _layer_seed(seed, layer)
+            self.seed = layer_seed(seed, layer)
             return
         hp = None if var["hp_format"] == "fp32" else var["hp_format"]
         lp = None if d == "shared" else var["read_format"]
@@ -135,106 +142,40 @@ class _Runner:
         return y
 
 
-class _Batched:
-    """Every variant of one layer as rows of one tensor, stepped by one conventional step per
-    token: the same mathematics as the pools, with no loop over rows or variants.
-
-    A pool design has an output path `O` (from the checkpoint its non-flush steps read, with
-    records whose GDN `u` came from it) and a high-precision path `H` (from `C_HP`; for GDN the
-    `u` a flush recomputes from the raw records). Between flushes both step conventionally in
-    fp32 (equal to the pool's unrolled sums within fp32 rounding); a flush outputs from `H`,
-    then sets `H <- Q_HP(H)` and `O <- Q_LP(H)` (shared: `O <- H`), as `SlotPool._write`
-    stores `S`. Stochastic roundings draw other random numbers than the pools' streams.
-    With `kernels`, the conventional low-precision designs are not rows of that tensor: each
-    keeps its state in its format, stepped by `conventional_decode_lp` (the serving engines'
-    kernel, its outputs from the fp32 update as `params.step`'s).
-    """
-
-    def __init__(self, vars_, shape, batch, window, device, seed, layer, kernels=False):
-        self.vars, self.B, self.window = vars_, batch, window
-        self.pools = [i for i, v in enumerate(vars_) if not v["design"].startswith("conventional")]
-        conv = [i for i, v in enumerate(vars_) if v["design"].startswith("conventional")]
-        self.lp_kernels = [i for i in conv if kernels and vars_[i]["hp_format"] != "fp32"]
-        self.convs = [i for i in conv if i not in self.lp_kernels]
-        self.params = make_params(shape.family, shape.HV, shape.K, dtype=torch.float32, device=device,
-                                  seed=_layer_seed(seed, layer))
-        self.rows = 2 * len(self.pools) + len(self.convs)      # O rows, H rows, conventional rows
-        self.S = torch.zeros(self.rows * batch, shape.HV, shape.V, shape.K, device=device)
-        self.seed = _layer_seed(seed, layer)
-        self.ar = torch.arange(batch, device=device, dtype=torch.int64)
-        self.lp_states = {i: allocate(vars_[i]["hp_format"], (batch, shape.HV, shape.V, shape.K), device)
-                          for i in self.lp_kernels}
-        if self.lp_kernels:
-            from ..ops import gdn, mamba2
-
-            self.lp_step = mamba2.conventional_decode_lp if shape.family == "mamba2" else gdn.conventional_decode_lp
-
-    def _kernel_step(self, t: int, i: int, inp: dict) -> torch.Tensor:
-        """Token `t` of conventional low-precision variant `i` on the kernel: its outputs `[B, HV, V]`."""
-        v, p = self.vars[i], self.params
-        # one seed per variant and layer: no two variants share random numbers
-        kw = dict(rounding=v["rounding"], seed=(self.seed * 1009 + i) % 2 ** 64, step=t)
-        if p.family == "mamba2":
-            return self.lp_step(inp["x"], inp["dt"], inp["B"], inp["C"], p.A, p.dt_bias, p.D, inp.get("z"),
-                                self.lp_states[i], self.ar, v["hp_format"], **kw)
-        return self.lp_step(inp["q"], inp["k"], inp["v"], inp["a"], inp["b"], p.A_log, p.dt_bias, p.scale,
-                            self.lp_states[i], self.ar, v["hp_format"], use_qk_l2norm=p.use_qk_l2norm,
-                            family=p.family, **kw)
-
-    def _rows(self, j: int) -> slice:
-        return slice(j * self.B, (j + 1) * self.B)
-
-    def _round(self, x, fmt, rounding, t, i):
-        if fmt == "fp32":
-            return x
-        # one stream per token, row and variant: no two roundings share random numbers
-        stream = (t * len(self.vars) + i) * self.B + self.ar
-        return quantize(x, fmt, rounding, seed=self.seed, stream=stream)
-
-    def step(self, t: int, inp: dict) -> torch.Tensor:
-        """Token `t` (from 0) for every variant: outputs `[variants, B, HV, V]`."""
-        rep = {k: v.repeat(self.rows, *([1] * (v.dim() - 1))) for k, v in inp.items()}
-        y, self.S = self.params.step(self.S, **rep)
-        y = y.view(self.rows, self.B, *y.shape[1:])
-        nP = len(self.pools)
-        flush = (t + 1) % self.window == 0
-        out = torch.empty(len(self.vars), *y.shape[1:], dtype=y.dtype, device=y.device)
-        out[self.pools] = y[nP:2 * nP] if flush else y[:nP]
-        out[self.convs] = y[2 * nP:]
-        for i in self.lp_kernels:
-            out[i] = self._kernel_step(t, i, inp)
-        if flush:
-            for j, i in enumerate(self.pools):
-                v = self.vars[i]
-                H = self.S[self._rows(nP + j)]
-                lp = H if v["design"] == "shared" else self._round(H, v["read_format"], "nearest", t, i)
-                self.S[self._rows(nP + j)] = self._round(H, v["hp_format"], v["rounding"], t, i)
-                self.S[self._rows(j)] = self.S[self._rows(nP + j)] if v["design"] == "shared" else lp
-        for j, i in enumerate(self.convs):
-            v = self.vars[i]
-            r = self._rows(2 * nP + j)
-            self.S[r] = self._round(self.S[r], v["hp_format"], v["rounding"], t, i)
-        return out
-
-
-def _layer_seed(seed: int, layer: int) -> int:
-    return seed * 1_000_003 + layer
+def resolve_loop(engine: str, device, loop: Optional[str] = None) -> str:
+    """The loop `run` steps the tokens with: `loop` checked against the engine and device, or
+    by default "graph" for the batched engine on CUDA, "window" for it elsewhere, "token" for
+    the pools."""
+    device = torch.device(device)
+    if loop is None:
+        return "token" if engine == "pool" else "graph" if device.type == "cuda" else "window"
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    if engine == "pool" and loop != "token":
+        raise ValueError(f"the pool engine steps token by token; loop {loop!r} is the batched engine's")
+    if loop == "graph" and device.type != "cuda":
+        raise ValueError(f"loop 'graph' replays CUDA graphs; device {device} is not CUDA")
+    return loop
 
 
 def run(shape, *, layers: int = 2, tokens: int = 256, batch: int = 2, window: int = 16,
         designs=DESIGNS, lp_formats=LP_FORMATS, device="cpu", seed: int = 0, engine: str = "pool",
-        progress=None, kernels=None, time_budget: float = 0.0) -> list:
+        progress=None, kernels=None, time_budget: float = 0.0, loop: Optional[str] = None) -> list:
     """The study for one shape (`shapes.Shape` or a name / `family/HV/Hk/V/K`): its rows, one per
     variant and log-spaced token count (`checkpoints(tokens)`).
 
     `engine`: "pool" (a `SlotPool` per variant: on CUDA the precision kernels where they cover
-    it, the reference otherwise, one row at a time) or "batched" (`_Batched`: every
+    it, the reference otherwise, one row at a time) or "batched" (`BatchedEngine`: every
     variant in one tensor, fast enough for 131072 tokens on a GPU). `kernels` (batched engine):
-    the conventional low-precision designs on `conventional_decode_lp` (None: on CUDA)."""
+    the conventional low-precision designs on `conventional_decode_lp` (None: on CUDA). `loop`
+    (`resolve_loop`): "token", one step of every variant per token from the host; "window" or
+    "graph" (batched engine), a window of tokens per call of one function of device data
+    (`WindowLoop`), run eagerly or replayed from a CUDA graph; the same numbers every way."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     shape = shp.parse(shape) if isinstance(shape, str) else shape
     device = torch.device(device)
+    loop = resolve_loop(engine, device, loop)
     vars_ = variants(designs, lp_formats)
     # The layers of a stack are independent trials (own parameters, own inputs) and every head's
     # recurrence is independent of the others': a stack of `layers` layers is one layer with
@@ -244,40 +185,51 @@ def run(shape, *, layers: int = 2, tokens: int = 256, batch: int = 2, window: in
     err2 = torch.zeros(len(vars_), tokens, dtype=torch.float64, device=device)
     ref2 = torch.zeros(tokens, dtype=torch.float64, device=device)
     started = time.perf_counter()
-    lseed = _layer_seed(seed, 0)          # the runners draw their parameters from the same seed
+    lseed = layer_seed(seed, 0)          # the runners draw their parameters from the same seed
     p64 = make_params(wide.family, wide.HV, wide.K, dtype=torch.float64, device=device, seed=lseed)
     if engine == "batched":
-        runners = _Batched(vars_, wide, batch, window, device, seed, 0,
-                           kernels=device.type == "cuda" if kernels is None else kernels)
+        runners = BatchedEngine(vars_, wide, batch, window, device, seed, 0,
+                                kernels=device.type == "cuda" if kernels is None else kernels)
     else:
         runners = [_Runner(v, p64, batch, wide, window, device, seed, 0) for v in vars_]
     S64 = torch.zeros(batch, wide.HV, wide.V, wide.K, dtype=torch.float64, device=device)
-    g = torch.Generator().manual_seed(lseed)
-    chunk = 256              # tokens of inputs drawn and moved to the device at once
-    for t in range(tokens):
-        if time_budget and t % chunk == 0 and t and time.perf_counter() - started > time_budget:
-            # out of time: the rows end at the tokens run so far (`tokens` in each row says so)
-            err2, ref2, tokens = err2[:, :t], ref2[:t], t
-            break
-        if t % chunk == 0:
-            inputs = make_inputs(p64, batch, wide.V, wide.K, wide.Hk, steps=min(chunk, tokens - t),
-                                 generator=g, device=device)
-        inp64 = {k: v[:, t % chunk] for k, v in inputs.items()}
-        y64, S64 = p64.step(S64, **inp64)
-        inp = {k: v.float() for k, v in inp64.items()}
-        ref2[t] += (y64 * y64).sum()
-        if engine == "batched":
-            err2[:, t] += ((runners.step(t, inp).double() - y64) ** 2).flatten(1).sum(1)
+    feed = StudyInputs(p64, batch, wide, tokens, torch.Generator().manual_seed(lseed), device)
+    windows = None if loop == "token" else WindowLoop(runners, p64, S64, window, graphs=loop == "graph")
+    step = 1 if windows is None else window
+    t = checked = 0
+    while t < tokens:
+        m = min(step, tokens - t)
+        inputs = feed.take(t, m)       # first: a new chunk is drawn while the GPU works
+        if time_budget and t // INPUT_CHUNK > checked // INPUT_CHUNK:
+            checked = t
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)       # the time the GPU took, not the host's queue
+            if time.perf_counter() - started > time_budget:
+                # out of time: the rows end at the tokens run so far (`tokens` in each row says so)
+                err2, ref2, tokens = err2[:, :t], ref2[:t], t
+                break
+        if windows is not None:
+            e, r = windows.run(t, inputs)
+            err2[:, t:t + m] = e
+            ref2[t:t + m] = r
         else:
-            for i, r in enumerate(runners):
-                err2[i, t] += ((r.step(t, inp).double() - y64) ** 2).sum()
-        if progress and (t + 1) % 16384 == 0 and t + 1 < tokens:
-            progress(f"{shape.family}: {t + 1}/{tokens} tokens, {time.perf_counter() - started:.0f} s")
+            inp64 = {k: v[:, 0] for k, v in inputs.items()}
+            y64, S64 = p64.step(S64, **inp64)
+            inp = {k: v.float() for k, v in inp64.items()}
+            ref2[t] += (y64 * y64).sum()
+            if engine == "batched":
+                err2[:, t] += ((runners.step(t, inp).double() - y64) ** 2).flatten(1).sum(1)
+            else:
+                for i, r in enumerate(runners):
+                    err2[i, t] += ((r.step(t, inp).double() - y64) ** 2).sum()
+        t += m
+        if progress and t // 16384 > (t - m) // 16384 and t < tokens:
+            progress(f"{shape.family}: {t}/{tokens} tokens, {time.perf_counter() - started:.0f} s")
     if progress:
         progress(f"{shape.family}: {tokens} tokens, {layers} layers, {len(vars_)} variants, "
                  f"{time.perf_counter() - started:.0f} s")
     return _rows(shape, vars_, (err2 / ref2).sqrt().cpu(),
-                 dict(layers=layers, batch=batch, window=window, engine=engine))
+                 dict(layers=layers, batch=batch, window=window, engine=engine, loop=loop))
 
 
 def _rows(shape, vars_, rel, extra) -> list:
@@ -416,6 +368,10 @@ def main(argv=None) -> dict:
                     help="pool: a SlotPool per variant (the kernels where they apply, else the "
                          "reference, row by row); batched: every variant in one tensor, the same "
                          "mathematics, for long GPU runs (default %(default)s)")
+    ap.add_argument("--loop", default=None, choices=LOOPS,
+                    help="batched engine: graph (a window of tokens per CUDA-graph replay; the default "
+                         "on CUDA), window (the same window function run eagerly; the default on the "
+                         "CPU) or token (one host step per token, the pool engine's only loop)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where available)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/precision_study.json",
@@ -431,11 +387,15 @@ def main(argv=None) -> dict:
         ap.error(f"--heads must be >= 0, got {args.heads}")
     if args.heads:
         args.shapes = [_fewer_heads(s, args.heads) for s in args.shapes]
+    try:
+        loop = resolve_loop(args.engine, device, args.loop)
+    except ValueError as e:
+        ap.error(str(e))
     bad = [s for s in args.shapes if "nvfp4" in args.formats and s.K % 16]
     if bad:
         ap.error(f"nvfp4 needs K divisible by 16: {bad[0]}")
     doc = header("precision_study")
-    doc.update(engine=args.engine, layers=args.layers, tokens=args.tokens, batch=args.batch,
+    doc.update(engine=args.engine, loop=loop, layers=args.layers, tokens=args.tokens, batch=args.batch,
                window=args.window, seed=args.seed, time_budget_s=args.time_budget or None,
                teacher_forcing="independent random inputs per layer", reference="float64 conventional recurrence",
                conventional_lowp="conventional_decode_lp kernels" if args.engine == "batched"
@@ -445,7 +405,7 @@ def main(argv=None) -> dict:
         doc["rows"] += run(s, layers=args.layers, tokens=args.tokens, batch=args.batch, window=args.window,
                            designs=args.designs, lp_formats=args.formats, device=device, seed=args.seed,
                            engine=args.engine, progress=lambda m: print(m, flush=True),
-                           time_budget=args.time_budget)
+                           time_budget=args.time_budget, loop=loop)
         write_results(args.out, doc)      # after every shape: a run cut short keeps what it measured
     print(f"\nmean output relative error against float64 over the tokens up to each count "
           f"({args.layers} layers, {args.batch} sequences, window {args.window}, {device}):")

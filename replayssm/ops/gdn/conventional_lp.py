@@ -15,7 +15,7 @@ covers all of K, so every row is encoded where it is computed.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
@@ -26,7 +26,7 @@ from ..utils.lowp import load_lp_tile, store_lp_rows
 from ..utils.lp_state import STATE_FORMATS, row_chunk, state_args, state_size
 from ..utils.sround import store_sr_rows
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_devices, check_slot_ids,
-                     check_slot_values, check_token_inputs)
+                     check_slot_values, check_tensor, check_token_inputs)
 from .configs import _CONVENTIONAL_TABLE, _resolve_config
 
 __all__ = ["conventional_decode_lp", "STATE_FORMATS"]
@@ -40,7 +40,7 @@ def _conventional_lp_kernel(
     HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr,
     IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr,
-    SF: tl.constexpr, SR: tl.constexpr,
+    SF: tl.constexpr, SR: tl.constexpr, USE_STEP_PTR: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
@@ -62,7 +62,10 @@ def _conventional_lp_kernel(
     b_q, b_k = _load_qk(q, k, i_b, i_hk, o_k, m_k, scale, stride_q_b, stride_q_h, stride_k_b, stride_k_h,
                         USE_QK_L2NORM)
     i_m = i_s * HV + i_hv                                   # this head's matrix in the pool
-    st = i_s * 4294967296 + step
+    if USE_STEP_PTR:
+        st = i_s * 4294967296 + tl.load(step).to(tl.int64)
+    else:
+        st = i_s * 4294967296 + step
     for r0 in tl.static_range(0, BV, RC):
         o_r = i_v * BV + r0 + tl.arange(0, RC)
         m_r = o_r < V
@@ -90,7 +93,7 @@ def conventional_decode_lp(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
                            dt_bias: Tensor, scale: Optional[float], state, slot_ids: Tensor, fmt: str,
                            out: Optional[Tensor] = None, use_qk_l2norm: bool = True,
                            config: Optional[dict] = None, *, rounding: str = "nearest", seed: int = 0,
-                           step: int = 0, scales: Optional[Tensor] = None, family: str = "gdn",
+                           step: Union[int, Tensor] = 0, scales: Optional[Tensor] = None, family: str = "gdn",
                            validate: bool = True) -> Tensor:
     """One conventional GDN (`family="gdn"`) or KDA (`"kda"`) decode step on a low-precision
     state, in place; returns `o` `[Bt, HV, V]` (dtype of `v`, or `out`).
@@ -102,7 +105,9 @@ def conventional_decode_lp(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
     the element tensor (float16, bfloat16, float8_e4m3fn) with, for fp8, its row scales `scales`
     `[N, HV, V]` float32. Contiguous. The new state is written `rounding="nearest"` or
     `"stochastic"`: `formats.encode(S, fmt, "stochastic", seed=seed, stream=slot * 2**32 + step)`
-    of the step's fp32 update, bit for bit (`step` an int in `[0, 2**32)`). `config`: overrides
+    of the step's fp32 update, bit for bit (`step` an int in `[0, 2**32)`, or a one-element
+    int32/int64 tensor on the inputs' device holding it, read by the kernel so that a replayed
+    CUDA graph takes a new step each time: its value is not checked). `config`: overrides
     of the conventional table (`BV`, `num_warps`, `num_stages`) and `RC`, rows encoded at once (a
     power of two dividing the block).
     """
@@ -117,7 +122,14 @@ def conventional_decode_lp(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
                       scales=parts.get("scale"), slot_ids=slot_ids, out=out)
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    st = state_args(state, scales, fmt, rounding, seed, step, N, HV, V, K)
+    step_ptr = isinstance(step, Tensor)
+    if step_ptr and validate:
+        check_tensor("step", step, None, (torch.int32, torch.int64), q.device)
+        if step.numel() != 1:
+            raise ValueError(f"step: a tensor step holds one element, got shape {tuple(step.shape)}")
+    st = state_args(state, scales, fmt, rounding, seed, 0 if step_ptr else step, N, HV, V, K)
+    if step_ptr:
+        st["step"] = step
     if validate:
         check_slot_values(slot_ids, N)
     over = dict(config or {})
@@ -137,5 +149,5 @@ def conventional_decode_lp(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, BV=BV, BK=BK, RC=rc, IS_KDA=family == "kda",
         USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(), SF=st["SF"], SR=st["SR"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        USE_STEP_PTR=step_ptr, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -16,7 +16,7 @@ every row is encoded where it is computed.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
@@ -41,7 +41,7 @@ def _conventional_lp_kernel(
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
     HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     BV: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    SF: tl.constexpr, SR: tl.constexpr,
+    SF: tl.constexpr, SR: tl.constexpr, USE_STEP_PTR: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
@@ -60,7 +60,10 @@ def _conventional_lp_kernel(
     b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k, mask=m_k, other=0.0).to(tl.float32)
     # the slot's state as one matrix of HV * V rows: the helpers' row index is then the flat
     # row, and the stochastic rounding's element index (head * V + row) * K + col
-    st = slot * 4294967296 + step
+    if USE_STEP_PTR:
+        st = slot * 4294967296 + tl.load(step).to(tl.int64)
+    else:
+        st = slot * 4294967296 + step
     for r0 in tl.static_range(0, BV, RC):
         o_r = i_r * BV + r0 + tl.arange(0, RC)
         m_r = o_r >= 0
@@ -90,7 +93,7 @@ def _conventional_lp_kernel(
 def conventional_decode_lp(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
                            D: Optional[Tensor], z: Optional[Tensor], state, slot_ids: Tensor, fmt: str,
                            out: Optional[Tensor] = None, config: Optional[dict] = None, *,
-                           rounding: str = "nearest", seed: int = 0, step: int = 0,
+                           rounding: str = "nearest", seed: int = 0, step: Union[int, Tensor] = 0,
                            scales: Optional[Tensor] = None, validate: bool = True) -> Tensor:
     """One conventional Mamba-2 decode step on a low-precision state, in place; returns `y`.
 
@@ -102,7 +105,9 @@ def conventional_decode_lp(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tenso
     value). Contiguous. The new state is written `rounding="nearest"` (round half to even) or
     `"stochastic"`: `formats.encode(S, fmt, "stochastic", seed=seed, stream=slot * 2**32 + step)`
     of the step's fp32 update, bit for bit (`step` an int in `[0, 2**32)`, e.g. the token
-    position; the same `(seed, step, slot)` gives the same random numbers on every device).
+    position; the same `(seed, step, slot)` gives the same random numbers on every device; or a
+    one-element int32/int64 tensor on the inputs' device holding it, which the kernel reads, so
+    that a replayed CUDA graph takes a new step each time: its value is not checked).
     `config`: overrides of the conventional table (`BV`, `num_warps`, `num_stages`; `perhead` is
     accepted and ignored) and `RC`, rows encoded at once (a power of two dividing `BV`).
     """
@@ -117,7 +122,14 @@ def conventional_decode_lp(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tenso
         check_devices(x=x, state=parts.get("data"), scales=parts.get("scale"))
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
-    st = state_args(state, scales, fmt, rounding, seed, step, N, HV, V, K)
+    step_ptr = isinstance(step, Tensor)
+    if step_ptr and validate:
+        check_tensor("step", step, None, (torch.int32, torch.int64), x.device)
+        if step.numel() != 1:
+            raise ValueError(f"step: a tensor step holds one element, got shape {tuple(step.shape)}")
+    st = state_args(state, scales, fmt, rounding, seed, 0 if step_ptr else step, N, HV, V, K)
+    if step_ptr:
+        st["step"] = step
     if validate:
         check_slots(slot_ids, N)
     over = dict(config or {})
@@ -135,6 +147,6 @@ def conventional_decode_lp(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tenso
         stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
-        HV=HV, Hk=Hk, V=V, K=K, BV=BV, BK=BK, RC=rc,
+        HV=HV, Hk=Hk, V=V, K=K, BV=BV, BK=BK, RC=rc, USE_STEP_PTR=step_ptr,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
