@@ -55,6 +55,14 @@ fi
 if [[ "$STAGE" == model ]]; then
   python3 -m replayssm.bench.model --out "$OUT/model_h200.json" 2>&1 | tee "$OUT/model_h200.log" | tail -20
 fi
+if [[ "$STAGE" == precision-configs ]]; then
+  # the precision kernels' candidate launch configs (non-flush steps, batch 256), to choose their defaults
+  pc() { python3 -m replayssm.bench.precision --batches 256 --no-window --reps 10 "$@" 2>&1 | tail -60; }
+  pc --shapes nemotron3-super,nemotron3-nano-4b --out "$OUT/precision_configs_mamba2_h200.json" \
+    --configs '[{"BV":64,"num_warps":2},{"BV":64,"num_warps":4},{"BV":64,"num_warps":8},{"BV":32,"num_warps":2},{"BV":32,"num_warps":4},{"BV":16,"num_warps":2}]'
+  pc --shapes qwen3.5-4b,kimi-linear-48b --out "$OUT/precision_configs_delta_h200.json" \
+    --configs '[{"BV":128,"num_warps":4},{"BV":128,"num_warps":8},{"BV":64,"num_warps":2},{"BV":64,"num_warps":4},{"BV":64,"num_warps":8},{"BV":32,"num_warps":2}]'
+fi
 if [[ "$STAGE" == precision ]]; then
   python3 -m replayssm.bench.precision --out "$OUT/precision_h200.json" 2>&1 | tee "$OUT/precision_h200.log" | tail -30
   python3 -m replayssm.cli study precision --engine batched --device cuda --tokens 131072 \

@@ -2,6 +2,8 @@
 reaches the token inputs and outputs of both schemes and every result row, while the layer
 parameters and the state stay fp32 (the kernels themselves take bf16 token inputs in
 tests/test_ops_*.py)."""
+import functools
+
 import pytest
 import torch
 
@@ -334,6 +336,12 @@ def test_precision_benchmark_low_precision_checkpoints_decode_the_fp32_one():
     (["--formats", ","], "none given"),
     (["--formats", "nvfp4", "--shapes", "mamba2/4/2/16/24"], "nvfp4 needs K divisible by 16"),
     (["--windows", "1"], "at least 2"),
+    (["--configs", "[{"], "--configs must be a non-empty JSON list"),
+    (["--configs", "[]"], "--configs must be a non-empty JSON list"),
+    (["--configs", '{"BV": 16}'], "--configs must be a non-empty JSON list"),
+    (["--configs", '[{"BK": 16}]'], "unknown keys ['BK']"),
+    (["--configs", '[{"BV": 24}]'], "BV must be a power of two"),
+    (["--configs", '[{"BV": 16, "num_warps": 3}]'], "num_warps must be one of"),
 ])
 def test_precision_benchmark_refuses_bad_arguments(argv, message, capsys, monkeypatch):
     from replayssm.bench import precision
@@ -372,3 +380,110 @@ def test_precision_benchmark_results_file(monkeypatch, tmp_path, capsys):
     assert doc["benchmark"] == "precision" and doc["formats"] == ["nvfp4"] and "left_out" not in doc
     assert len(doc["rows"]) == 8 and out.with_suffix(".png").exists()
     assert "nvfp4" in capsys.readouterr().out
+
+
+def test_precision_benchmark_configs_repeat_the_non_flush_timings(monkeypatch):
+    # `measure(configs=...)`: each low-precision format's non-flush steps again under each
+    # launch config (the kernel launched with it), rows carrying it after the default rows, which
+    # stay as without configs; a refused config is a row with an error, timed nothing
+    from replayssm.bench import precision
+    from replayssm.ops.utils.lowp import default_bv
+
+    shape, lp_formats, window = "mamba2/4/2/16/32", ["fp16", "nvfp4"], 3
+    cases, timed = [], []
+
+    class Recorded(precision.PrecisionCase):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            cases.append(self)
+            lowp = self.lowp
+
+            @functools.wraps(lowp)
+            def launch(*a, **kw):
+                timed[-1]["configs"].append(kw.get("config"))
+                return lowp(*a, **kw)
+            self.lowp = launch
+
+    def stub(fn, reps=20, warmup=2):
+        (case,) = cases
+        ep0 = case.epoch.clone()
+        timed.append(dict(configs=[]))
+        fn()
+        timed[-1].update(out=case.out[:window - 1].clone(), flushed=not torch.equal(case.epoch, ep0),
+                         cursor=case.cursor.tolist())
+        return (5.0 + len(timed)) * (window - 1)     # the benchmark divides by the steps per graph
+
+    monkeypatch.setattr(precision, "PrecisionCase", Recorded)
+    monkeypatch.setattr(precision, "graph_time_us", stub)
+    plain = precision.measure(shape, 2, window, lp_formats, 1, device="cpu", whole_window=False)
+    n_plain = len(timed)
+    cases.clear()
+    timed.clear()
+    configs = [{"BV": 16, "num_warps": 2}, {"BV": 3}, {"num_warps": 8}]
+    rows = precision.measure(shape, 2, window, lp_formats, 1, device="cpu", whole_window=False, configs=configs)
+    assert rows[:len(plain)] == plain and n_plain == 1 + len(lp_formats)
+    tried = rows[len(plain):]
+    assert [(r["read_format"], r["config"]) for r in tried] == [(f, c) for c in configs for f in lp_formats]
+    assert all(r["timing"] == "non_flush" and r["scheme"] == "separate" and r["finite"] for r in tried)
+    t_fp32 = plain[0]["us_per_step"]
+    assert plain[0]["read_format"] == "fp32" and t_fp32 == 6.0
+    good = [r for r in tried if r["config"] != {"BV": 3}]
+    runs = timed[n_plain:]
+    assert len(runs) == len(good) == 4                  # the refused config timed nothing
+    defaults = {r["read_format"]: timed[i] for i, r in enumerate(plain)}     # this case's default runs
+    for i, (r, run) in enumerate(zip(good, runs)):
+        want = dict({"BV": default_bv(16), "num_warps": 4}, **r["config"])
+        assert r["launch"] == want and "error" not in r
+        # every step of the timing launched with the config; none flushed; the same outputs
+        assert run["configs"] == [r["config"]] * (window - 1) and not run["flushed"]
+        assert run["cursor"] == [window - 1] * 2
+        assert torch.equal(run["out"], defaults[r["read_format"]]["out"])
+        assert r["us_per_step"] == 5.0 + n_plain + 1 + i
+        assert r["ratio_vs_fp32_read"] == pytest.approx(t_fp32 / r["us_per_step"])
+        base = next(p for p in plain if p["read_format"] == r["read_format"])
+        for key in ("bytes_per_step", "byte_bound", "byte_bound_traffic", "shape", "batch", "window", "hp_format"):
+            assert r[key] == base[key], key
+    assert all(r["config"] == {"BV": 16, "num_warps": 2} for r in good[:2])     # one program per head
+    bad = [r for r in tried if r["config"] == {"BV": 3}]
+    assert len(bad) == 2 and all(r["us_per_step"] is None and "BV must be a power of two" in r["error"]
+                                 for r in bad)
+    text = precision.table(rows)
+    assert text.count("failed") == 2 and "{'BV': 16, 'num_warps': 2}" in text
+
+
+def test_precision_benchmark_configs_option(monkeypatch, tmp_path, capsys):
+    # --configs reaches every point's measure and the results file
+    import json
+
+    from replayssm.bench import precision
+
+    seen = []
+
+    def fake(shape, batch, window, lp_formats, reps, **kw):
+        seen.append(kw["configs"])
+        base = dict(shape=shape, family="mamba2", batch=batch, window=window, timing="non_flush",
+                    read_format="fp16", hp_format="fp32", byte_bound=2.0)
+        rows = [dict(base, scheme="replay", read_format="fp32", us_per_step=8.0, ratio_vs_fp32_read=1.0,
+                     byte_bound=1.0),
+                dict(base, scheme="separate", us_per_step=4.0, ratio_vs_fp32_read=2.0)]
+        if kw["configs"]:
+            rows += [dict(base, scheme="separate", config=kw["configs"][0], launch=kw["configs"][0], us_per_step=2.0,
+                          ratio_vs_fp32_read=4.0),
+                     dict(base, scheme="separate", config=kw["configs"][1], us_per_step=None, error="ValueError('x')")]
+        return rows
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub device")
+    monkeypatch.setattr(precision, "copy_bandwidth_tbs", lambda: 1.0)
+    monkeypatch.setattr(precision, "measure", fake)
+    out = tmp_path / "p.json"
+    cfgs = [{"BV": 64, "num_warps": 4}, {"BV": 32, "num_warps": 8}]
+    precision.main(["--shapes", "nemotron3-super,qwen3.5-4b", "--batches", "256", "--formats", "fp16",
+                    "--no-window", "--configs", json.dumps(cfgs), "--out", str(out)])
+    assert seen == [cfgs, cfgs]
+    doc = json.loads(out.read_text())
+    assert doc["configs"] == cfgs and len(doc["rows"]) == 8
+    printed = capsys.readouterr().out
+    assert "{'BV': 64, 'num_warps': 4}" in printed and "failed" in printed
+    precision.main(["--shapes", "nemotron3-super", "--batches", "256", "--formats", "fp16", "--no-window",
+                    "--out", str(out)])
+    assert seen[-1] is None and "configs" not in json.loads(out.read_text())

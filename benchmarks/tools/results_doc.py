@@ -196,8 +196,10 @@ def model_table(data: dict) -> list:
 
 def precision_table(rows: list) -> list:
     """One line per row of the separate-precision benchmark."""
-    header = ["shape", "batch", "timing", "scheme", "read", "us/step", "vs fp32 read", "byte bound", "vs conventional"]
-    out = [[r["shape"], r["batch"], r["timing"], f"`{r['scheme']}`", r["read_format"], _us(r["us_per_step"]),
+    header = ["shape", "batch", "timing", "scheme", "read", "config", "us/step", "vs fp32 read", "byte bound",
+              "vs conventional"]
+    out = [[r["shape"], r["batch"], r["timing"], f"`{r['scheme']}`", r["read_format"],
+            f"`{json.dumps(r['config'])}`" if r.get("config") else "", _us(r["us_per_step"]) if r["us_per_step"] else "",
             f"{r['ratio_vs_fp32_read']:.2f}x" if r.get("ratio_vs_fp32_read") else "",
             f"{r['byte_bound']:.2f}x" if r.get("byte_bound") else "",
             f"{r['ratio_vs_conventional']:.2f}x" if r.get("ratio_vs_conventional") else ""] for r in rows]

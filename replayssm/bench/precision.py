@@ -11,6 +11,11 @@ Per shape, batch and window `L`, two timings, each a CUDA graph replayed (median
    `lowp_decode` (`ops.<family>.precision`). `ratio_vs_fp32_read` = fp32 time / this time;
    `byte_bound` = 4 / `formats.bytes_per_element(fmt, K)` (state reads alone: 2, ~3.9, ~7.1),
    `byte_bound_traffic` the same ratio of the traffic model's bytes per step (records included).
+   With `--configs` (`measure(configs=...)`, a JSON list of launch-config overrides of
+   `lowp_decode`, `BV` and `num_warps`), every low-precision read format's non-flush timing is
+   repeated under each config: rows with `config` (the override) and `launch` (the config it
+   resolves to), timed against the default fp32 reads; a config that does not compile or
+   launch is a row with `error` and `us_per_step` None. The default rows stay as they are.
 2. `timing` "window": whole windows, the flush included, rows staggered (slot `s` at cursor
    `s mod L`, as `bench decode`): `replay` (fp32 single checkpoint, always the windowed path),
    `separate` (an LP read format, fp32 high-precision checkpoint, both written at the flush),
@@ -43,6 +48,7 @@ import itertools
 import torch
 
 from .. import formats, shapes, traffic
+from ..ops.utils.lowp import lowp_config
 from .common import call_accepting, copy_bandwidth_tbs, graph_time_us, header, write_results
 from .decode import SHAPES, Case, _name
 
@@ -186,12 +192,36 @@ class PrecisionCase(Case):
             _finite_parts(p) for p in (*self.state_lp.values(), *self.ckpt_shared.values()))
 
 
+def parse_configs(text: str, shape_list) -> list:
+    """The launch-config overrides of `--configs`: a JSON list of objects, each accepted by
+    `lowp_config` at every shape of `shape_list`; ValueError naming a bad one."""
+    import json
+
+    try:
+        configs = json.loads(text)
+    except ValueError:
+        configs = None
+    if not isinstance(configs, list) or not configs or not all(isinstance(c, dict) for c in configs):
+        raise ValueError(f"--configs must be a non-empty JSON list of objects, e.g. "
+                         f"'[{{\"BV\": 64, \"num_warps\": 4}}]', got {text!r}")
+    for cfg in configs:
+        for spec in shape_list:
+            try:
+                lowp_config(shapes.parse(spec).V, cfg)
+            except ValueError as e:
+                raise ValueError(f"--configs: {json.dumps(cfg)}: {e}") from None
+    return configs
+
+
 def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat16, input_dtype=torch.bfloat16,
-            device="cuda", whole_window=True, shared=False):
+            device="cuda", whole_window=True, shared=False, configs=None):
     """Rows of one (shape, batch, window) point: the non-flush step per read format (fp32
-    first), then (with `whole_window`) conventional (fp32, then each low-precision state, nearest
-    and stochastic), replay and each separate design over whole windows, and with `shared` the
-    shared design per read format (nearest, then stochastic) over whole windows."""
+    first), with `configs` (launch-config overrides of `lowp_decode`) each low-precision read
+    format's non-flush step again under each config (rows with `config`, the override, and
+    `launch`, its resolved config), then (with `whole_window`) conventional (fp32, then each
+    low-precision state, nearest and stochastic), replay and each separate design over whole
+    windows, and with `shared` the shared design per read format (nearest, then stochastic)
+    over whole windows."""
     case = PrecisionCase(shape, batch, window, lp_formats, record_dtype, input_dtype=input_dtype, device=device,
                          shared=shared and whole_window)
     L = window
@@ -203,7 +233,6 @@ def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat
     for fmt in reads:
         t_nf[fmt] = graph_time_us(lambda: case.non_flush_steps(fmt), reps=reps) / (L - 1)
         b_nf[fmt] = sum(case.step_bytes(fmt, h) for h in range(L - 1)) / (L - 1)
-    case.cursor.copy_(case.start)                 # the whole windows start staggered
     for fmt in reads:
         rows.append(dict(base, timing="non_flush", scheme="replay" if fmt == "fp32" else "separate",
                          read_format=fmt, cursors="lockstep from 0", us_per_step=t_nf[fmt],
@@ -211,6 +240,19 @@ def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat
                          tb_per_s=b_nf[fmt] / t_nf[fmt] / 1e6,
                          byte_bound=4.0 / formats.bytes_per_element(fmt, case.K),
                          byte_bound_traffic=b_nf["fp32"] / b_nf[fmt]))
+    for cfg, fmt in itertools.product(configs or [], lp_formats):
+        row = dict(base, timing="non_flush", scheme="separate", read_format=fmt, cursors="lockstep from 0",
+                   config=dict(cfg))
+        try:
+            row["launch"] = lowp_config(case.V, cfg)
+            t = graph_time_us(lambda: case.non_flush_steps(fmt, cfg), reps=reps) / (L - 1)
+        except Exception as e:  # a config that does not compile or launch is a row, not the end of the run
+            rows.append(dict(row, us_per_step=None, error=repr(e)[:300]))
+            continue
+        rows.append(dict(row, us_per_step=t, ratio_vs_fp32_read=t_nf["fp32"] / t, bytes_per_step=b_nf[fmt],
+                         tb_per_s=b_nf[fmt] / t / 1e6, byte_bound=4.0 / formats.bytes_per_element(fmt, case.K),
+                         byte_bound_traffic=b_nf["fp32"] / b_nf[fmt]))
+    case.cursor.copy_(case.start)                 # the whole windows start staggered
     if whole_window:
         t_conv = graph_time_us(case.conventional_window, reps=reps) / L
         t_clp = {(fmt, r): graph_time_us(lambda: case.conventional_lp_window(fmt, r), reps=reps) / L
@@ -267,10 +309,10 @@ def _plot(rows, path):
     panels = ((axes[0], "non_flush", "ratio_vs_fp32_read", "non-flush step: speed-up over fp32 reads"),
               (axes[1], "window", "ratio_vs_conventional", "whole window: speed-up over conventional fp32"))
     for ax, timing, key, title in panels:
-        for shape, fmt in sorted({(r["shape"], r["read_format"]) for r in rows
-                                  if r["timing"] == timing and r["scheme"] in ("replay", "separate")}):
-            pts = sorted((r["batch"], r[key]) for r in rows if r["timing"] == timing and r["shape"] == shape
-                         and r["read_format"] == fmt and r["scheme"] in ("replay", "separate"))
+        mine = [r for r in rows if r["timing"] == timing and r["scheme"] in ("replay", "separate")
+                and "config" not in r]                  # the default launch configs only
+        for shape, fmt in sorted({(r["shape"], r["read_format"]) for r in mine}):
+            pts = sorted((r["batch"], r[key]) for r in mine if r["shape"] == shape and r["read_format"] == fmt)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{shape} {fmt}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
@@ -285,10 +327,11 @@ def _plot(rows, path):
 def table(rows) -> str:
     """The printed summary: per point, each read format's non-flush time, its ratio against
     fp32 reads and its byte bound, and its whole-window ratio against conventional decoding
-    with an fp32 state and with a state in the read format (round-to-nearest)."""
+    with an fp32 state and with a state in the read format (round-to-nearest); then each
+    `--configs` row's non-flush time and ratio against the default fp32 reads."""
     lines = ["shape              batch  L read      non-flush us  vs fp32  byte bound  window us  vs conv  vs conv-lp"]
     for r in rows:
-        if r["timing"] != "non_flush":
+        if r["timing"] != "non_flush" or "config" in r:
             continue
         w = next((x for x in rows if x["timing"] == "window" and x["scheme"] in ("replay", "separate") and all(
             x[k] == r[k] for k in ("shape", "batch", "window", "read_format"))), None)
@@ -297,6 +340,14 @@ def table(rows) -> str:
             win += f" {w['ratio_vs_conventional_lp']:9.2f}x"
         lines.append(f"{r['shape']:18} {r['batch']:5d} {r['window']:2d} {r['read_format']:9} {r['us_per_step']:12.1f} "
                      f"{r['ratio_vs_fp32_read']:7.2f}x {r['byte_bound']:9.2f}x  {win}")
+    tried = [r for r in rows if "config" in r]
+    if tried:
+        lines.append("shape              batch  L read      non-flush us  vs fp32  config")
+    for r in tried:
+        got = (f"{r['us_per_step']:12.1f} {r['ratio_vs_fp32_read']:7.2f}x" if r["us_per_step"] is not None
+               else f"{'failed':>12} {'':8}")
+        lines.append(f"{r['shape']:18} {r['batch']:5d} {r['window']:2d} {r['read_format']:9} {got}  "
+                     f"{r.get('launch') or r['config']}" + (f"  {r['error'][:80]}" if "error" in r else ""))
     return "\n".join(lines)
 
 
@@ -321,6 +372,10 @@ def main(argv=None):
     ap.add_argument("--shared", action="store_true",
                     help="also time whole windows of the shared design (one checkpoint in each read format, "
                          "round-to-nearest and stochastic rounding)")
+    ap.add_argument("--configs", default=None,
+                    help="JSON list of launch-config overrides of the precision kernels (keys BV, num_warps), "
+                         'e.g. \'[{"BV": 64, "num_warps": 4}, {"BV": 32, "num_warps": 8}]\': every low-precision '
+                         "read format's non-flush timing is repeated for each, rows carrying `config`")
     ap.add_argument("--out", default="precision.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
     try:
@@ -332,6 +387,7 @@ def main(argv=None):
                 raise ValueError(f"shape {spec!r}: nvfp4 needs K divisible by {formats.NVFP4_BLOCK}, got K={K}")
         batches = [int(b) for b in args.batches.split(",")]
         windows = [int(w) for w in args.windows.split(",")]
+        configs = parse_configs(args.configs, shape_list) if args.configs is not None else None
     except ValueError as e:
         ap.error(str(e))
     if min(batches) < 1 or min(windows) < 2:
@@ -343,12 +399,14 @@ def main(argv=None):
     doc = header("precision")
     doc.update(record_dtype=args.record_dtype, input_dtype=args.input_dtype, formats=lp_formats,
                copy_tb_per_s=copy_bandwidth_tbs())
+    if configs:
+        doc["configs"] = configs
     print(f"{doc['device']}: device-to-device copy {doc['copy_tb_per_s']:.2f} TB/s; records "
           f"{args.record_dtype}, token inputs {args.input_dtype}; read formats fp32,{','.join(lp_formats)}", flush=True)
     rows = []
     for shape, window, batch in itertools.product(shape_list, windows, batches):
         r = measure(shape, batch, window, lp_formats, args.reps, record_dtype=rdt, input_dtype=idt,
-                    whole_window=args.whole_window, shared=args.shared)
+                    whole_window=args.whole_window, shared=args.shared, configs=configs)
         rows += r
         doc["rows"] = rows
         write_results(args.out, doc)      # after every point: a run cut short keeps what it measured

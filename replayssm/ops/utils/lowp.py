@@ -75,9 +75,11 @@ def lowp_config(V: int, config: Optional[dict]) -> dict:
         if unknown:
             raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
         cfg.update(config)
-    BV = cfg["BV"]
-    if not (isinstance(BV, int) and BV >= 1 and BV & (BV - 1) == 0):
+    BV, nw = cfg["BV"], cfg["num_warps"]
+    if isinstance(BV, bool) or not (isinstance(BV, int) and BV >= 1 and BV & (BV - 1) == 0):
         raise ValueError(f"config: BV must be a power of two, got {BV!r}")
+    if isinstance(nw, bool) or not isinstance(nw, int) or nw not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config: num_warps must be one of 1, 2, 4, 8, 16, got {nw!r}")
     return cfg
 
 
