@@ -26,7 +26,7 @@ from ..utils.lowp import load_lp_tile, store_lp_rows
 from ..utils.lp_state import STATE_FORMATS, row_chunk, state_args, state_size
 from ..utils.sround import store_sr_rows
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_devices, check_slot_ids,
-                     check_slot_values, check_tensor, check_token_inputs)
+                     check_slot_values, check_token_inputs)
 from .configs import _CONVENTIONAL_TABLE, _resolve_config
 
 __all__ = ["conventional_decode_lp", "STATE_FORMATS"]
@@ -122,14 +122,7 @@ def conventional_decode_lp(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
                       scales=parts.get("scale"), slot_ids=slot_ids, out=out)
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    step_ptr = isinstance(step, Tensor)
-    if step_ptr and validate:
-        check_tensor("step", step, None, (torch.int32, torch.int64), q.device)
-        if step.numel() != 1:
-            raise ValueError(f"step: a tensor step holds one element, got shape {tuple(step.shape)}")
-    st = state_args(state, scales, fmt, rounding, seed, 0 if step_ptr else step, N, HV, V, K)
-    if step_ptr:
-        st["step"] = step
+    st = state_args(state, scales, fmt, rounding, seed, step, N, HV, V, K, device=q.device, validate=validate)
     if validate:
         check_slot_values(slot_ids, N)
     over = dict(config or {})
@@ -149,5 +142,5 @@ def conventional_decode_lp(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, BV=BV, BK=BK, RC=rc, IS_KDA=family == "kda",
         USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(), SF=st["SF"], SR=st["SR"],
-        USE_STEP_PTR=step_ptr, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        USE_STEP_PTR=st["USE_STEP_PTR"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -122,14 +122,7 @@ def conventional_decode_lp(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tenso
         check_devices(x=x, state=parts.get("data"), scales=parts.get("scale"))
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
-    step_ptr = isinstance(step, Tensor)
-    if step_ptr and validate:
-        check_tensor("step", step, None, (torch.int32, torch.int64), x.device)
-        if step.numel() != 1:
-            raise ValueError(f"step: a tensor step holds one element, got shape {tuple(step.shape)}")
-    st = state_args(state, scales, fmt, rounding, seed, 0 if step_ptr else step, N, HV, V, K)
-    if step_ptr:
-        st["step"] = step
+    st = state_args(state, scales, fmt, rounding, seed, step, N, HV, V, K, device=x.device, validate=validate)
     if validate:
         check_slots(slot_ids, N)
     over = dict(config or {})
@@ -147,6 +140,6 @@ def conventional_decode_lp(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tenso
         stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
-        HV=HV, Hk=Hk, V=V, K=K, BV=BV, BK=BK, RC=rc, USE_STEP_PTR=step_ptr,
+        HV=HV, Hk=Hk, V=V, K=K, BV=BV, BK=BK, RC=rc,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

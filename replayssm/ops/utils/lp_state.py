@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
+from .checks import check_tensor
 from .lowp import LP_CODES, lp_views
 from .sround import seed_key
 
@@ -47,11 +49,20 @@ def state_size(state) -> int:
     return data.shape[0] if isinstance(data, Tensor) and data.dim() == 4 else 0
 
 
-def state_args(state, scales: Optional[Tensor], fmt: str, rounding: str, seed: int, step: int,
-               N: int, HV: int, V: int, K: int) -> dict:
+def state_args(state, scales: Optional[Tensor], fmt: str, rounding: str, seed: int, step,
+               N: int, HV: int, V: int, K: int, *, device=None, validate: bool = True) -> dict:
     """The kernels' state arguments after checking every one (ValueError naming it):
     `s_data`, `s_scale` (integer views, `lowp.lp_views`), `sr_key`, `step` and the constexprs
-    `SF` (the format code of `lowp.LP_CODES`) and `SR` (stochastic rounding)."""
+    `SF` (the format code of `lowp.LP_CODES`), `SR` (stochastic rounding) and `USE_STEP_PTR`.
+    `step` an int, or a one-element int32/int64 tensor on `device` that the kernel reads (a
+    replayed CUDA graph then takes a new step each time; its value unchecked)."""
+    step_ptr = isinstance(step, Tensor)
+    if step_ptr:
+        if validate:
+            check_tensor("step", step, None, (torch.int32, torch.int64), device)
+            if step.numel() != 1:
+                raise ValueError(f"step: a tensor step holds one element, got shape {tuple(step.shape)}")
+        tensor_step, step = step, 0
     if fmt not in STATE_FORMATS:
         hint = " (an fp32 state is conventional_decode's)" if fmt == "fp32" else ""
         raise ValueError(f"fmt {fmt!r} has no conventional low-precision kernel; expected one of "
@@ -67,8 +78,9 @@ def state_args(state, scales: Optional[Tensor], fmt: str, rounding: str, seed: i
         data, scale, _ = lp_views(_parts(state, scales, fmt), fmt, N, HV, V, K)
     except ValueError as e:
         raise ValueError(str(e).replace("ckpt_lp", "state")) from None
-    return dict(s_data=data, s_scale=scale if scale is not None else data, sr_key=seed_key(seed), step=step,
-                SF=LP_CODES[fmt], SR=rounding == "stochastic")
+    return dict(s_data=data, s_scale=scale if scale is not None else data, sr_key=seed_key(seed),
+                step=tensor_step if step_ptr else step, SF=LP_CODES[fmt], SR=rounding == "stochastic",
+                USE_STEP_PTR=step_ptr)
 
 
 def row_chunk(BV: int, BK: int, num_warps: int, RC: Optional[int] = None, *, SF: int = 1,
