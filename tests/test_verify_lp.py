@@ -351,7 +351,7 @@ def test_verify_lp_one_narrow_checkpoint(family, hp, rounding):
         x = _inputs(params, len(rows), shape, g, steps=T)
         flushed += int(((fast.cursor[ids.clamp(min=0).long()] + nd > window) & (ids >= 0)).sum())
         out = torch.full((len(rows), T, HV, V), float("nan"), device=DEV)
-        y = run(fast.params, fast.layout, ids, x, window, nd, out, None, hp, rounding)
+        y = run(fast.params, fast.layout, ids, x, window, nd, out, None, rounding)
         want = ref.verify(ids, num_drafts=nd, **x)
         assert torch.isfinite(y).all() and rel_err(y, want) < 40 * ULP[hp], (r, rel_err(y, want))
         for name in ("cursor", "pending", "epoch"):

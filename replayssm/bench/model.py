@@ -321,7 +321,7 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
             except torch.OutOfMemoryError:
                 # the scheme's recurrent state for `batch` sequences does not fit beside the cache
                 hf.disable(model)
-                torch.cuda.empty_cache()
+                _free()
                 rows.append(dict(base, scheme=scheme, us_per_round=None, tokens_per_s=None,
                                  timing=f"skipped: the {scheme} scheme's state for {batch} sequences "
                                         "does not fit beside the weights and key/value cache"))

@@ -181,35 +181,30 @@ def verify_lp_covers(hp_format, hp_rounding, lp_format) -> bool:
     return lp_format != "nvfp4" and hp_rounding in ("stochastic", "nearest")
 
 
-def _verify_lp_state(layout, slot_ids, window, num_drafts, out, lp_format, hp_format, hp_rounding):
-    hp_format = hp_format or "fp32"
-    ckpt = layout.ckpt["data"] if hp_format == "fp32" else layout.ckpt
-    return dict(ckpt=ckpt, ckpt_lp=layout.ckpt_lp, lp_format=lp_format, buf_ld=layout.buf["ld"],
-                buf_w=layout.buf["w"], buf_k=layout.buf["k"], cursor=layout.cursor, pending=layout.pending,
-                epoch=layout.epoch, arrive=layout.arrive, slot_ids=slot_ids, window=window,
-                num_drafts=num_drafts, out=out, validate=False, hp_format=hp_format,
-                hp_rounding=hp_rounding, seed=layout.stream_seed)
+def _verify_lp_state(layout, slot_ids, window, num_drafts, out, lp_format, hp_rounding):
+    # decode's state arguments (the HP format from its parts) and verification's own
+    return dict(_lowp_state(layout, slot_ids, window, out, hp_rounding), lp_format=lp_format,
+                pending=layout.pending, num_drafts=num_drafts)
 
 
 @register("mamba2", "verify_lp")
-def _mamba2_verify_lp(params, layout, slot_ids, inputs, window, num_drafts, out, lp_format, hp_format,
-                      hp_rounding):
+def _mamba2_verify_lp(params, layout, slot_ids, inputs, window, num_drafts, out, lp_format, hp_rounding):
     from ..ops.mamba2 import verify_lp
     inputs = dict(inputs)
     z = inputs.pop("z", None)
     return verify_lp.lowp_verify(A=params.A, dt_bias=params.dt_bias, D=params.D, z=z, **inputs,
                                  **_verify_lp_state(layout, slot_ids, window, num_drafts, out, lp_format,
-                                                    hp_format, hp_rounding))
+                                                    hp_rounding))
 
 
 def _delta_verify_lp(family):
-    def run(params, layout, slot_ids, inputs, window, num_drafts, out, lp_format, hp_format, hp_rounding):
+    def run(params, layout, slot_ids, inputs, window, num_drafts, out, lp_format, hp_rounding):
         from ..ops.gdn import verify_lp
         return verify_lp.lowp_verify(A_log=params.A_log, dt_bias=params.dt_bias, scale=params.scale,
                                      use_qk_l2norm=params.use_qk_l2norm, **inputs, buf_v=layout.buf.get("v"),
                                      buf_beta=layout.buf.get("beta"), family=family,
                                      **_verify_lp_state(layout, slot_ids, window, num_drafts, out, lp_format,
-                                                        hp_format, hp_rounding))
+                                                        hp_rounding))
     return run
 
 

@@ -302,8 +302,7 @@ class SlotPool:
             if self.lp_format is None and self.hp_format in (None, "fp32"):
                 return backends.get(self.family, "verify")(*args)
             if backends.verify_lp_covers(self.hp_format, self.hp_rounding, self.lp_format):
-                return backends.get(self.family, "verify_lp")(*args, self.lp_format, self.hp_format,
-                                                               self.hp_rounding)
+                return backends.get(self.family, "verify_lp")(*args, self.lp_format, self.hp_rounding)
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)
         ns = [T] * B if num_drafts is None else num_drafts.tolist()
