@@ -120,3 +120,23 @@ if HAVE_GLUON:
             else:
                 gl.store(cursor + slot, (h + 1).to(gl.int32))
             gl.store(arrive + slot, 0)
+
+    @gluon.jit
+    def _verify_arrive(arrive, cursor, pending, epoch, slot, h_new, n, flush, NPROG: gl.constexpr):
+        """The verify step's hand-off (ops/utils/cursor.py's `verify_hand_off`, which a Gluon
+        kernel cannot call): every program arrives at its end, after a barrier over its threads,
+        acq_rel, so that all other programs' loads are done when the last one stores; the last
+        sets `cursor = h_new`, `pending = n`, on an early flush `epoch += 1`, re-arms the counter,
+        and returns True (the caller then writes what the slot's other programs read: on an early
+        flush the drafts overwrite committed records at positions 0..n-1). Not the decode's early
+        arrival: a verify's last program overwrites records that the others may still read."""
+        _barrier()
+        n_arrived = gl.atomic_add(arrive + slot, 1, sem="acq_rel")
+        last = n_arrived == NPROG - 1
+        if last:
+            if flush:
+                gl.store(epoch + slot, gl.load(epoch + slot) + 1)
+            gl.store(cursor + slot, h_new.to(gl.int32))
+            gl.store(pending + slot, n.to(gl.int32))
+            gl.store(arrive + slot, 0)
+        return last
