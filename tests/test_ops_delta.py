@@ -456,10 +456,9 @@ def test_gpu_accuracy_real_shapes(which):
 @needs_gpu
 @pytest.mark.parametrize("recmask, window", [(False, 16), (True, 16), (True, 32), (False, 20)])
 def test_gpu_gluon_kernel_real_shapes(recmask, window):
-    # the Gluon kernel (GDN only): both GDN shapes, fp32 and bf16 records, padding rows, unused
-    # slots, spare capacity, 64 windows (16 above window 16: record tiles of 32 positions)
-    if FAMILY != "gdn":
-        pytest.skip("the Gluon kernel is GDN only")
+    # the Gluon kernel (GDN, and KDA through IS_KDA): both real shapes of the family, fp32 and
+    # bf16 records, padding rows, unused slots, spare capacity, 64 windows (16 above window 16:
+    # record tiles of 32 positions)
     for shape in real_shapes(FAMILY):
         res = simulate(FAMILY, **real_shapes(FAMILY)[shape], window=window, windows=64 if window <= 16 else 16,
                            live_slots=6, pad_rows=2,

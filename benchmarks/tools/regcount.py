@@ -4,7 +4,7 @@ Use the GPU machine's Triton (3.6): other versions differ by tens of registers (
 kernel: 168 under 3.9, 221 under 3.6) and in what compiles at all; with a Triton 3.6 wheel
 installed under a folder, `PYTHONPATH=<folder> python benchmarks/tools/regcount.py ...`.
 
-    python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|mamba2-verify|gdn|kda|gdn-mat|gdn-gluon] [key=value config overrides]
+    python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|mamba2-verify|gdn|kda|gdn-mat|gdn-gluon|kda-gluon] [key=value config overrides]
 
 (mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
 for fp32 key records, bf16 by default; the Gluon kernels: `values=fp32` for fp32 value records.)
@@ -141,8 +141,20 @@ def gdn_gluon(cfg):
     c.update(cfg)
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
     ptr.update({n: "*fp32" for n in ("A_log", "dt_bias")})
-    vals = dict(HV=32, HK=16, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True)
+    vals = dict(HV=32, HK=16, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=False)
     return _gluon(m._gluon_gdn_kernel, "gdn gluon", ptr, vals, c)
+
+
+def kda_gluon(cfg):
+    """KDA through GDN's Gluon kernel (IS_KDA) at Kimi Linear's shape."""
+    from replayssm.ops.gdn import gluon_decode as m
+
+    c = dict(BV=64, num_warps=4)
+    c.update(cfg)
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
+    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias")})
+    vals = dict(HV=32, HK=32, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=True)
+    return _gluon(m._gluon_gdn_kernel, "kda gluon", ptr, vals, c)
 
 
 def mamba2_rows(cfg):
@@ -261,5 +273,5 @@ if __name__ == "__main__":
         cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
     print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat,
            "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon, "mamba2-verify": mamba2_verify,
-           "gdn-gluon": gdn_gluon, "gdn-verify": delta_verify,
+           "gdn-gluon": gdn_gluon, "kda-gluon": kda_gluon, "gdn-verify": delta_verify,
            "kda-verify": lambda c: delta_verify(c, "kda")}[fam](cfg))

@@ -432,7 +432,7 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     extra = {"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}
     if gluon and not _interpreting() and gluon_unsupported(family, HV, Hk, V, K, window, Lb, BV, num_warps) is None:
         launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-                     arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask, maxnreg)
+                     arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask, maxnreg, family)
         return
     if mat:
         _replay_decode_mat_kernel[(HV * NV, Bt)](

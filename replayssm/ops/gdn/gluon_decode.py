@@ -8,7 +8,10 @@ flush folding in shared memory). The mathematics is that of `decode.py`:
     P q = G(0) C q + sum_{j<h} G(j+1) (k_j . q) u_j       o   = P q + (k . q) u_t
     flush: C <- G(0) C + sum_{j<h} G(j+1) u_j k_j^T + u_t k^T
 
-with `k`, `q` L2-normalised (and `q` scaled) in the kernel. The CPU interpreter cannot run
+with `k`, `q` L2-normalised (and `q` scaled) in the kernel. KDA (`IS_KDA`) decays each key
+channel: `G(j)` is a `[K]` vector that scales record j's key (`(k_j * G(j+1)) . k`) and the
+checkpoint's columns (`C (G(0) * k)`; the flush `C Diag(G(0))`), its suffix sums scanned over
+positions in-thread (layout LD). The CPU interpreter cannot run
 Gluon: `decode.replay_decode` runs the Triton kernels there, and the GPU tests compare this one
 with the float64 reference.
 """
@@ -23,7 +26,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import (_arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
+    from ..utils.gluon import (_add, _arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
                                 _softplus, _tile_to_shared)
 
 __all__ = ["gluon_unsupported", "launch_gluon"]
@@ -32,8 +35,8 @@ __all__ = ["gluon_unsupported", "launch_gluon"]
 def gluon_unsupported(family: str, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                       num_warps: int) -> Optional[str]:
     """Why the Gluon kernel does not cover this family, shape and launch config; None when it does."""
-    if family != "gdn":
-        return f"family {family!r} (GDN only)"
+    if family not in ("gdn", "kda"):
+        return f"family {family!r} (GDN and KDA only)"
     return gluon_shape_supported(V, K, window, Lb, BV, num_warps) or None
 
 
@@ -48,7 +51,7 @@ if HAVE_GLUON:
         stride_a_b, stride_a_h, stride_b_b, stride_b_h,
         HV: gl.constexpr, HK: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr,
         BV: gl.constexpr, BL: gl.constexpr, RC: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
-        NW: gl.constexpr, RECMASK: gl.constexpr,
+        NW: gl.constexpr, RECMASK: gl.constexpr, IS_KDA: gl.constexpr,
     ):
         # layouts as in the Mamba-2 kernel (LT tile rows over warps, 4 columns per lane; LR the
         # tile read back for the matvecs; LK key records, 8 columns per thread; LA1 [BL] vectors,
@@ -63,6 +66,9 @@ if HAVE_GLUON:
         LA1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         LP: gl.constexpr = gl.BlockedLayout([BL], [32], [NW], [0])
         LY: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        # LD  KDA's log-decay records [BL, K]: every position of a column in one thread, columns
+        #     over the lanes and warps, so the suffix sums over positions are in-thread scans
+        LD: gl.constexpr = gl.BlockedLayout([BL, 1], [1, 32], [1, NW], [0, 1])
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         NVB: gl.constexpr = V // BV
@@ -97,9 +103,15 @@ if HAVE_GLUON:
         b_kK = gl.load(p_kt + o_kK).to(gl.float32)
         b_v = gl.load(v + i_b * stride_v_b + i_hv * stride_v_h + v0 + o_y).to(gl.float32)
         b_braw = gl.load(b + i_b * stride_b_b + i_hv * stride_b_h).to(gl.float32)
-        b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(gl.float32)
         b_Alog = gl.load(A_log + i_hv).to(gl.float32)
-        b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
+        if IS_KDA:
+            # KDA: a log decay per key channel ([K], a's and dt_bias's last dim)
+            o_kD = gl.arange(0, K, layout=gl.SliceLayout(0, LD))
+            b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_kD).to(gl.float32)
+            b_dtb = gl.load(dt_bias + i_hv * K + o_kD).to(gl.float32)
+        else:
+            b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(gl.float32)
+            b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
 
         o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
         m_lK = (o_lK < h)[:, None]
@@ -113,9 +125,17 @@ if HAVE_GLUON:
         b_Ur = gl.load(p_Uh + o_lW[:, None] * (HV * V) + o_rW[None, :],
                        mask=m_lW if RECMASK else (o_lW < npos)[:, None], other=0.0)
         o_l = gl.arange(0, BL, layout=LA1)
-        p_ldh = buf_ld + slot * (LBCAP * HV) + i_hv
-        b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < npos), other=0.0)
-        b_ld0 = gl.load(p_ldh)
+        if IS_KDA:
+            # position j's decay vector at p_ldh + j * HV * K
+            o_lD = gl.arange(0, BL, layout=gl.SliceLayout(1, LD))
+            p_ldh = buf_ld + slot * (LBCAP * HV * K) + i_hv * K
+            m_l1D = (o_lD + 1 < h) if RECMASK else (o_lD + 1 < npos)
+            b_ld1 = gl.load(p_ldh + (o_lD + 1)[:, None] * (HV * K) + o_kD[None, :], mask=m_l1D[:, None], other=0.0)
+            b_ld0 = gl.load(p_ldh + o_kD)
+        else:
+            p_ldh = buf_ld + slot * (LBCAP * HV) + i_hv
+            b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < npos), other=0.0)
+            b_ld0 = gl.load(p_ldh)
 
         n_arrived = _arrive_early(arrive, slot, h, LA1)
 
@@ -129,23 +149,40 @@ if HAVE_GLUON:
         b_beta = 1.0 / (1.0 + gl.exp(-b_braw))
         b_ld = -gl.exp(b_Alog) * _softplus(b_araw + b_dtb)
 
-        # weights G(j+1) (suffix sums of same-signed log decays) and G(0)
-        b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)
-
-        # the records' products with the token's key and query, their sums over the records
         b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
-        b_kk = gl.sum(b_Kb * b_kK[None, :], axis=1) * r_k
-        b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1) * r_q
         b_ktq = gl.sum(b_kK * b_qK, axis=0) * (r_k * r_q)
-        b_cW = gl.convert_layout(b_coef, gl.SliceLayout(1, LW))
         b_U = gl.where(m_lW, b_Ur.to(gl.float32), 0.0)
-        b_rk = gl.sum(b_U * (b_cW * gl.convert_layout(b_kk, gl.SliceLayout(1, LW)))[:, None], axis=0)
-        b_rq = gl.sum(b_U * (b_cW * gl.convert_layout(b_kq, gl.SliceLayout(1, LW)))[:, None], axis=0)
+        if IS_KDA:
+            # per channel: G(j+1) = exp(ld_{j+1} + ... + ld_h) (a reverse scan of same-signed
+            # log decays, never a difference of prefix sums) scales record j's key, G(0) the
+            # checkpoint's columns (folded into the key and query of its products)
+            b_lds = gl.where((o_lD + 1 < h)[:, None], b_ld1,
+                             gl.where((o_lD + 1 == h)[:, None], b_ld[None, :], 0.0))     # [BL, K]
+            b_GD = gl.where((o_lD < h)[:, None], gl.exp(gl.associative_scan(b_lds, 0, _add, reverse=True)), 0.0)
+            b_g0 = gl.exp(gl.where(h > 0, b_ld0, b_ld) + gl.sum(b_lds, axis=0))          # [K]
+            b_Kw = b_Kb * gl.convert_layout(b_GD, LK)                                    # k_j * G(j+1)
+            b_kk = gl.sum(b_Kw * b_kK[None, :], axis=1) * r_k
+            b_kq = gl.sum(b_Kw * b_qK[None, :], axis=1) * r_q
+            b_rk = gl.sum(b_U * gl.convert_layout(b_kk, gl.SliceLayout(1, LW))[:, None], axis=0)
+            b_rq = gl.sum(b_U * gl.convert_layout(b_kq, gl.SliceLayout(1, LW))[:, None], axis=0)
+            b_g0K = gl.convert_layout(b_g0, gl.SliceLayout(0, LK))
+            b_qR = gl.convert_layout(b_qK * b_g0K, gl.SliceLayout(0, LR))
+            b_kR = gl.convert_layout(b_kK * b_g0K, gl.SliceLayout(0, LR))
+            b_g = 1.0
+        else:
+            # weights G(j+1) (suffix sums of same-signed log decays) and G(0)
+            b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)
+            # the records' products with the token's key and query, their sums over the records
+            b_kk = gl.sum(b_Kb * b_kK[None, :], axis=1) * r_k
+            b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1) * r_q
+            b_cW = gl.convert_layout(b_coef, gl.SliceLayout(1, LW))
+            b_rk = gl.sum(b_U * (b_cW * gl.convert_layout(b_kk, gl.SliceLayout(1, LW)))[:, None], axis=0)
+            b_rq = gl.sum(b_U * (b_cW * gl.convert_layout(b_kq, gl.SliceLayout(1, LW)))[:, None], axis=0)
+            b_qR = gl.convert_layout(b_qK, gl.SliceLayout(0, LR))
+            b_kR = gl.convert_layout(b_kK, gl.SliceLayout(0, LR))
 
         # the tile, once every thread's copies have landed: C k and C q, RC rows at a time, the
         # rows' sums mostly in-thread (LR), through shared memory to the rows' layout
-        b_qR = gl.convert_layout(b_qK, gl.SliceLayout(0, LR))
-        b_kR = gl.convert_layout(b_kK, gl.SliceLayout(0, LR))
         cp.wait_group(0)
         _barrier()
         s_yk = gl.allocate_shared_memory(gl.float32, [BV], S1)
@@ -166,7 +203,10 @@ if HAVE_GLUON:
         p_ut = p_Uh + h * (HV * V) + o_y
         gl.store(p_ut, b_u.to(p_ut.dtype.element_ty), mask=(o_y >= 0) & in_buf)
         if i_v == 0:
-            gl.store(p_ldh + h * HV, b_ld, mask=in_buf)
+            if IS_KDA:
+                gl.store(p_ldh + h * (HV * K) + o_kD, b_ld, mask=(o_kD >= 0) & in_buf)
+            else:
+                gl.store(p_ldh + h * HV, b_ld, mask=in_buf)
             if i_hv % HG == 0:
                 p_kh = p_Kg + h * (HK * K) + o_kK
                 gl.store(p_kh, (b_kK * r_k).to(p_kh.dtype.element_ty), mask=(o_kK >= 0) & in_buf)
@@ -179,23 +219,47 @@ if HAVE_GLUON:
             s_u.store(b_u)
             _barrier()
             b_kn = gl.load(p_kt + o_tk).to(gl.float32) * r_k
-            o_lP = gl.arange(0, BL, layout=LP)
-            b_coefP = gl.convert_layout(b_coef, LP)
-            p_kj = p_Kg + o_tk
-            for r0 in gl.static_range(0, BV, RC):
-                o_rc = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LT))
-                b_Cc = s_C.slice(r0, RC, dim=0).load(LT)
-                b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LT))
-                b_Cc = b_g * b_Cc + b_uc[:, None] * b_kn[None, :]
-                b_Cc = _fold_records(b_Cc, o_rc, o_tk, o_lP, b_coefP, h, p_Uh, p_kj, HV * V, HK * K, BL)
-                gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+            if IS_KDA:
+                # C <- C Diag(G(0)) + sum_{j<h} u_j (k_j * G(j+1))^T + u_t k^T, newest record first
+                # so that the suffix log decay accumulates along the loop (re-read records: L1/L2
+                # hits); a loop over the cursor, not unrolled over the tile: the registers of this
+                # rare path are every program's
+                b_ldT = gl.convert_layout(b_ld, gl.SliceLayout(0, LT))
+                p_kj = p_Kg + o_tk
+                p_ldT = p_ldh + o_tk
+                for r0 in gl.static_range(0, BV, RC):
+                    o_rc = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LT))
+                    b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LT))
+                    b_Cc = b_uc[:, None] * b_kn[None, :]
+                    b_sr = b_ldT
+                    for i_r in range(0, h):
+                        jr = h - 1 - i_r
+                        k_j = gl.load(p_kj + jr * (HK * K)).to(gl.float32)
+                        w_j = gl.load(p_Uh + jr * (HV * V) + o_rc).to(gl.float32)
+                        b_Cc += w_j[:, None] * (gl.exp(b_sr) * k_j)[None, :]
+                        b_sr += gl.load(p_ldT + jr * (HV * K))
+                    b_Cc += s_C.slice(r0, RC, dim=0).load(LT) * gl.exp(b_sr)[None, :]
+                    gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+            else:
+                o_lP = gl.arange(0, BL, layout=LP)
+                b_coefP = gl.convert_layout(b_coef, LP)
+                p_kj = p_Kg + o_tk
+                for r0 in gl.static_range(0, BV, RC):
+                    o_rc = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LT))
+                    b_Cc = s_C.slice(r0, RC, dim=0).load(LT)
+                    b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LT))
+                    b_Cc = b_g * b_Cc + b_uc[:, None] * b_kn[None, :]
+                    b_Cc = _fold_records(b_Cc, o_rc, o_tk, o_lP, b_coefP, h, p_Uh, p_kj, HV * V, HK * K, BL)
+                    gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
 
         _move_cursor(n_arrived, HV * NVB, is_flush, cursor, epoch, arrive, slot, h)
 
 
 def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-                 arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask=True, maxnreg=0):
-    """Launch `_gluon_gdn_kernel` (grid `(HV * V / BV, Bt)`); the caller checked `gluon_unsupported`."""
+                 arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask=True, maxnreg=0,
+                 family="gdn"):
+    """Launch `_gluon_gdn_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; the
+    caller checked `gluon_unsupported`."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     _gluon_gdn_kernel[(HV * (V // BV), Bt)](
@@ -205,5 +269,6 @@ def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=gluon_record_tile(window, buf_w.shape[1]),
         RC=4 * num_warps,
-        USE_QK_L2NORM=bool(use_qk_l2norm), NW=num_warps, RECMASK=bool(recmask), num_warps=num_warps,
+        USE_QK_L2NORM=bool(use_qk_l2norm), NW=num_warps, RECMASK=bool(recmask), IS_KDA=family == "kda",
+        num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
