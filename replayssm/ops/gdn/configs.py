@@ -28,7 +28,7 @@ _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # state tile rebuilt per chunk of BKT key columns by one tensor-core product; recmask, BC and
 # KS then do not apply), matprec (its product: "tf32x3", or for bf16 records "bf16x2": exact
 # keys, the weighted u in two bf16 terms, about 16 bits, or "bf16": one term, the weighted u
-# rounded to bf16 once more), gluon (GDN, GPU only: the Gluon kernel of gluon_decode.py, the
+# rounded to bf16 once more), gluon (GDN and KDA, GPU only: the Gluon kernel of gluon_decode.py, the
 # record-contracting program with the checkpoint tile copied asynchronously into shared memory
 # while the records are read; recmask and maxnreg apply, the other replay keys do not; where
 # `gluon_unsupported` gives a reason (K other than 128, BV other than 16 * num_warps, windows
@@ -226,8 +226,6 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
                 raise ValueError(f"config matprec={cfg['matprec']!r} must be one of {sorted(_MAT_PRECISIONS)}")
         if not isinstance(cfg["gluon"], bool):
             raise ValueError(f"config gluon={cfg['gluon']!r} must be a bool")
-        if cfg["gluon"] and family != "gdn":
-            raise ValueError("config gluon=True: the Gluon kernel is implemented for GDN only")
     return cfg
 
 
