@@ -49,9 +49,11 @@ _REPLAY_TABLE = {
                                     # the record reads
                                     (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True,
                                                "maxnreg": 80})],
-    # KDA: one program per head at large batch (its decay weights are computed per program)
+    # KDA: the Triton kernel to batch 8 (the eager step runs there, see _EAGER_CONFIGS); beyond,
+    # the Gluon kernel (IS_KDA), whose register cap of 80 fits six programs per SM
     ("kda", None, None, 128, 128): [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
-                                    (1 << 30, {"BV": 128, "num_warps": 4, "recmask": True, "KS": 8})],
+                                    (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True,
+                                               "maxnreg": 80})],
 }
 
 # With bf16 records (keys exact in bf16) the materialising kernel's two-term bf16 product wins
@@ -79,12 +81,12 @@ _CONVENTIONAL_TABLE = {
 # The eager step (window 1, see replay_decode) per value-head count (`Hk` None: for every key-head
 # count): batches up to the last max_batch take it (the slot pool decodes them with window 1),
 # each with the first entry's launch config whose max_batch >= the batch ({}: the conventional
-# table's). At small batches a window only lengthens each program's chain; KDA's windowed kernel
-# (per-program decay weights) loses to the eager step at every batch.
+# table's). At small batches a window only lengthens each program's chain (KDA's Gluon window
+# kernel: 0.73x the conventional step at batch 1, 1.06x at 64; batches between not measured).
 _EAGER_CONFIGS = {
     ("gdn", 32, None, 128, 128): [(8, {"BV": 8, "num_warps": 1}), (16, {})],   # Qwen3.5-4B, Qwen3-Next
     ("gdn", 64, None, 128, 128): [(8, {"BV": 8, "num_warps": 1})],            # Qwen3.5-122B
-    ("kda", 32, None, 128, 128): [(1 << 30, {"BV": 8, "num_warps": 1})],      # Kimi-Linear-48B
+    ("kda", 32, None, 128, 128): [(32, {"BV": 8, "num_warps": 1})],           # Kimi-Linear-48B
 }
 
 # The tables' Gluon entries at windows above 16 (record tiles of 32 positions): their register
@@ -95,20 +97,18 @@ _GLUON_LONG_WINDOW = {"maxnreg": 0}
 def derived(family: str, HV: int, V: int, K: int) -> dict:
     """Table entries for a shape the tables do not name, derived from its dimensions as the
     tuned shapes' entries are: the eager step in one-warp programs of 8 rows up to the batch
-    `utils.launch.eager_reach` gives (KDA: at every batch, its windowed kernel measured
-    slower everywhere); GDN's Gluon program beyond, in blocks of 16 rows per warp dividing V
-    (the Triton kernel where Gluon does not apply); small batches in one-warp programs of 16
-    rows. `replayssm tune` measures a shape's own."""
+    `utils.launch.eager_reach` gives; the Gluon program beyond (GDN and KDA), in blocks of 16
+    rows per warp dividing V (the Triton kernel where Gluon does not apply); small batches in
+    one-warp programs of 16 rows (KDA: 32 rows of 4 warps). `replayssm tune` measures a shape's
+    own."""
     bv = next((b for b in (64, 32, 16) if V % b == 0), 16)
     conventional = [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
                     (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})]
-    if family == "kda":
-        return {"replay": [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
-                           (1 << 30, {"BV": min(128, triton.next_power_of_2(V)), "num_warps": 4,
-                                      "recmask": True})],
-                "conventional": conventional,
-                "eager": [(1 << 30, {"BV": 8, "num_warps": 1})] if eager_reach(HV, V, K) else []}
     large = {"gluon": True, "BV": bv, "num_warps": bv // 16, "recmask": True, "maxnreg": 80 if bv == 64 else 0}
+    if family == "kda":
+        return {"replay": [(8, {"BV": 32, "num_warps": 4, "recmask": False}), (1 << 30, large)],
+                "conventional": conventional,
+                "eager": [(b, {"BV": 8, "num_warps": 1}) for b in (eager_reach(HV, V, K),) if b]}
     return {"replay": [(2, {"BV": 16, "num_warps": 1, "recmask": False}),
                        (8, {"BV": 16, "num_warps": 1, "recmask": False, "BC": 8}), (1 << 30, large)],
             "bf16_records": [(8, {}), (1 << 30, large)],
