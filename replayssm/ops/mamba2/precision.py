@@ -36,12 +36,13 @@ from torch import Tensor
 from ..utils.checks import check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import (LP_CODES, head_counter, load_lp_tile, lowp_config, store_lp_rows,
-                          store_nvfp4_head)
+from ..utils.lowp import (LP_CODES, flush_programs, head_counter, load_lp_tile, lowp_config,
+                          store_lp_rows, store_nvfp4_head)
 from ..utils.sround import (HP_CODES, SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args,
                            store_nvfp4_rows, store_sr_rows)
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
                      group_keys, head_weights, record_masks, token_decay)
+from .gluon_lowp import launch_gluon_lp, use_gluon_lp
 
 __all__ = ["lowp_decode", "LP_FORMATS", "HP_FORMATS", "SHARED_FORMATS"]
 
@@ -100,22 +101,20 @@ def _shared_nvfp4_head(p_Sh, ckpt, hp_scale, lp_data, lp_scale, lp_tscale, i_m, 
     tl.store(lp_tscale + i_m, ts)
 
 
-@triton.heuristics(OPTIONAL_INPUTS)
 @triton.jit
-def _lowp_decode_kernel(
+def _lowp_row(
     x, dt, B, C, A, dt_bias, D, z, out,
     ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive,
-    slot_ids,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
+    pid, i_b, slot, h,
     HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
     NPOS: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
     NVB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, LP: tl.constexpr, RC: tl.constexpr,
-    HP: tl.constexpr, HAS_LP: tl.constexpr, SR: tl.constexpr,
+    HP: tl.constexpr, HAS_LP: tl.constexpr, SR: tl.constexpr, HAND_OFF: tl.constexpr,
 ):
-    # grid (HV * NVB, Bt): a program owns V-block i_v of head i_h
-    pid = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
+    """Row `i_b` (slot `slot` >= 0, cursor `h`) of the step, V-block `pid % NVB` of head
+    `pid // NVB`: everything it reads and writes; the cursor's move only with HAND_OFF."""
     i_v = pid % NVB
     i_h = pid // NVB
     HG: tl.constexpr = HV // Hk
@@ -126,14 +125,7 @@ def _lowp_decode_kernel(
     o_l = tl.arange(0, BL)
     m_v = o_v < V
     m_k = o_k < K
-
     p_o = out + i_b * stride_o_b + i_h * stride_o_h + o_v
-    slot = tl.load(slot_ids + i_b).to(tl.int64)
-    if slot < 0:
-        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
-        return
-
-    h = tl.load(cursor + slot)
     m_j, m_j1, m_lj, m_lj1 = record_masks(o_l, h, NPOS, True)
     i_m = slot * HV + i_h                                   # this head's matrix in the pool
     p_S0 = ckpt + slot * (HV * V * K)
@@ -226,7 +218,78 @@ def _lowp_decode_kernel(
                 p_kh = buf_k + slot * (LB * Hk * K) + h * (Hk * K) + i_g * K + o_k
                 tl.store(p_kh, b_kc.to(p_kh.dtype.element_ty), mask=m_k)
 
-    hand_off(arrive, cursor, epoch, slot, h, is_flush, HV * NVB)
+    if HAND_OFF:
+        hand_off(arrive, cursor, epoch, slot, h, is_flush, HV * NVB)
+
+
+@triton.heuristics(OPTIONAL_INPUTS)
+@triton.jit
+def _lowp_decode_kernel(
+    x, dt, B, C, A, dt_bias, D, z, out,
+    ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive,
+    stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
+    stride_z_b, stride_z_h, stride_o_b, stride_o_h,
+    slot_ids, n_rows,
+    HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
+    NPOS: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+    NVB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, LP: tl.constexpr, RC: tl.constexpr,
+    HP: tl.constexpr, HAS_LP: tl.constexpr, SR: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
+):
+    # ROWS 0: grid (HV * NVB, Bt), a program owns V-block i_v of head i_h of row i_b, all rows.
+    # ROWS 1 (launch 1 of two, gluon_lowp.py): grid (G,); the rows that flush, without the
+    # cursor's move: their (row, head, V-block) items, item t (the row's rank among the flush
+    # rows, in row order, times HV * NVB, plus the program's index in ROWS 0) by program t mod G.
+    # ROWS 2 (launch 2's contract in Triton, for the interpreter's tests of the split): every
+    # other row in full; a flush row only moves the cursor, after every program has read it.
+    if ROWS == 1:
+        NP: tl.constexpr = HV * NVB
+        j = tl.program_id(0)
+        G = tl.num_programs(0)
+        seen = 0                                            # flush rows in the chunks before
+        for c0 in range(0, n_rows, BT):
+            o_b = c0 + tl.arange(0, BT)
+            b_sl = tl.load(slot_ids + o_b, mask=o_b < n_rows, other=-1).to(tl.int64)
+            b_h = tl.load(cursor + tl.where(b_sl >= 0, b_sl, 0), mask=b_sl >= 0, other=0)
+            b_fl = (b_sl >= 0) & (b_h + 1 >= WINDOW)
+            b_rank = seen + tl.cumsum(b_fl.to(tl.int32), axis=0) - 1
+            n_fl = tl.sum(b_fl.to(tl.int32), axis=0)
+            t_lo = seen * NP
+            t0 = t_lo + ((j - t_lo) % G + G) % G            # this program's first item of the chunk
+            for t in range(t0, (seen + n_fl) * NP, G):
+                m_r = b_fl & (b_rank == t // NP)
+                i_b = tl.sum(tl.where(m_r, o_b, 0), axis=0).to(tl.int64)
+                slot = tl.sum(tl.where(m_r, b_sl, 0), axis=0)
+                h = tl.sum(tl.where(m_r, b_h, 0), axis=0)
+                _lowp_row(x, dt, B, C, A, dt_bias, D, z, out, ckpt, hp_scale, sr_key, lp_data, lp_scale,
+                          lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive, stride_x_b,
+                          stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g, stride_z_b,
+                          stride_z_h, stride_o_b, stride_o_h, t % NP, i_b, slot, h, HV, Hk, V, K, LB, NPOS,
+                          WINDOW, BV, BK, BL, NVB, HAS_D, HAS_Z, LP, RC, HP, HAS_LP, SR, False)
+            seen += n_fl
+    else:
+        i_b = tl.program_id(1).to(tl.int64)
+        o_v = (tl.program_id(0) % NVB) * BV + tl.arange(0, BV)
+        slot = tl.load(slot_ids + i_b).to(tl.int64)
+        if slot < 0:
+            p_o = out + i_b * stride_o_b + (tl.program_id(0) // NVB) * stride_o_h + o_v
+            tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=o_v < V)
+            return
+        h = tl.load(cursor + slot)
+        if ROWS == 2:
+            if h + 1 >= WINDOW:
+                hand_off(arrive, cursor, epoch, slot, h, True, HV * NVB)
+            else:
+                _lowp_row(x, dt, B, C, A, dt_bias, D, z, out, ckpt, hp_scale, sr_key, lp_data, lp_scale,
+                          lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive, stride_x_b,
+                          stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g, stride_z_b,
+                          stride_z_h, stride_o_b, stride_o_h, tl.program_id(0), i_b, slot, h, HV, Hk, V, K,
+                          LB, NPOS, WINDOW, BV, BK, BL, NVB, HAS_D, HAS_Z, LP, RC, HP, HAS_LP, SR, True)
+        else:
+            _lowp_row(x, dt, B, C, A, dt_bias, D, z, out, ckpt, hp_scale, sr_key, lp_data, lp_scale,
+                      lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive, stride_x_b,
+                      stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g, stride_z_b,
+                      stride_z_h, stride_o_b, stride_o_h, tl.program_id(0), i_b, slot, h, HV, Hk, V, K, LB,
+                      NPOS, WINDOW, BV, BK, BL, NVB, HAS_D, HAS_Z, LP, RC, HP, HAS_LP, SR, True)
 
 
 def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
@@ -282,7 +345,7 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
             raise ValueError(f"hp_rounding {hp_rounding!r}: beside a low-precision copy a {hp_format} checkpoint "
                              "is written with stochastic rounding only")
         ck = dict(checkpoint_args(ckpt, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K), SR=1)
-    cfg = lowp_config(V, config)
+    cfg = lowp_config(V, config, split=True)
     BV = cfg["BV"]
     if out is None:
         out = torch.empty_like(x)
@@ -295,16 +358,27 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
     # records cover positions below the window (window 1: whatever the buffer holds)
     npos = LB if window == 1 else min(window, LB)
     nvb = triton.cdiv(V, BV)
-    _lowp_decode_kernel[(HV * nvb, Bt)](
-        x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out, **ck,
-        buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
-        cursor=cursor, epoch=epoch, arrive=arrive, head_arrive=head_counter(x.device, N * HV),
-        slot_ids=slot_ids,
-        stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
-        stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
-        stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
-        stride_o_b=out.stride(0), stride_o_h=out.stride(1),
-        HV=HV, Hk=Hk, V=V, K=K, LB=LB, NPOS=npos, WINDOW=int(window), BV=BV,
-        BK=triton.next_power_of_2(K), BL=max(16, triton.next_power_of_2(npos)), NVB=nvb,
-        RC=min(16, BV), num_warps=cfg["num_warps"], num_stages=1)
+    args = dict(x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out, **ck,
+                buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
+                cursor=cursor, epoch=epoch, arrive=arrive, head_arrive=head_counter(x.device, N * HV),
+                slot_ids=slot_ids, n_rows=Bt,
+                stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
+                stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
+                stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
+                stride_o_b=out.stride(0), stride_o_h=out.stride(1),
+                HV=HV, Hk=Hk, V=V, K=K, LB=LB, NPOS=npos, WINDOW=int(window), BV=BV,
+                BK=triton.next_power_of_2(K), BL=max(16, triton.next_power_of_2(npos)), NVB=nvb,
+                RC=min(16, BV), BT=min(1024, triton.next_power_of_2(Bt)), num_warps=cfg["num_warps"], num_stages=1)
+    gluon = use_gluon_lp(cfg, ck["LP"], x, V, K, int(window), LB)
+    if window > 1 and (gluon or cfg["split"]):
+        # launch 1: the flush rows, without the cursor's move (gluon_lowp.py says why)
+        _lowp_decode_kernel[(flush_programs(cfg, HV * nvb * Bt, x.device),)](**args, ROWS=1)
+        if gluon:
+            launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, ck["lp_data"], ck["lp_scale"], ck["lp_tscale"],
+                            ck["LP"], buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, out, int(window),
+                            cfg["gluon_BV"], cfg["gluon_maxnreg"])
+        else:
+            _lowp_decode_kernel[(HV * nvb, Bt)](**args, ROWS=2)
+    else:
+        _lowp_decode_kernel[(HV * nvb, Bt)](**args, ROWS=0)
     return out

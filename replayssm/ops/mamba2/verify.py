@@ -15,10 +15,13 @@ t >= n. The drafts' records go to positions `h'..h'+n-1`; `cursor[s] = h'`, `pen
 
 This kernel serves T < TC_MIN_T drafts with one matrix-vector product of the tile per draft;
 from TC_MIN_T on, `verify_tc` does the same step with tensor-core products (its docstring says
-where each wins).
+where each wins). On CUDA the default is the Gluon kernel (`gluon_verify`, config key `gluon`),
+the same step with the tile copied asynchronously into shared memory; the CPU interpreter runs
+these Triton kernels.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -31,6 +34,7 @@ from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
 from .common import (FLOAT_DTYPES, OPTIONAL_INPUTS, check_state, check_tensor, draft_decays, given, load_tile,
                      write_shared_drafts)
+from .gluon_verify import HAVE_GLUON, gluon_verify_unsupported, launch_gluon_verify
 from .verify_tc import _replay_verify_tc_kernel
 
 __all__ = ["replay_verify", "verify_config"]
@@ -205,31 +209,75 @@ def _replay_verify_kernel(
 # Launch configuration
 
 
-def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dict] = None) -> dict:
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _gluon_default(HV: int, V: int, K: int, Hk: int, T: int, device, window: Optional[int], Lb: Optional[int]):
+    """The Gluon kernel's default block (the largest of 64, 32, 16 rows dividing V, a warp per 16
+    rows) where it runs by default: on CUDA, outside the interpreter, where it covers the shape
+    (window 16 when not given); else None."""
+    bv = next((b for b in (64, 32, 16) if V % b == 0), None)
+    if bv is None or device is None or torch.device(device).type != "cuda" or _interpreting():
+        return None
+    L = 16 if window is None else window
+    if gluon_verify_unsupported(HV, V, K, Hk, T, L, L + T if Lb is None else Lb, bv, bv // 16):
+        return None
+    return bv
+
+
+def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dict] = None, *, device=None,
+                  window: Optional[int] = None, Lb: Optional[int] = None) -> dict:
     """The verify kernel's launch config: `BV` value rows per program (a power of two; ceil(V / BV)
     blocks per head; at least 16 from `TC_MIN_T` drafts on, the M side of the tensor-core
-    products), `num_warps`, `num_stages`. Defaults from the shape, blocks that divide V (no idle
+    products), `num_warps`, `num_stages`, `gluon`. `config` overrides any of them.
+
+    `gluon` (GPU only): the Gluon kernel (gluon_verify.py), `BV = 16 * num_warps`. The default
+    on a CUDA `device` (outside the interpreter) wherever `gluon_verify_unsupported` says it
+    covers the shape (K = 128, V a multiple of 16, windows up to 32), with the largest of 64,
+    32, 16 rows dividing V and a warp per 16 (Super BV=64 with 4 warps, BV=32 with 2 the other
+    candidate; Nano-4B BV=16 with 1). A config that names only BV or num_warps gets the other
+    from `BV = 16 * num_warps`; one whose pair does not fit the Gluon kernel runs the Triton
+    kernels, unless it asks for `gluon=True` (then ValueError). Where the Gluon kernel cannot
+    run (the CPU interpreter, a window above 32 at launch) the Triton kernels run with the same
+    BV and num_warps.
+
+    The Triton kernels' defaults (`gluon=False`), from the shape, blocks that divide V (no idle
     lanes; Nano-4B's 80 = 5 x 16): below TC_MIN_T of at most 64 rows, with warps so that a
     thread holds 128 tile elements; from it on of at most 32 rows with a warp per 16 (on the
     H200 at batch 256: Super BV=32 with 2 warps 2.4x a conventional step at T = 8, BV=64 with 4
-    3.1x, 8 warps slower still; Nano-4B BV=16 with 1 warp 2.5x, with 4 7.1x). `config`
-    overrides any of the three."""
+    3.1x, 8 warps slower still; Nano-4B BV=16 with 1 warp 2.5x, with 4 7.1x)."""
     BK = triton.next_power_of_2(K)
     if T >= TC_MIN_T:
         bv = next((b for b in (32, 16) if V % b == 0), 16)
-        cfg = dict(BV=bv, num_warps=max(1, bv // 16), num_stages=1)
+        cfg = dict(BV=bv, num_warps=max(1, bv // 16), num_stages=1, gluon=False)
     else:
         bv = next((b for b in (64, 32, 16) if V % b == 0), min(64, max(16, triton.next_power_of_2(V))))
-        cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1)
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
-        cfg.update(config)
+        cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1, gluon=False)
+    config = dict(config or {})
+    unknown = set(config) - set(cfg)
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
+    if not isinstance(config.get("gluon", False), bool):
+        raise ValueError(f"config: gluon must be a bool, got {config['gluon']!r}")
+    gbv = _gluon_default(HV, V, K, Hk, T, device, window, Lb)
+    if config.get("gluon", gbv is not None):
+        bv, nw = config.get("BV"), config.get("num_warps")
+        if bv is None:
+            bv = 16 * nw if isinstance(nw, int) else gbv or 16
+        cfg = dict(BV=bv, num_warps=max(1, bv // 16) if isinstance(bv, int) else 1, num_stages=1, gluon=True)
+    cfg.update(config)
     for key in ("BV", "num_warps"):
         val = cfg[key]
         if isinstance(val, bool) or not isinstance(val, int) or val < 1 or val & (val - 1):
             raise ValueError(f"config: {key} must be a power of two, got {val!r}")
+    if cfg["gluon"]:
+        L = 16 if window is None else window
+        why = gluon_verify_unsupported(HV, V, K, Hk, T, L, L + T if Lb is None else Lb, cfg["BV"], cfg["num_warps"])
+        if why and config.get("gluon"):
+            raise ValueError(f"config: gluon=True does not cover this launch: {why}")
+        if why:
+            cfg["gluon"] = False          # a launch shape the Gluon kernel does not take: the Triton kernels
     if T >= TC_MIN_T and cfg["BV"] < 16:
         raise ValueError(f"config: BV must be at least 16 at T >= {TC_MIN_T} (the tiles' products), got {cfg['BV']}")
     ns = cfg["num_stages"]
@@ -243,11 +291,16 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
 
 
 def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages):
+                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False):
     Bt, T, HV, V = x.shape
     Hk, K = B.shape[2], B.shape[3]
     LB = buf_ld.shape[1]
     if Bt == 0:
+        return
+    if (gluon and HAVE_GLUON and x.is_cuda and not _interpreting()
+            and gluon_verify_unsupported(HV, V, K, Hk, T, window, LB, BV, num_warps) is None):
+        launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
+                            arrive, slot_ids, num_drafts, out, window, BV, num_warps)
         return
     nvb = triton.cdiv(V, BV)
     tc = T >= TC_MIN_T
@@ -276,14 +329,14 @@ def _replay_verify_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor,
                       arrive: Tensor, slot_ids: Tensor, num_drafts: Optional[Tensor], out: Tensor,
-                      window: int, BV: int, num_warps: int, num_stages: int) -> None:
+                      window: int, BV: int, num_warps: int, num_stages: int, gluon: bool = False) -> None:
     _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages)
+                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon)
 
 
 @_replay_verify_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive,
-      slot_ids, num_drafts, out, window, BV, num_warps, num_stages) -> None:
+      slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False) -> None:
     return None
 
 
@@ -342,7 +395,8 @@ def replay_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
 
     `out` `[Bt, T, HV, V]` of x's dtype, last dim contiguous: written when given (then, with
     `validate=False`, the call allocates nothing, syncs nothing and is capturable in a CUDA
-    graph). `config`: overrides of `verify_config` (`BV`, `num_warps`, `num_stages`). `arrive`
+    graph). `config`: overrides of `verify_config` (`BV`, `num_warps`, `num_stages`, `gluon`: on
+    CUDA the Gluon kernel by default where it covers the shape, see `verify_config`). `arrive`
     `[N]` int32 zero-initialised (default: a cached per-device counter). `validate` checks
     shapes, dtypes and devices, the slot ids' range and uniqueness (`utils.checks`: a host read,
     skipped while capturing or compiling) and draft counts held on the CPU.
@@ -362,13 +416,14 @@ def replay_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
         if Lb < window + T:
             raise ValueError(f"buf_ld: capacity Lb={Lb} below window + T = {window + T}")
         check_slot_values(slot_ids, N)
-    cfg = verify_config(x.shape[2], x.shape[3], B.shape[3], B.shape[2], x.shape[1], config)
+    cfg = verify_config(x.shape[2], x.shape[3], B.shape[3], B.shape[2], x.shape[1], config, device=x.device,
+                        window=int(window), Lb=buf_ld.shape[1])
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if arrive is None:
         arrive = arrive_counter(x.device, ckpt.shape[0])
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive,
-            slot_ids, num_drafts, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"])
+            slot_ids, num_drafts, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["gluon"])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_verify(*args)
     else:

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from .launch import capturing
 
-__all__ = ["LP_CODES", "lp_views", "default_bv", "lowp_config", "head_counter", "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
+__all__ = ["LP_CODES", "lp_views", "default_bv", "default_gluon_bv", "lowp_config", "flush_programs", "head_counter",
+           "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
 
 LP_CODES = {"fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
 _HEAD_COUNTERS: dict = {}
@@ -67,9 +68,25 @@ def default_bv(V: int) -> int:
     return min(32, max(8, triton.next_power_of_2(V) // 4))
 
 
-def lowp_config(V: int, config: Optional[dict]) -> dict:
-    """The precision kernels' launch config (`BV`, `num_warps`) with a caller's overrides."""
-    cfg = {"BV": default_bv(V), "num_warps": 4}
+def default_gluon_bv(V: int) -> int:
+    """The steady-row Gluon kernels' rows per program (`BV / 16` warps), as the fp32 Gluon
+    kernels' tables choose them: 64 where they divide V, else 32, else 16."""
+    return next((bv for bv in (64, 32) if V % bv == 0), 16)
+
+
+def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
+    """The precision kernels' launch config with a caller's overrides: `BV`, `num_warps` (the
+    Triton kernel's), and for `lowp_decode` on CUDA the split of a step into two launches
+    (ops/<family>/gluon_lowp.py): `gluon` (default True: where the Gluon kernel covers the read
+    format and shape, the flush rows on the Triton kernel, then the other rows on the Gluon
+    kernel), `gluon_BV` (its rows per program, `gluon_BV / 16` warps; `default_gluon_bv`),
+    `gluon_maxnreg` (its register cap, 0 none), `split` (the two launches even without Gluon,
+    the second the Triton kernel: the split's test on the interpreter), `flush_programs` (the
+    flush launch's programs, None: 8 per SM, 8 off CUDA, at most one per (row, head, V-block)).
+    The split's keys are returned where given, all of them (defaults filled) with `split=True`."""
+    split_keys = {"gluon": True, "gluon_BV": default_gluon_bv(V), "gluon_maxnreg": 0, "split": False,
+                  "flush_programs": None}
+    cfg = dict({"BV": default_bv(V), "num_warps": 4}, **split_keys)
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -80,7 +97,30 @@ def lowp_config(V: int, config: Optional[dict]) -> dict:
         raise ValueError(f"config: BV must be a power of two, got {BV!r}")
     if isinstance(nw, bool) or not isinstance(nw, int) or nw not in (1, 2, 4, 8, 16):
         raise ValueError(f"config: num_warps must be one of 1, 2, 4, 8, 16, got {nw!r}")
-    return cfg
+    for key in ("gluon", "split"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"config: {key} must be a bool, got {cfg[key]!r}")
+    if isinstance(cfg["gluon_BV"], bool) or cfg["gluon_BV"] not in (16, 32, 64, 128):
+        raise ValueError(f"config: gluon_BV must be one of 16, 32, 64, 128 (16 rows per warp), "
+                         f"got {cfg['gluon_BV']!r}")
+    nreg = cfg["gluon_maxnreg"]
+    if isinstance(nreg, bool) or not isinstance(nreg, int) or not (nreg == 0 or 24 <= nreg <= 255):
+        raise ValueError(f"config: gluon_maxnreg must be 0 (none) or in 24..255, got {nreg!r}")
+    fp = cfg["flush_programs"]
+    if fp is not None and (isinstance(fp, bool) or not isinstance(fp, int) or not 1 <= fp <= 65535):
+        raise ValueError(f"config: flush_programs must be None or an int in 1..65535, got {fp!r}")
+    return cfg if split else {k: v for k, v in cfg.items() if k not in split_keys or k in (config or {})}
+
+
+def flush_programs(cfg: dict, n_items: int, device) -> int:
+    """Programs of a split step's flush launch (`ROWS=1`): `cfg["flush_programs"]`, else 8 per SM
+    on CUDA (a wave or two: its programs loop over the flush rows' items, and on a step without
+    a flush each only scans the cursors), 8 elsewhere; never more than `n_items`."""
+    g = cfg.get("flush_programs")
+    if g is None:
+        dev = torch.device(device)
+        g = 8 * (torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1)
+    return max(1, min(int(g), int(n_items)))
 
 
 def head_counter(device, n: int) -> Tensor:

@@ -1,0 +1,217 @@
+"""Gluon reads of a low-precision checkpoint (the parts of ops/utils/lowp.py: fp16, bf16, scaled
+fp8-e4m3, NVFP4) for the Gluon kernels of the steady rows (ops/<family>/gluon_lowp.py): a head's
+tile of raw bytes copied asynchronously into shared memory in 16-byte pieces, then read back in
+row chunks and decoded while its products with a vector are formed.
+
+Decoding is exact (`formats.decode`'s values), so hardware conversions serve where the H200 has
+them: fp16 and bf16 elements, fp8-e4m3 elements and NVFP4's e4m3 block scales by converts. The
+e2m1 codes, which it cannot convert, are placed into fp16 bits two codes per 32-bit word: nibble
+`n` becomes `((n & 7) << 9) | ((n & 8) << 12)`, the fp16 of `e2m1(n) * 2**-14` (code 1, 0.5, is
+the subnormal `2**-15`), so four shifts and masks of a word of eight codes give four words of two
+fp16 halves each (`E2M1_PAIRS`). Scales multiply partial sums rather than elements: a row's dot
+product is `sum_k value_k v_k`, with `value_k = e4m3_k * scale_row` (fp8) or `e2m1_k * block_k *
+tensor` (NVFP4) exact products, so `scale_row * sum_k e4m3_k v_k` and `tensor * 2**14 * sum_b
+block_b sum_{k in b} (e2m1_k 2**-14) v_k` are the same sums in another order (the outputs differ
+from the Triton kernels' in rounding only; nothing these kernels write depends on it).
+
+Layouts (NW warps, K = 128; the tile holds BV = 16 * NW rows):
+  fp16/bf16  int16 `[BV, K]`, copied 8 per piece; read back 4 rows per warp and chunk, 16
+             elements per thread in two pieces
+  fp8        uint8 `[BV, K]`, 16 per piece; read back 4 rows per warp, one piece per thread
+  NVFP4      int32 words `[BV, K / 8]` (eight codes each), 4 per piece; read back as `[RC, 8, 2]`
+             (row, block of 16 codes, word), 8 rows per warp, a thread's two blocks of a row in
+             one piece, so that a block's sum and its scale stay in-thread
+In every read a quarter-warp reads 128 contiguous bytes: no bank conflicts.
+
+Gluon kernels run on the GPU only (the interpreter cannot run them).
+"""
+from __future__ import annotations
+
+from .gluon import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+    from .gluon import _async_load, _barrier
+
+    # a shared tile seen with another dtype or shape: `_reinterpret` in Triton 3.6 (the H200
+    # machine's), `reinterpret` later
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+__all__ = ["HAVE_GLUON", "GLUON_LP_CODES", "E2M1_PAIRS", "e2m1_pair_bits", "lp_gluon_views", "lp_row_chunk"]
+
+# the read formats of the steady-row kernels (lowp.LP_CODES)
+GLUON_LP_CODES = (1, 2, 3, 4)
+# NVFP4 word -> fp16 pairs: (shift, left?) of the code bits and of the sign bits; pair i holds code
+# i of the word in its low half and code i + 4 in its high half (byte j's low nibble is code 2j)
+E2M1_PAIRS = ((9, 12), (5, 8), (1, 4), (-3, 0))
+_CODE_MASK = 0x0E000E00
+_SIGN_MASK = -0x7FFF8000          # 0x80008000 as an int32
+
+
+def e2m1_pair_bits(word: int, i: int) -> int:
+    """The fp16 pair `i` (0..3) of an NVFP4 word of eight codes (uint32 as a Python int), with the
+    shifts of `_e2m1_word_dot` (`E2M1_PAIRS`): low half code `i`, high half code `i + 4`, each
+    `e2m1 * 2**-14` in fp16."""
+    sc, ss = E2M1_PAIRS[i]
+    w = word & 0xFFFFFFFF
+    code = (w << sc) if sc >= 0 else (w >> -sc)
+    sign = (w << ss) if ss >= 0 else (w >> -ss)
+    return ((code & _CODE_MASK) | (sign & (_SIGN_MASK & 0xFFFFFFFF))) & 0xFFFFFFFF
+
+
+def lp_gluon_views(lp_data, lp_code: int):
+    """The LP elements as the Gluon kernels copy them: fp16/bf16 and fp8 as lowp's integer views
+    (int16, uint8), NVFP4's packed bytes as int32 words `[N, HV, V, K / 8]`."""
+    import torch
+    return lp_data.view(torch.int32) if lp_code == 4 else lp_data
+
+
+def lp_row_chunk(lp_code: int, num_warps: int) -> int:
+    """Rows per chunk of the tile's read-back: 4 per warp, NVFP4 8 (a tile is two chunks)."""
+    return (8 if lp_code == 4 else 4) * num_warps
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _copy_to_shared(p_T, R: gl.constexpr, C: gl.constexpr, LT: gl.constexpr):
+        """Start the asynchronous copy of the `[R, C]` tile at `p_T` (rows C elements apart) into
+        shared memory in LT's pieces; returns the shared tile (the barrier keeps the assembler
+        from scheduling the copies after the cursor's wait)."""
+        o_r = gl.arange(0, R, layout=gl.SliceLayout(1, LT))
+        o_c = gl.arange(0, C, layout=gl.SliceLayout(0, LT))
+        s_T = gl.allocate_shared_memory(p_T.dtype.element_ty, [R, C], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        _async_load(s_T, p_T + (o_r[:, None] * C + o_c[None, :]), eviction_policy="evict_first")
+        cp.commit_group()
+        _barrier()
+        return s_T
+
+    @gluon.jit
+    def lp_tile_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, LP: gl.constexpr, NW: gl.constexpr):
+        """Start copying the `[BV, K]` LP tile whose first row is at `p_T` (in the element type of
+        `lp_gluon_views`: int16, uint8, int32 words) into shared memory; returns the shared tile.
+        The caller waits for it (`cp.wait_group(0)` and a barrier) before `lp_row_sums`."""
+        if LP == 4:
+            return _copy_to_shared(p_T, BV, K // 8, gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0]))
+        elif LP == 3:
+            return _copy_to_shared(p_T, BV, K, gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0]))
+        else:
+            return _copy_to_shared(p_T, BV, K, gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0]))
+
+    @gluon.jit
+    def lp_vector(b_vK, p_v, K: gl.constexpr, LP: gl.constexpr, NW: gl.constexpr):
+        """A vector `v` `[K]` in the form `lp_row_sums` takes it: fp16/bf16/fp8 `b_vK` (fp32, any
+        layout) converted to the read-back's column layout; NVFP4 a shared `[8, K / 8]` table,
+        `t[i, w] = v[8 w + i]` (code i of word w), gathered from `p_v` (fp32 or any float type),
+        read by `lp_row_sums` after the caller's barrier."""
+        if LP == 4:
+            LQ: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [NW, 1], [1, 0])
+            o_i = gl.arange(0, 8, layout=gl.SliceLayout(1, LQ))
+            o_w = gl.arange(0, K // 8, layout=gl.SliceLayout(0, LQ))
+            b_t = gl.load(p_v + (o_w[None, :] * 8 + o_i[:, None])).to(gl.float32)
+            s_t = gl.allocate_shared_memory(gl.float32, [8, K // 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            s_t.store(b_t)
+            return s_t
+        elif LP == 3:
+            return gl.convert_layout(b_vK, gl.SliceLayout(0, gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])))
+        else:
+            return gl.convert_layout(b_vK, gl.SliceLayout(0, gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])))
+
+    @gluon.jit
+    def lp_block_scales(lp_scale, i_m, r0, V: gl.constexpr, K: gl.constexpr, RC: gl.constexpr,
+                        NW: gl.constexpr):
+        """NVFP4: the e4m3 block scales of rows `r0 .. r0 + RC - 1` of head matrix `i_m`, raw
+        (uint8 `[RC, K / 16]`, in the layout of a chunk's block sums); issue early, decode with
+        `e4m3_to_f32`."""
+        LS: gl.constexpr = gl.SliceLayout(2, gl.BlockedLayout([1, 2, 2], [8, 4, 1], [NW, 1, 1], [2, 1, 0]))
+        o_r = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LS))
+        o_b = gl.arange(0, K // 16, layout=gl.SliceLayout(0, LS))
+        return gl.load(lp_scale + i_m * (V * (K // 16)) + o_r[:, None] * (K // 16) + o_b[None, :])
+
+    @gluon.jit
+    def e4m3_to_f32(b):
+        """e4m3 ("fn") bits (uint8) to fp32 by the hardware convert: exact, NaN for 0x7F/0xFF."""
+        return b.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+
+    @gluon.jit
+    def _f16_halves(p):
+        # the two fp16 halves of int32 words as fp32 (exact converts)
+        lo = p.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        hi = (p >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        return lo, hi
+
+    @gluon.jit
+    def _e2m1_word_dot(w, s_t, L3: gl.constexpr):
+        """`sum over the eight codes of each word of (e2m1 * 2**-14) * v` for a `[RC, 8, 2]` word
+        tile `w` (int32), `v` from the shared table of `lp_vector`: fp32 `[RC, 8, 2]`."""
+        LV: gl.constexpr = gl.SliceLayout(0, L3)
+        # [code, block, word]; indexed along its first dim, so its layout is that of the rest
+        if _NEW_REINTERPRET:
+            s_t3 = s_t.reinterpret(gl.float32, [8, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        else:
+            s_t3 = s_t._reinterpret(gl.float32, [8, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        CM: gl.constexpr = 0x0E000E00
+        SG: gl.constexpr = -0x7FFF8000
+        lo, hi = _f16_halves(((w << 9) & CM) | ((w << 12) & SG))
+        acc = lo * s_t3.index(0).load(LV)[None, :, :] + hi * s_t3.index(4).load(LV)[None, :, :]
+        lo, hi = _f16_halves(((w << 5) & CM) | ((w << 8) & SG))
+        acc += lo * s_t3.index(1).load(LV)[None, :, :] + hi * s_t3.index(5).load(LV)[None, :, :]
+        lo, hi = _f16_halves(((w << 1) & CM) | ((w << 4) & SG))
+        acc += lo * s_t3.index(2).load(LV)[None, :, :] + hi * s_t3.index(6).load(LV)[None, :, :]
+        lo, hi = _f16_halves(((w >> 3) & CM) | (w & SG))
+        acc += lo * s_t3.index(3).load(LV)[None, :, :] + hi * s_t3.index(7).load(LV)[None, :, :]
+        return acc
+
+    @gluon.jit
+    def _nvfp4_chunk(s_T, s_t, b_sc, r0, RC: gl.constexpr, K: gl.constexpr, NW: gl.constexpr):
+        # rows r0 .. r0 + RC - 1: sum_b block_b * (block b's code sums), [RC]; the layout
+        # [rows, blocks of 16 codes, words of 8 codes]
+        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
+        S3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        if _NEW_REINTERPRET:
+            s_T3 = s_T.reinterpret(gl.int32, [s_T.shape[0], K // 16, 2], S3)
+        else:
+            s_T3 = s_T._reinterpret(gl.int32, [s_T.shape[0], K // 16, 2], S3)
+        w = s_T3.slice(r0, RC, dim=0).load(L3)
+        b_blk = gl.sum(_e2m1_word_dot(w, s_t, L3), axis=2)                   # [RC, K / 16]
+        return gl.sum(b_blk * e4m3_to_f32(b_sc), axis=1)
+
+    @gluon.jit
+    def lp_row_sums(s_T, b_v, s_y, sc_a, sc_b, BV: gl.constexpr, K: gl.constexpr, LP: gl.constexpr,
+                    NW: gl.constexpr):
+        """The rows' products `sum_k T[r, k] v_k` of the LP tile in shared memory (`s_T`, landed)
+        with `b_v` (`lp_vector`), stored to the shared `[BV]` fp32 `s_y`, before the row factor of
+        `lp_row_factor`: fp8 rows without their scale, NVFP4 rows without the tensor scale and
+        2**14 (`sc_a`, `sc_b`: the raw block scales of the tile's two chunks, `lp_block_scales`;
+        unused otherwise). The caller passes a barrier before reading `s_y`."""
+        if LP == 4:
+            RC4: gl.constexpr = 8 * NW
+            s_y.slice(0, RC4, dim=0).store(_nvfp4_chunk(s_T, b_v, sc_a, 0, RC4, K, NW))
+            s_y.slice(RC4, RC4, dim=0).store(_nvfp4_chunk(s_T, b_v, sc_b, RC4, RC4, K, NW))
+        else:
+            RC: gl.constexpr = 4 * NW
+            SPT: gl.constexpr = 16 if LP == 3 else 8          # elements per 16-byte piece
+            LR: gl.constexpr = gl.BlockedLayout([1, SPT], [4, 8], [NW, 1], [1, 0])
+            for r0 in gl.static_range(0, BV, RC):
+                b = s_T.slice(r0, RC, dim=0).load(LR)
+                if LP == 1:
+                    b_f = b.to(gl.float16, bitcast=True).to(gl.float32)
+                elif LP == 2:
+                    b_f = b.to(gl.bfloat16, bitcast=True).to(gl.float32)
+                else:
+                    b_f = e4m3_to_f32(b)
+                s_y.slice(r0, RC, dim=0).store(gl.sum(b_f * b_v[None, :], axis=1))
+
+    @gluon.jit
+    def lp_row_factor(lp_scale, lp_tscale, i_m, o_r, V: gl.constexpr, LP: gl.constexpr):
+        """What multiplies `lp_row_sums`' rows `o_r` of head matrix `i_m`: fp8 their row scales,
+        NVFP4 the tensor scale times 2**14 (a power of two: exact), else 1."""
+        if LP == 3:
+            return gl.load(lp_scale + i_m * V + o_r)
+        elif LP == 4:
+            return gl.load(lp_tscale + i_m) * 16384.0
+        else:
+            return 1.0
