@@ -48,14 +48,18 @@ def gluon_verify_unsupported(HV: int, V: int, K: int, Hk: int, T: int, window: i
                              num_warps: int) -> Optional[str]:
     """Why the Gluon verify kernel does not cover this shape and launch config, or None when it
     does (K = 128, `BV = 16 * num_warps` dividing V, at most 8 warps, windows up to 32,
-    1 <= T <= 8)."""
+    2 <= T <= 8)."""
     why = gluon_shape_supported(V, K, window, Lb, BV, num_warps)
     if why:
         return why
     if num_warps > 8:
         return f"num_warps={num_warps} (at most 8)"
-    if not 1 <= T <= MAX_DRAFT:
-        return f"T={T} drafts (1..{MAX_DRAFT})"
+    if T == 1:
+        # the H200's round tests failed at T = 1 (both real shapes) and passed at T = 2, 4, 8:
+        # one draft runs the Triton kernel until that is understood
+        return "T=1 (the Triton kernel: the Gluon kernel failed its GPU round tests there)"
+    if not 2 <= T <= MAX_DRAFT:
+        return f"T={T} drafts (2..{MAX_DRAFT})"
     if HV % Hk:
         return f"Hk={Hk} does not divide HV={HV}"
     return None
