@@ -24,6 +24,9 @@ Every tile with K columns (the checkpoint, the committed and the drafts' keys) i
 query, KDA decay) is held in the tiles' shape (`[KS, 1, BK // KS]`): a product with a tile is
 mostly in-thread FMAs and adds, no layout change of the vector per tile. KDA's decay is a `[K]`
 vector that scales the key columns instead of whole terms.
+
+On a GPU, GDN runs the Gluon kernel of gluon_verify.py instead (config `gluon`, default on where
+it applies: K = 128, BV = 16 * num_warps, windows up to 32); the CPU interpreter runs this one.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from ..utils.launch import arrive_counter
 from ..utils.tiles import check_slices, tile_offsets
 from .common import (_FLOATS, _for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
+from .gluon_verify import gluon_verify_unsupported, launch_gluon_verify
 
 __all__ = ["replay_verify", "run_verify", "verify_config"]
 
@@ -314,44 +318,83 @@ def _replay_verify_kernel(
 # Launcher, launch configs, custom ops, public function.
 # ---------------------------------------------------------------------------------------------
 
-_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS")
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS", "gluon", "maxnreg")
 
 
-def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = None, *,
-                  batch: Optional[int] = None) -> dict:
-    """The launch config of `replay_verify` for value dim `V`, key dim `K`, `T` tokens (with a
-    caller's overrides of `BV`, `num_warps`, `num_stages`, `KS`: the tiles held as KS slices of
-    K per thread, see ops/utils/tiles.py).
-
-    Chosen offline from the code compiled for sm_90a (registers, spills, instruction counts;
-    benchmarks/tools/regcount.py `gdn-verify` / `kda-verify`), not yet timed on a GPU."""
-    BK = triton.next_power_of_2(K)
-    BV = min(32, triton.next_power_of_2(V))
-    cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 1, "num_stages": 1, "KS": min(8, max(1, BK // 4))}
-    if config:
-        unknown = set(config) - set(_CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"config: unknown keys {sorted(unknown)}; allowed {list(_CONFIG_KEYS)}")
-        cfg.update(config)
-    BV, nw, ns = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
+def _check_config(cfg: dict, BK: int) -> dict:
+    BV, nw, ns, reg = cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["maxnreg"]
     if isinstance(BV, bool) or not isinstance(BV, int) or BV < 1 or BV & (BV - 1):
         raise ValueError(f"config BV={BV!r} must be a power of two")
     if nw not in (1, 2, 4, 8, 16):
         raise ValueError(f"config num_warps={nw!r} must be one of 1, 2, 4, 8, 16")
     if isinstance(ns, bool) or not isinstance(ns, int) or ns < 1:
         raise ValueError(f"config num_stages={ns!r} must be a positive int")
+    if isinstance(reg, bool) or not isinstance(reg, int) or reg < 0:
+        raise ValueError(f"config maxnreg={reg!r} must be a non-negative int (0: no cap)")
     check_slices(cfg["KS"], BK)
     return cfg
 
 
+def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = None, *,
+                  batch: Optional[int] = None, HV: Optional[int] = None, Hk: Optional[int] = None,
+                  window: Optional[int] = None, Lb: Optional[int] = None, gpu: Optional[bool] = None) -> dict:
+    """The launch config of `replay_verify` for value dim `V`, key dim `K`, `T` tokens (with a
+    caller's overrides of `BV`, `num_warps`, `num_stages`, `KS`: the Triton kernel's tiles held
+    as KS slices of K per thread, see ops/utils/tiles.py; `maxnreg`: a register cap, 0 none;
+    `gluon`: the Gluon kernel of gluon_verify.py).
+
+    `gluon` (default True for GDN) applies on a GPU (`gpu`; None: CUDA present and not the
+    CPU interpreter) where `gluon_verify_unsupported` has no objection to the shape, window
+    (`window`, `Lb`; None: 16 and window + T) and config; the Gluon defaults are then BV = 64
+    (the largest of 64, 32, 16 dividing V) in BV / 16 warps, registers capped at 128 for T > 4
+    (uncapped they take about 150). Elsewhere the Triton kernel runs, with its own defaults and
+    the caller's overrides. The result's `gluon` says which kernel runs. KDA has no Gluon kernel
+    (gluon=True raises).
+
+    Chosen offline from the code compiled for sm_90a (registers, spills, instruction counts;
+    benchmarks/tools/regcount.py `gdn-verify` / `kda-verify`), not yet timed on a GPU."""
+    BK = triton.next_power_of_2(K)
+    user = dict(config or {})
+    unknown = set(user) - set(_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}; allowed {list(_CONFIG_KEYS)}")
+    want = user.pop("gluon", family == "gdn")
+    if not isinstance(want, bool):
+        raise ValueError(f"config gluon={want!r} must be a bool")
+    if want and family != "gdn":
+        raise ValueError("config gluon=True: the Gluon verify kernel is implemented for GDN only")
+    if gpu is None:
+        gpu = torch.cuda.is_available() and not _interpreting()
+    ks = min(8, max(1, BK // 4))
+    if want and gpu:
+        bv = next((c for c in (64, 32, 16) if V % c == 0), 16)
+        cfg = _check_config(dict({"BV": bv, "num_warps": bv // 16, "num_stages": 1, "KS": ks,
+                                  "maxnreg": 128 if T > 4 else 0}, **user), BK)
+        L = 16 if window is None else window
+        why = gluon_verify_unsupported(family, HV or 1, Hk or 1, V, K, T, L, L + T if Lb is None else Lb,
+                                       cfg["BV"], cfg["num_warps"])
+        if why is None:
+            return dict(cfg, gluon=True)
+    BV = min(32, triton.next_power_of_2(V))
+    cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 1, "num_stages": 1, "KS": ks, "maxnreg": 0}
+    return dict(_check_config(dict(cfg, **user), BK), gluon=False)
+
+
 def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, window: int, o,
-                  use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int) -> None:
-    """Launch `_replay_verify_kernel`; inputs already validated."""
+                  use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int,
+                  gluon: bool = False, maxnreg: int = 0) -> None:
+    """Launch the Gluon kernel (`gluon`, where it applies: a GPU, the shape and config that
+    `gluon_verify_unsupported` accepts) or `_replay_verify_kernel`; inputs already validated."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     Lb = buf_w.shape[1]
     if Bt == 0:
+        return
+    if gluon and q.is_cuda and not _interpreting() and \
+            gluon_verify_unsupported(family, HV, Hk, V, K, T, window, Lb, BV, num_warps) is None:
+        launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending,
+                            epoch, arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, maxnreg)
         return
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
@@ -370,7 +413,7 @@ def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk),
         IS_KDA=family == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
         HAS_NDRAFT=num_drafts is not None, EXACT_BF16=_interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}),
     )
 
 
@@ -385,14 +428,16 @@ def _register_verify_op(family: str):
            dt_bias: Tensor, scale: float, ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor,
            buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor, arrive: Tensor,
            slot_ids: Tensor, num_drafts: Optional[Tensor], window: int, o: Tensor,
-           use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int) -> None:
+           use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int,
+           gluon: bool = False, maxnreg: int = 0) -> None:
         launch_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, pending, epoch, arrive, slot_ids, num_drafts, window, o,
-                      use_qk_l2norm, BV, num_warps, num_stages, KS)
+                      use_qk_l2norm, BV, num_warps, num_stages, KS, gluon, maxnreg)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-          arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages, KS) -> None:
+          arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages, KS,
+          gluon=False, maxnreg=0) -> None:
         return None
 
     return op
@@ -471,13 +516,14 @@ def run_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
     elif arrive is None:
         arrive = arrive_counter(ckpt.device, ckpt.shape[0])
     K, V, T = q.shape[-1], v.shape[-1], q.shape[1]
-    cfg = verify_config(family, V, K, T, config, batch=q.shape[0])
+    cfg = verify_config(family, V, K, T, config, batch=q.shape[0], HV=v.shape[2], Hk=q.shape[2],
+                        window=int(window), Lb=buf_w.shape[1], gpu=q.is_cuda and not _interpreting())
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     _VERIFY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ckpt, buf_ld, buf_w, buf_k, cursor,
         pending, epoch, arrive, slot_ids, num_drafts, int(window), out, bool(use_qk_l2norm),
-        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"])
+        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"], cfg["gluon"], cfg["maxnreg"])
     return out
 
 
@@ -506,7 +552,8 @@ def replay_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
         num_drafts: `[Bt]` int32, `1 <= n_b <= T` drafts per row (None: T). Drafts `t >= n_b`
             are not written and their outputs are zero.
         out: optional `[Bt, T, HV, V]` contiguous output (default: new tensor of `v`'s dtype).
-        config: overrides of `BV`, `num_warps`, `num_stages`, `KS` (see `verify_config`).
+        config: overrides of `BV`, `num_warps`, `num_stages`, `KS`, `maxnreg`, `gluon` (the Gluon
+            kernel on a GPU where it applies, default True; see `verify_config`).
         arrive: `[N]` int32 zeroed counters (default: a cached buffer, see `arrive_counter`).
         validate: check shapes, dtypes, devices, slot ids, cursors and draft counts (the last
             three read device values back, skipped during CUDA-graph capture). False: no check.

@@ -1,0 +1,391 @@
+"""Gated DeltaNet speculative verification in Gluon, for the GPU only: the contract of
+`verify._replay_verify_kernel` (one `(row, value head, V-block)` program, T drafts, outputs only;
+docs/state-layout.md, `verify`), organised as the standard-decode Gluon kernel is
+(gluon_decode.py: the checkpoint tile copied into shared memory while every other load is in
+flight, each layout chosen).
+
+The drafts follow `S_h`, the state after the `h` committed records, with or without an early
+flush (after one, `S_h` is the folded checkpoint). With `a_t` draft t's decay:
+
+    S_h x = g C x + sum_{j<h} c_j (k_j . x) u_j           (g, c_j: the records' decay weights)
+    P_t x = (a_0 ... a_t) S_h x + sum_{r<t} (a_{r+1} ... a_t) (k_r . x) u_r
+    u_t   = beta_t (v_t - P_t k_t)                         (forward substitution over the drafts)
+    o_t   = P_t q_t + (k_t . q_t) u_t
+
+for the 2T vectors `x` (the drafts' normalised keys and scaled queries). A program
+  1. copies into shared memory the key records of the window, the tile and the u records up
+     to the cursor (asynchronous copies), and issues every other load;
+  2. forms, while the tile arrives, the drafts' Gram products (`k_t . k_r`, `q_t . k_r`) and
+     the records' weighted products with the 2T vectors (`c_j (k_j . x)`), to shared memory;
+  3. reads the tile back in row chunks, each once, forming its rows' 2T dots together: in the
+     products' layout the drafts sit on 4 lanes and K on the other 8 (a thread holds 8T operand
+     values, 16 columns of each row, and a dot ends in 3 shuffles);
+  4. adds the records' terms and solves the drafts in order, one row per thread with every
+     draft's terms in-thread: a draft reads only the drafts before it (selects, never a
+     product with a zero weight), so a poisoned later draft cannot reach an earlier output;
+  5. writes the outputs and the drafts' u; on an early flush folds the records into the tile
+     (decode's arithmetic: `g C + sum_j c_j u_j k_j^T`, one rank-1 update per record, read
+     from shared memory) and stores the new checkpoint;
+  6. hands the cursor over at its end (`utils.gluon._verify_arrive`); on an early flush the
+     slot's last program then writes the drafts' decays and keys, which the slot's other
+     programs read as committed records until they all arrived.
+
+The CPU interpreter cannot run Gluon: `verify.replay_verify` runs the Triton kernel there, and
+the GPU tests (tests/test_verify_gluon_gdn.py) compare this one with the float64 reference and
+with the Triton kernel.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import triton
+
+from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+
+# verify.MAX_DRAFT (verify.py imports this module)
+_MAX_T = 8
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+    from ..utils.gluon import _async_load, _barrier, _record_weights, _softplus, _tile_to_shared, _verify_arrive
+
+__all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
+
+
+def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: int, window: int, Lb: int,
+                             BV: int, num_warps: int) -> Optional[str]:
+    """Why the Gluon verify kernel does not cover this family, shape and launch config; None
+    when it does (GDN only; K = 128, BV = 16 * num_warps dividing V, windows up to 32)."""
+    if family != "gdn":
+        return f"family {family!r} (GDN only)"
+    if not 1 <= T <= _MAX_T:
+        return f"T={T} drafts (1..{_MAX_T})"
+    if HV < 1 or Hk < 1 or HV % Hk:
+        return f"HV={HV} is not a multiple of Hk={Hk}"
+    return gluon_shape_supported(V, K, window, Lb, BV, num_warps) or None
+
+
+def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
+                            num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
+                            w_bytes: int = 2, k_bytes: int = 2) -> dict:
+    """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
+    `k_bytes`: the element sizes of the u and key records (16-byte copies)."""
+    TP = max(2, triton.next_power_of_2(T))
+    return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
+                BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
+                HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
+                VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
+                NW=num_warps)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
+                             stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
+                             T: gl.constexpr, HV: gl.constexpr, HK: gl.constexpr, K: gl.constexpr,
+                             LBCAP: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr,
+                             USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr):
+        """On an early flush, by the slot's last program: every value head's log decay and every
+        key head's normalised key of drafts `0..n-1` at positions `0..n-1`, recomputed from the
+        inputs (verify._write_shared), which the slot's other programs read as committed records
+        until they all arrived."""
+        LH: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        LV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        o_hk = gl.arange(0, HKP, layout=gl.SliceLayout(1, LH))
+        o_kh = gl.arange(0, K, layout=gl.SliceLayout(0, LH))
+        m_kh = (o_hk < HK)[:, None] & (o_kh >= 0)[None, :]
+        o_hv = gl.arange(0, HVP, layout=LV)
+        m_hv = o_hv < HV
+        b_A = gl.exp(gl.load(A_log + o_hv, mask=m_hv, other=0.0).to(gl.float32))
+        b_dt = gl.load(dt_bias + o_hv, mask=m_hv, other=0.0).to(gl.float32)
+        for t in gl.static_range(T):
+            ok = t < n
+            b_k = gl.load(k + i_b * stride_k_b + t * stride_k_t + o_hk[:, None] * stride_k_h + o_kh[None, :],
+                          mask=m_kh, other=0.0).to(gl.float32)
+            if USE_QK_L2NORM:
+                b_k = b_k * gl.rsqrt(gl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+            p_kb = buf_k + ((slot * LBCAP + t) * HK + o_hk)[:, None] * K + o_kh[None, :]
+            gl.store(p_kb, b_k.to(p_kb.dtype.element_ty), mask=m_kh & ok)
+            b_a = gl.load(a + i_b * stride_a_b + t * stride_a_t + o_hv * stride_a_h, mask=m_hv,
+                          other=0.0).to(gl.float32)
+            gl.store(buf_ld + (slot * LBCAP + t) * HV + o_hv, -b_A * _softplus(b_a + b_dt), mask=m_hv & ok)
+
+    @gluon.jit
+    def _records_to_shared(p_R, h, BL: gl.constexpr, N: gl.constexpr, STRIDE: gl.constexpr,
+                           VEC: gl.constexpr, NW: gl.constexpr):
+        """Start the asynchronous copy of records `0..h-1` (`N` contiguous elements each, STRIDE
+        apart from `p_R`, in pieces of VEC elements = 16 bytes) into a `[BL, N]` buffer, as one
+        commit group; positions from `h` on are filled with zeros."""
+        LQ: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (N // VEC), N // VEC], [NW, 1], [1, 0])
+        o_r = gl.arange(0, BL, layout=gl.SliceLayout(1, LQ))
+        o_n = gl.arange(0, N, layout=gl.SliceLayout(0, LQ))
+        s_R = gl.allocate_shared_memory(p_R.dtype.element_ty, [BL, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        _async_load(s_R, p_R + (o_r[:, None] * STRIDE + o_n[None, :]), mask=(o_r < h)[:, None] & (o_n >= 0)[None, :])
+        cp.commit_group()
+        return s_R
+
+    # a shared buffer seen with another shape or layout: `_reinterpret` in Triton 3.6 (the H200
+    # machine's), `reinterpret` later
+    if hasattr(gl.shared_memory_descriptor, "_reinterpret"):
+        @gluon.jit
+        def _rows_view(s_X, R: gl.constexpr, N: gl.constexpr):
+            """The unswizzled `[R, N]` buffer `s_X` with a layout of one dimension, so that
+            `index(i)` gives its row i (an `[N]` buffer; a 2-D layout would stay 2-D)."""
+            return s_X._reinterpret(s_X.dtype, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        @gluon.jit
+        def _rows_view(s_X, R: gl.constexpr, N: gl.constexpr):
+            """As above, with the later name."""
+            return s_X.reinterpret(s_X.dtype, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _gluon_verify_kernel(
+        q, k, v, a, b, A_log, dt_bias, o,
+        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+        scale, window,
+        stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
+        stride_v_b, stride_v_t, stride_v_h, stride_a_b, stride_a_t, stride_a_h,
+        stride_b_b, stride_b_t, stride_b_h,
+        T: gl.constexpr, TP: gl.constexpr, TL: gl.constexpr, HV: gl.constexpr, HK: gl.constexpr,
+        V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr,
+        RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
+        VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
+    ):
+        # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
+        # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
+        #     thread), K over the other 32 / TL lanes, 4 columns per piece
+        # LD  [TP, K] the drafts' keys and queries as operands (the same on every warp)
+        # LR  [rows, K] the tile's row chunks, the record keys and the drafts as rows
+        # LO  [rows, TP] their products
+        # LS  [BV, TP] the solve: one row per thread, every draft of it in-thread; LY its rows,
+        #     LC its drafts (whole in every thread)
+        # LT  the tile [BV, K] as copied and folded (4 columns per lane), LA1 [BL] positions one
+        #     per lane (the decay scan)
+        KL: gl.constexpr = 32 // TL
+        L3: gl.constexpr = gl.BlockedLayout([1, TP // TL, 4], [1, TL, KL], [NW, 1, 1], [2, 1, 0])
+        LD: gl.constexpr = gl.SliceLayout(0, L3)
+        LR: gl.constexpr = gl.SliceLayout(1, L3)
+        LO: gl.constexpr = gl.SliceLayout(2, L3)
+        LS: gl.constexpr = gl.BlockedLayout([1, TP], [32, 1], [NW, 1], [1, 0])
+        LY: gl.constexpr = gl.SliceLayout(1, LS)
+        LC: gl.constexpr = gl.SliceLayout(0, LS)
+        LT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        LA1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        NVB: gl.constexpr = V // BV
+        HG: gl.constexpr = HV // HK
+
+        pid = gl.program_id(0)
+        i_b = gl.program_id(1).to(gl.int64)
+        i_v = pid % NVB
+        i_hv = pid // NVB
+        i_hk = i_hv // HG
+        v0 = i_v * BV
+
+        # outputs [BV, TP] in LS: draft t of the row at ((i_b T + t) HV + i_hv) V
+        o_y = gl.arange(0, BV, layout=LY)
+        o_c = gl.arange(0, TP, layout=LC)
+        m_o = (o_y >= 0)[:, None] & (o_c < T)[None, :]
+        p_o = o + (i_b * T * HV + i_hv) * V + v0 + o_y[:, None] + (o_c * (HV * V))[None, :]
+        slot = gl.load(slot_ids + i_b).to(gl.int64)
+        if slot < 0:
+            gl.store(p_o, gl.zeros([BV, TP], gl.float32, LS).to(o.dtype.element_ty), mask=m_o)
+            return
+
+        # 1. to shared memory: the key records over the window (not waiting for the cursor: the
+        # products with them are formed while the tile arrives; positions at or past the cursor
+        # are selected away), the tile, the u records 0..h-1 (zeros past the cursor); then
+        # every other load
+        p_C = ckpt + (slot * HV + i_hv) * (V * K) + v0 * K
+        p_Kg = buf_k + slot * (LBCAP * HK * K) + i_hk * K
+        p_Uh = buf_w + slot * (LBCAP * HV * V) + i_hv * V + v0
+        s_K = _records_to_shared(p_Kg, gl.minimum(window, LBCAP), BL, K, HK * K, VK, NW)
+        s_C = _tile_to_shared(p_C, BV, K, LT, SM)
+        h = gl.load(cursor + slot).to(gl.int32)
+        s_U = _records_to_shared(p_Uh, h, BL, BV, HV * V, VW, NW)
+
+        if HAS_NDRAFT:
+            n = gl.load(num_drafts + i_b).to(gl.int32)
+        else:
+            n = h * 0 + T
+        flush = h + n > window
+        hc = gl.where(flush, 0, h)                   # where the drafts' records go (h')
+
+        o_tD = gl.arange(0, TP, layout=gl.SliceLayout(1, LD))
+        o_kD = gl.arange(0, K, layout=gl.SliceLayout(0, LD))
+        m_D = (o_tD < T)[:, None] & (o_kD >= 0)[None, :]
+        b_kD = gl.load(k + i_b * stride_k_b + i_hk * stride_k_h + o_tD[:, None] * stride_k_t + o_kD[None, :],
+                       mask=m_D, other=0.0).to(gl.float32)
+        b_qD = gl.load(q + i_b * stride_q_b + i_hk * stride_q_h + o_tD[:, None] * stride_q_t + o_kD[None, :],
+                       mask=m_D, other=0.0).to(gl.float32)
+        m_c = o_c < T
+        b_vr = gl.load(v + i_b * stride_v_b + i_hv * stride_v_h + v0 + o_y[:, None] + (o_c * stride_v_t)[None, :],
+                       mask=m_o, other=0.0)
+        b_ar = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_c * stride_a_t, mask=m_c, other=0.0)
+        b_br = gl.load(b + i_b * stride_b_b + i_hv * stride_b_h + o_c * stride_b_t, mask=m_c, other=0.0)
+        b_Alog = gl.load(A_log + i_hv).to(gl.float32)
+        b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
+        o_l = gl.arange(0, BL, layout=LA1)
+        p_ldh = buf_ld + slot * (LBCAP * HV) + i_hv
+        b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=o_l + 1 < h, other=0.0)
+        b_ld0 = gl.load(p_ldh)
+
+        # the drafts' normalised keys, scaled queries (as verify's _load_qk), log decays
+        if USE_QK_L2NORM:
+            b_kD = b_kD * gl.rsqrt(gl.sum(b_kD * b_kD, axis=1) + 1e-6)[:, None]
+            b_qD = b_qD * gl.rsqrt(gl.sum(b_qD * b_qD, axis=1) + 1e-6)[:, None]
+        b_qD = b_qD * scale
+        b_ldc = -gl.exp(b_Alog) * _softplus(b_ar.to(gl.float32) + b_dtb)              # [TP] LC
+
+        # without a flush, the drafts' decays and keys at h + t now (V-block 0 of the head, of
+        # the key head's first value head): no program of this launch reads positions >= h
+        sole = (h + n <= window) & (i_v == 0)
+        gl.store(p_ldh + (hc + o_c) * HV, b_ldc, mask=m_c & (o_c < n) & (hc + o_c < LBCAP) & sole)
+        if i_hv % HG == 0:
+            p_kh = p_Kg + ((hc + o_tD) * (HK * K))[:, None] + o_kD[None, :]
+            m_kh = m_D & ((o_tD < n) & (hc + o_tD < LBCAP))[:, None] & sole
+            gl.store(p_kh, b_kD.to(p_kh.dtype.element_ty), mask=m_kh)
+
+        # 2. the records' weights at the cursor (c_j, zero past it; g), to shared memory
+        b_coef, b_g = _record_weights(b_ld1, b_ld0, 0.0, h, o_l)
+        s_c = gl.allocate_shared_memory(gl.float32, [BL], S1)
+        s_c.store(b_coef)
+        # and repeated over RCF rows for the flush's fold, which takes c_j by a runtime index
+        LF: gl.constexpr = gl.BlockedLayout([1, RCF], [32, 1], [NW, 1], [1, 0])
+        s_cR = gl.allocate_shared_memory(gl.float32, [BL, RCF], SM)
+        s_cR.store(gl.convert_layout(b_coef, gl.SliceLayout(1, LF))[:, None] + gl.zeros([BL, RCF], gl.float32, LF))
+        # the drafts' Gram products: [t, r] = k_t . k_r and q_t . k_r
+        s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+        s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+        b_kR = gl.convert_layout(b_kD, LR)
+        s_Gk.store(gl.sum(b_kR[:, None, :] * b_kD[None, :, :], axis=2))
+        b_qR = gl.convert_layout(b_qD, LR)
+        s_Gq.store(gl.sum(b_qR[:, None, :] * b_kD[None, :, :], axis=2))
+        # the records' products with the 2T vectors, weighted: [j, t] = c_j (k_j . x_t) (zero at
+        # or past the cursor: a select), once the keys have landed (the tile and the u may still
+        # be in flight)
+        cp.wait_group(2)
+        _barrier()
+        s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+        s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+        o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
+        for j0 in gl.static_range(0, BL, NW):
+            b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
+            b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
+            m_jO = ((j0 + o_jO) < h)[:, None]
+            s_Zk.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_kD[None, :, :], axis=2), 0.0))
+            s_Zq.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_qD[None, :, :], axis=2), 0.0))
+
+        # 3. C x for the 2T vectors, RC rows at a time, each chunk of the tile read once
+        cp.wait_group(0)
+        _barrier()
+        s_Yk = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
+        s_Yq = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
+        for r0 in gl.static_range(0, BV, RC):
+            b_Cm = s_C.slice(r0, RC, dim=0).load(LR)[:, None, :]
+            s_Yk.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_kD[None, :, :], axis=2))
+            s_Yq.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_qD[None, :, :], axis=2))
+        _barrier()
+
+        # S_h x = g C x + sum_{j<h} c_j (k_j . x) u_j, per row and draft (on a flush too: the
+        # drafts follow the folded checkpoint, which is this)
+        b_Sk = b_g * s_Yk.load(LS)
+        b_Sq = b_g * s_Yq.load(LS)
+        s_U1 = _rows_view(s_U, BL, BV)
+        s_Zk1 = _rows_view(s_Zk, BL, TP)
+        s_Zq1 = _rows_view(s_Zq, BL, TP)
+        hb = gl.minimum(h, BL)                       # (a bad cursor past the window reads no further)
+        for j in range(0, hb):
+            b_uj = s_U1.index(j).load(LY).to(gl.float32)[:, None]
+            b_Sk += b_uj * s_Zk1.index(j).load(LC)[None, :]
+            b_Sq += b_uj * s_Zq1.index(j).load(LC)[None, :]
+
+        # 4. the drafts in order. lw[r]: log decay from draft r + 1 to the current one (reset
+        # when r is solved, as verify.py's b_La); lb: from draft 0 to the current one
+        b_bet = 1.0 / (1.0 + gl.exp(-b_br.to(gl.float32)))
+        b_V = b_vr.to(gl.float32)
+        b_lw = gl.zeros([TP], gl.float32, LC)
+        b_lb = gl.sum(b_lw, axis=0)
+        b_Ud = gl.zeros([BV, TP], gl.float32, LS)
+        b_O = gl.zeros([BV, TP], gl.float32, LS)
+        s_Gk1 = _rows_view(s_Gk, TP, TP)
+        s_Gq1 = _rows_view(s_Gq, TP, TP)
+        for t in gl.static_range(T):
+            is_t = o_c == t
+            col = is_t[None, :]
+            ld_t = gl.sum(gl.where(is_t, b_ldc, 0.0), axis=0)
+            b_lw = b_lw + ld_t
+            b_lb = b_lb + ld_t
+            g_t = gl.exp(b_lb)
+            beta_t = gl.sum(gl.where(is_t, b_bet, 0.0), axis=0)
+            b_gk = s_Gk1.index(t).load(LC)
+            b_gq = s_Gq1.index(t).load(LC)
+            kq_t = gl.sum(gl.where(is_t, b_gq, 0.0), axis=0)
+            b_w = gl.exp(b_lw)
+            before = o_c < t
+            w_k = gl.where(before, b_w * b_gk, 0.0)[None, :]
+            w_q = gl.where(before, b_w * b_gq, 0.0)[None, :]
+            b_Pk = g_t * gl.sum(gl.where(col, b_Sk, 0.0), axis=1) + gl.sum(b_Ud * w_k, axis=1)
+            b_u = beta_t * (gl.sum(gl.where(col, b_V, 0.0), axis=1) - b_Pk)
+            b_Pq = g_t * gl.sum(gl.where(col, b_Sq, 0.0), axis=1) + gl.sum(b_Ud * w_q, axis=1)
+            b_Ud = gl.where(col, b_u[:, None], b_Ud)
+            b_O = gl.where(col, (b_Pq + kq_t * b_u)[:, None], b_O)
+            b_lw = gl.where(is_t, 0.0, b_lw)
+        m_n = (o_c < n)[None, :]
+        gl.store(p_o, gl.where(m_n, b_O, 0.0).to(o.dtype.element_ty), mask=m_o)
+
+        # 5. the drafts' u at h' + t (< LBCAP guards other slots against a bad cursor): on a
+        # flush over records 0..n-1 of this program's rows, which it reads from shared memory
+        p_w = p_Uh + o_y[:, None] + ((hc + o_c) * (HV * V))[None, :]
+        gl.store(p_w, b_Ud.to(p_w.dtype.element_ty), mask=m_o & m_n & (hc + o_c < LBCAP)[None, :])
+        # 6. an early flush: C <- g C + sum_{j<h} c_j u_j k_j^T, RCF rows of the tile at a time
+        # (the arithmetic of utils.gluon._fold_records, one rank-1 update per record, but a
+        # loop to the cursor: unrolled over the window, its loads were hoisted into registers),
+        # stored as the new checkpoint
+        if flush:
+            o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
+            s_K1 = _rows_view(s_K, BL, K)
+            s_cR1 = _rows_view(s_cR, BL, RCF)
+            for r0 in gl.static_range(0, BV, RCF):
+                o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LT))
+                b_Cc = b_g * s_C.slice(r0, RCF, dim=0).load(LT)
+                # the records from shared memory, one at a time (c_j repeated over the rows)
+                for jf in range(0, hb):
+                    b_cw = s_cR1.index(jf).load(gl.SliceLayout(1, LT)) * \
+                        s_U1.index(jf).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
+                    b_Cc += b_cw[:, None] * s_K1.index(jf).load(gl.SliceLayout(0, LT)).to(gl.float32)[None, :]
+                gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+
+        # the hand-off; on a flush the slot's last program writes the drafts' decays and keys
+        last = _verify_arrive(arrive, cursor, pending, epoch, slot, hc, n, flush, HV * NVB)
+        if last & flush:
+            _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
+                                 stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
+                                 T, HV, HK, K, LBCAP, HVP, HKP, USE_QK_L2NORM, NW)
+
+
+def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
+                        pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
+                        BV: int, num_warps: int, maxnreg: int = 0) -> None:
+    """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`); inputs validated, and the caller
+    checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0: none)."""
+    Bt, T, Hk, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if Bt == 0:
+        return
+    _gluon_verify_kernel[(HV * (V // BV), Bt)](
+        q, k, v, a, b, A_log, dt_bias, o,
+        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
+        num_drafts if num_drafts is not None else slot_ids,
+        scale, window,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
+                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size()),
+        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
