@@ -101,11 +101,11 @@ def test_gpu_gluon_rounds_against_reference(name, T):
 @gpu
 @needs_gluon
 @pytest.mark.parametrize("L, T, cursors", [(32, 4, (0, 31, 32, 17, 5)), (32, 8, (0, 31, 32, 24, 9)),
-                                           (4, 8, (0, 3, 4, 2)), (5, 2, (5, 4, 0))],
-                         ids=["window32-T4", "window32-T8", "window4-T8", "window5-T2"])
+                                           (5, 2, (5, 4, 0))],
+                         ids=["window32-T4", "window32-T8", "window5-T2"])
 def test_gpu_gluon_windows(L, T, cursors):
-    # record tiles of 32 positions (window above 16); windows below T (every round with more
-    # drafts than the window flushes first); fp32 records
+    # record tiles of 32 positions (window above 16), a short window; fp32 records. (Windows
+    # below T run the Triton kernel: gluon_verify_unsupported.)
     shape = SHAPES["qwen3.5-4b"] if L > 16 else SHAPES["small"]
     _uses_gluon(shape, T, L, GLUON)
     run, err = _drive("gdn", 32, **shape, L=L, T=T, cursors=cursors, seed=L + T, config=GLUON)

@@ -154,7 +154,6 @@ def test_triton_rounds_with_gluon_off(shape, T):
     pytest.param(SUPER, 32, 8, id="super-L32"),          # record tiles of 32 positions
     pytest.param(NANO, 20, 4, id="nano4b-L20"),
     pytest.param(TINY, 5, 4, id="tiny-L5"),              # a flush at almost every verify
-    pytest.param(TINY, 3, 8, id="tiny-L3-T8"),           # a window below T: most verifies flush
 ])
 def test_gluon_rounds_other_windows(shape, window, T):
     res = _rounds(shape, window=window, T=T, rounds=40, n_slots=6, seed=window + T, config=GLUON)
