@@ -163,7 +163,10 @@ def _bench(args) -> int:
     return 0
 
 
-STUDIES = {"precision": "replayssm.bench.precision_study"}
+# precision-model: its own study, not a `--level` of the layer study: the two share the designs
+# but no other option (shapes, layers, engines against models, prefill, weights' dtype)
+STUDIES = {"precision": "replayssm.bench.precision_study",
+           "precision-model": "replayssm.bench.precision_model_study"}
 
 
 def _study(args) -> int:
@@ -220,7 +223,8 @@ def main(argv=None) -> int:
                         description="Error studies. Arguments after the study's name go to it: "
                                     "`replayssm study precision --help`.")
     st.add_argument("which", nargs="?", choices=sorted(STUDIES), metavar="{" + ",".join(sorted(STUDIES)) + "}",
-                    help="precision: layer-level output error of each low-precision state design")
+                    help="precision: layer-level output error of each low-precision state design; "
+                         "precision-model: a whole model's next-token KL divergence against the fp32 state")
     st.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the study's own arguments")
     st.set_defaults(func=_study, parser=st)
     tu = sub.add_parser("tune", help="GPU: time launch configs for one shape and write table entries to keep",

@@ -21,7 +21,9 @@ from typing import Optional
 
 import torch
 
+from ... import formats
 from ...ops.utils.launch import capturing
+from ...pool import validate as check
 from .mixers import ADAPTERS, UNSUPPORTED, UnsupportedModelError, adapter_for
 from .state import ReplayState
 
@@ -51,7 +53,9 @@ SCHEMES = ("replay", "conventional", "snapshot")
 
 
 def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = None, max_draft: int = 8,
-           backend: str = "auto", num_slots: int = 8, scheme: str = "replay"):
+           backend: str = "auto", num_slots: int = 8, scheme: str = "replay", lp_format: Optional[str] = None,
+           hp_format: Optional[str] = None, hp_rounding: Optional[str] = None, seed: int = 0,
+           eager_max_batch: Optional[int] = None):
     """Run `model`'s recurrent layers on ReplaySSM slot pools. Returns the model.
 
     Args:
@@ -72,6 +76,24 @@ def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = Non
             `num_draft` is at most this); `window >= max_draft`.
         backend: the pools' backend ("auto": the GPU kernels on CUDA, the reference elsewhere).
         num_slots: initial slots per pool (sequences in flight); pools grow on demand.
+        lp_format: a low-precision checkpoint copy that non-flush steps read (`SlotPool`'s
+            `lp_format`: "fp16", "bf16", "fp8_e4m3", "nvfp4"; the separate design, SPEC
+            section 5); None: none.
+        hp_format: the storage format of the checkpoint that carries the recurrence (None: fp32);
+            alone (no `lp_format`) a narrow one is the shared design, with `window=1` a
+            conventional low-precision state rounded every token.
+        hp_rounding: "nearest" or "stochastic", the rounding of `hp_format` (default: stochastic
+            for formats narrower than fp32); needs a narrow `hp_format`.
+        seed: keys the stochastic-rounding streams with each layer's index (`SlotPool`'s `seed`,
+            `layer`), so that a run is reproducible from it.
+        eager_max_batch: decode batches of at most this many rows take the eager step (window 1;
+            `SlotPool`'s option, None: the kernels' measured choice for the shape). 0 keeps
+            every batch on the window, as a precision study at batch 1 needs (the eager step
+            flushes every token, so a low-precision copy would never be read).
+
+    The precision options and `eager_max_batch` belong to the replay scheme: with another
+    scheme a value other than None is a `ValueError` naming it. Every option is checked (and
+    the new pools built) before anything changes: a refused call leaves the model as it was.
 
     Raises `UnsupportedModelError` (a `TypeError`) naming the class for a model without a
     supported recurrent mixer. Enabling twice replaces the state (sequences in flight are lost).
@@ -86,19 +108,55 @@ def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = Non
                                     f"{sorted(ADAPTERS)}")
     if max_draft > window:
         raise ValueError(f"max_draft {max_draft} needs window >= max_draft, got window {window}")
-    if is_enabled(model):
-        disable(model)
     adapters = {idx: adapter_for(mod) for idx, mod in mixers}
+    precision = dict(lp_format=lp_format, hp_format=hp_format, hp_rounding=hp_rounding,
+                     eager_max_batch=eager_max_batch)
+    _check_precision(scheme, adapters, seed, **precision)
     param = next(model.parameters())
+    # built before the old state goes: the pools' own checks (backend, formats) refuse here too
     state = ReplayState(adapters, window=window, record_dtype=record_dtype, max_draft=max_draft,
                         backend=backend, num_slots=num_slots, device=param.device, dtype=param.dtype,
-                        scheme=scheme)
+                        scheme=scheme, seed=seed, **precision)
+    if is_enabled(model):
+        disable(model)
     for idx, mod in mixers:
         mod.forward = types.MethodType(_replay_forward(state.layers[idx]), mod)
     if hasattr(model, "generate"):
         model.generate = types.MethodType(_freeing_generate(state), model)
     setattr(model, _ATTR, state)
     return model
+
+
+def _check_precision(scheme: str, adapters: dict, seed, *, lp_format, hp_format, hp_rounding,
+                     eager_max_batch) -> None:
+    """`enable`'s precision options, checked before anything is built or changed."""
+    given = {"lp_format": lp_format, "hp_format": hp_format, "hp_rounding": hp_rounding,
+             "eager_max_batch": eager_max_batch}
+    if scheme != "replay":
+        for name, val in given.items():
+            if val is not None:
+                raise ValueError(f"{name}={val!r} applies to scheme 'replay' only, not {scheme!r}")
+    for name in ("lp_format", "hp_format"):
+        if given[name] is not None:
+            try:
+                formats.check_format(given[name])
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+    if hp_rounding is not None:
+        try:
+            formats.check_rounding(hp_rounding)
+        except ValueError as e:
+            raise ValueError(f"hp_rounding: {e}") from None
+        if hp_rounding == "stochastic" and hp_format in (None, "fp32"):
+            # an fp32 checkpoint is stored exactly: the rounding would silently do nothing
+            raise ValueError(f"hp_rounding='stochastic' needs a narrower hp_format, got hp_format={hp_format!r}")
+    check.count("seed", seed)
+    check.count("eager_max_batch", eager_max_batch, optional=True)
+    if "nvfp4" in (lp_format, hp_format):
+        for idx, a in sorted(adapters.items()):
+            if a.K % 16:
+                raise ValueError(f"nvfp4 needs a head_k_dim divisible by 16; layer {idx} "
+                                 f"({type(a.mixer).__name__}) has {a.K}")
 
 
 def disable(model):

@@ -116,12 +116,17 @@ class LayerState:
                                 backend=o["backend"])
         return SlotPool(a.params(), num_slots, a.V, a.K, a.Hk, window=o["window"], max_draft=o["max_tokens"],
                         dtype=torch.float32, device=device, record_dtype=o["record_dtype"],
-                        layer=self.index, backend=o["backend"])
+                        hp_format=o["hp_format"], hp_rounding=o["hp_rounding"], lp_format=o["lp_format"],
+                        seed=o["seed"], layer=self.index, backend=o["backend"],
+                        eager_max_batch=o["eager_max_batch"])
 
     def grow(self, num_slots: int, live: Tensor) -> None:
         """Rebuild the pool with more slots, moving the live slots' states (materialized:
         the same state, folded into the checkpoint)."""
         new = self._pool(num_slots, self.pool.device)
+        if isinstance(new, SlotPool):
+            # the rounding streams go on counting writes: no slot reuses the random numbers it drew
+            new.epoch[:self.pool.N] = self.pool.epoch
         if live.numel():
             new.load(live, self.pool.materialize(live))
         self.pool = new
@@ -150,9 +155,13 @@ class ReplayState:
     """All ReplaySSM state of one enabled model."""
 
     def __init__(self, adapters: dict, *, window: int, record_dtype, max_draft: int, backend: str,
-                 num_slots: int, device, dtype, scheme: str = "replay"):
+                 num_slots: int, device, dtype, scheme: str = "replay", lp_format: Optional[str] = None,
+                 hp_format: Optional[str] = None, hp_rounding: Optional[str] = None, seed: int = 0,
+                 eager_max_batch: Optional[int] = None):
+        # the precision options and eager_max_batch reach the replay scheme's pools only
         self.opts = {"window": window, "record_dtype": record_dtype, "max_tokens": max_draft,
-                     "backend": backend, "scheme": scheme}
+                     "backend": backend, "scheme": scheme, "lp_format": lp_format, "hp_format": hp_format,
+                     "hp_rounding": hp_rounding, "seed": seed, "eager_max_batch": eager_max_batch}
         self.num_slots = num_slots
         self.layers = {i: LayerState(i, a, self.opts, num_slots, device, dtype) for i, a in adapters.items()}
         for layer in self.layers.values():

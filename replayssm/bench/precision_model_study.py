@@ -1,0 +1,362 @@
+"""Model-level precision study (issue 18): how far each way of storing the recurrent state in
+low precision moves a whole hybrid model's next-token distributions from the fp32 state's, as
+a teacher-forced sequence grows.
+
+A causal LM built from a shipped config (`hf.build`, random weights, seeded; `tiny_nemotron_h`
+and `tiny_qwen3_5` by default, the real `nemotron3-nano-4b` / `qwen3.5-4b` on CUDA when
+`--models` asks), one random token sequence per row of `--batch`, teacher forced: the model's
+own prefill of the first `--prefill` tokens (the stock path, which seeds each layer's pool),
+then `--tokens` decode steps through plain forward calls of the enabled model, each feeding the
+sequence's true next token (no `generate`, no sampling: every design sees the same inputs).
+
+Designs, through `hf.enable`'s options (the same names as the layer study, `precision_study`),
+for each low-precision format `LP` of `--formats`:
+
+* `replay-fp32`: the fp32 replay pools, run a second time: the reference pass's own design,
+  its KL exactly 0 where the run is deterministic (a check of the study itself);
+* `separate`: an fp32 checkpoint carries the recurrence, non-flush steps read an `LP` copy
+  (`enable(lp_format=LP)`); `separate-fp8sr`: the same with the recurrence's checkpoint in
+  fp8_e4m3, stochastically rounded;
+* `shared`: one `LP` checkpoint, round-to-nearest or stochastic (`enable(hp_format=LP,
+  hp_rounding=...)`);
+* `conventional-lowp` (`LP` bf16, fp16): a conventional state rounded to `LP` every token,
+  nearest or stochastic: the shared design with `window=1` (every step flushes, so the one
+  checkpoint is the state, read and rewritten each token, as serving engines keep it);
+* `conventional-fp32`: `enable(scheme="conventional")`, the fp32 recurrence rewritten every
+  token: how far reordering the same fp32 arithmetic alone moves the distributions.
+
+Every replay design decodes with `eager_max_batch=0`: at the small batches of a study the
+kernels' measured choice is the eager step (window 1), whose flush every token would never read
+a low-precision copy. The reference is the fp32 replay pools (`enable()` with window
+`--window`); per decode step and row `KL(p_ref || p_design)` of the next-token distributions
+(log-softmax of the fp32 logits in float64). Rows, per design and log-spaced decode-step count
+(1, 2, 4, ... `tokens`, as the layer study): `kl`, the mean over the steps `(previous count,
+count]` and the rows; `kl_at`, at the count itself; `top1_agree`, the fraction of those steps
+whose argmax token is the reference's; `first_nonfinite`, the first step whose logits are not
+finite (None while all are). Models whose key head dim is not a multiple of 16 cannot keep an
+NVFP4 state: their NVFP4 variants are left out and the document's `skipped` says so.
+
+Cost: one pass over the sequence per design plus the reference's, eager transformers forwards
+(no CUDA graphs): on the CPU the tiny models take milliseconds a token; `--time-budget S` ends
+each model's rows at the steps the reference pass reached in `S / (designs + 1)` seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import math
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from .common import header, write_results
+from .model import MODELS
+from .precision_study import LP_FORMATS, checkpoints
+from .precision_study import DESIGNS as LAYER_DESIGNS
+from .precision_study import variants as layer_variants
+
+DESIGNS = ("replay-fp32",) + LAYER_DESIGNS
+DEFAULT_MODELS = ("tiny_nemotron_h", "tiny_qwen3_5")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_FIELDS = ("design", "read_format", "hp_format", "rounding")
+
+
+def variants(designs=DESIGNS, lp_formats=LP_FORMATS) -> list:
+    """The runs of a study: dicts with `design`, `read_format`, `hp_format`, `rounding`, as
+    `precision_study.variants`, the reference's own design `replay-fp32` first."""
+    designs = list(designs)
+    for d in designs:
+        if d not in DESIGNS:
+            raise ValueError(f"unknown design {d!r}; expected one of {DESIGNS}")
+    out = [dict(design="replay-fp32", read_format="fp32", hp_format="fp32", rounding="nearest")] \
+        if "replay-fp32" in designs else []
+    return out + layer_variants([d for d in designs if d != "replay-fp32"], lp_formats)
+
+
+def enable_options(var: dict, window: int) -> dict:
+    """`hf.enable`'s keyword arguments for variant `var`."""
+    d = var["design"]
+    if d == "conventional-fp32":
+        return dict(scheme="conventional")
+    # max_draft 1: the study never verifies; eager_max_batch 0: see the module docstring
+    opts = dict(window=1 if d == "conventional-lowp" else window, max_draft=1, eager_max_batch=0)
+    if d.startswith("separate"):
+        opts["lp_format"] = var["read_format"]
+    if var["hp_format"] != "fp32":
+        opts.update(hp_format=var["hp_format"], hp_rounding=var["rounding"])
+    return opts
+
+
+def kl_div(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """`KL(softmax(ref) || softmax(logits))` per row, `[B, vocab]` -> `[B]` float64 (NaN where
+    `logits` is not finite)."""
+    lp = torch.log_softmax(ref_logits.double(), -1)
+    lq = torch.log_softmax(logits.double(), -1)
+    # the float64 sums of a distribution this close to the reference can round below zero
+    return (lp.exp() * (lp - lq)).sum(-1).clamp(min=0)
+
+
+class _Pass:
+    """One teacher-forced pass of an enabled model over `ids` `[B, prefill + tokens]`: yields
+    the fp32 logits `[B, vocab]` after each decode step."""
+
+    def __init__(self, model, ids: torch.Tensor, prefill: int):
+        self.model, self.ids, self.prefill = model, ids, prefill
+        # the pure Mamba-2 model names its cache `cache_params`
+        self.cache_arg = "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters \
+            else "cache_params"
+
+    @torch.no_grad()
+    def steps(self, tokens: int):
+        ids, P = self.ids, self.prefill
+        out = self.model(input_ids=ids[:, :P], use_cache=True, logits_to_keep=1)
+        cache = getattr(out, self.cache_arg)
+        for t in range(P, P + tokens):
+            out = self.model(input_ids=ids[:, t:t + 1], use_cache=True, **{self.cache_arg: cache})
+            cache = getattr(out, self.cache_arg)
+            yield out.logits[:, -1].float()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)       # the time the GPU took, not the host's queue
+
+
+def _adapters(model) -> list:
+    from ..integrations import hf
+    return [layer.adapter for layer in hf.replay_state(model).layers.values()]
+
+
+def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, window: int = 16,
+        designs=DESIGNS, lp_formats=LP_FORMATS, device="cpu", dtype: torch.dtype = torch.float32,
+        seed: int = 0, backend: str = "auto", time_budget: float = 0.0, progress=None,
+        skipped=None) -> list:
+    """The study for one model (a shipped config name or an alias of `bench.model.MODELS`):
+    its rows, one per variant and log-spaced decode-step count (`checkpoints(tokens)`).
+    NVFP4 variants of a model whose key head dim is not a multiple of 16 are left out and
+    appended to `skipped` (a list) when given."""
+    from ..integrations import hf
+
+    device = torch.device(device)
+    cfg_name = MODELS.get(name, name)
+    model = hf.build(cfg_name, dtype=dtype, seed=seed, device=device)
+    hf.enable(model, window=window, max_draft=1, eager_max_batch=0, num_slots=batch, backend=backend)
+    family = "+".join(sorted({a.family for a in _adapters(model)}))
+    vars_ = variants(designs, lp_formats)
+    bad_k = sorted({a.K for a in _adapters(model) if a.K % 16})
+    if bad_k:
+        drop = [v for v in vars_ if "nvfp4" in (v["read_format"], v["hp_format"])]
+        vars_ = [v for v in vars_ if v not in drop]
+        if drop and skipped is not None:
+            skipped.append(dict(model=name, format="nvfp4", variants=len(drop),
+                                why=f"key head dim {bad_k[0]} is not a multiple of 16"))
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    # above the tiny configs' pad/bos/eos ids (0-2); random weights make every token alike
+    ids = torch.randint(3, vocab, (batch, prefill + tokens), generator=g).to(device)
+    started = time.perf_counter()
+    share = time_budget / (len(vars_) + 1) if time_budget else 0.0
+
+    ref = torch.empty(tokens, batch, vocab, dtype=torch.float32, device=device)
+    n = 0
+    for logits in _Pass(model, ids, prefill).steps(tokens):
+        ref[n] = logits
+        n += 1
+        if share and n % 16 == 0:
+            _sync(device)
+            if time.perf_counter() - started > share:
+                break       # out of time: every design runs the steps the reference reached
+    tokens, ref = n, ref[:n]
+    if progress:
+        progress(f"{name}: reference (fp32 replay) {tokens} steps, {time.perf_counter() - started:.0f} s")
+
+    rows = []
+    for var in vars_:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf.enable(model, num_slots=batch, backend=backend, seed=seed, **enable_options(var, window))
+        pool = next(iter(hf.replay_state(model).layers.values())).pool
+        kl = torch.zeros(tokens, dtype=torch.float64, device=device)
+        agree = torch.zeros(tokens, dtype=torch.float64, device=device)
+        for t, logits in enumerate(_Pass(model, ids, prefill).steps(tokens)):
+            kl[t] = kl_div(ref[t], logits).mean()
+            agree[t] = (logits.argmax(-1) == ref[t].argmax(-1)).double().mean()
+        _sync(device)
+        extra = dict(model=name, family=family, prefill=prefill, batch=batch, window=window,
+                     dtype=str(dtype).replace("torch.", ""), backend=getattr(pool, "backend", None),
+                     fallback=" / ".join(str(w.message) for w in caught) or None,
+                     seconds=round(time.perf_counter() - t0, 2))
+        rows += _rows(var, kl.cpu(), agree.cpu(), extra)
+        if progress:
+            last = rows[-1]["kl"]
+            progress(f"{name}: {var['design']:18} read {var['read_format']:8} hp {var['hp_format']:8} "
+                     f"{var['rounding']:10} KL {last if last is None else f'{last:.2e}'}, "
+                     f"{time.perf_counter() - t0:.1f} s")
+    hf.disable(model)
+    del model, ref
+    gc.collect()
+    return rows
+
+
+def _rows(var: dict, kl: torch.Tensor, agree: torch.Tensor, extra: dict) -> list:
+    bad = (~torch.isfinite(kl)).nonzero()
+    first_bad = int(bad[0]) + 1 if bad.numel() else None          # steps count from 1
+    rows, lo = [], 0
+    for cp in checkpoints(kl.shape[0]) if kl.shape[0] else []:
+        seg = kl[lo:cp]
+        rows.append(dict(var, tokens=cp, kl=_finite(seg.mean().item()), kl_at=_finite(kl[cp - 1].item()),
+                         top1_agree=agree[lo:cp].mean().item(), first_nonfinite=first_bad, **extra))
+        lo = cp
+    return rows
+
+
+def _finite(x: float):
+    """JSON has no NaN/inf: a non-finite KL is None (`first_nonfinite` says from where)."""
+    return x if math.isfinite(x) else None
+
+
+def table(rows) -> str:
+    """One line per model and variant: `kl` at each decode-step count."""
+    cps = sorted({r["tokens"] for r in rows})
+    if len(cps) > 9:     # keep a line readable: every other count, always the last
+        cps = cps[::-2][::-1]
+    head = f"{'model':18} {'design':18} {'read':9} {'hp':9} {'rounding':10} " + \
+        " ".join(f"{c:>8}" for c in cps) + f" {'top1':>6} {'non-finite':>10}"
+    lines = [head, "-" * len(head)]
+    seen = {}
+    for r in rows:
+        seen.setdefault((r["model"],) + tuple(r[f] for f in _FIELDS), {})[r["tokens"]] = r
+    for key, by_t in seen.items():
+        last = by_t[max(by_t)]
+        cells = " ".join(f"{by_t[c]['kl']:8.1e}" if c in by_t and by_t[c]["kl"] is not None
+                         else f"{'-':>8}" for c in cps)
+        nf = last["first_nonfinite"]
+        lines.append(f"{key[0]:18} {key[1]:18} {key[2]:9} {key[3]:9} {key[4]:10} {cells} "
+                     f"{last['top1_agree']:6.3f} {'-' if nf is None else nf:>10}")
+    return "\n".join(lines)
+
+
+def plot(rows, path) -> None:
+    """KL against decode steps, log-log: one panel per model and low-precision format (zeros,
+    the reference's own design, do not show on a log axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fmts = [f for f in LP_FORMATS if any(r["read_format"] == f for r in rows)] or ["fp32"]
+    fig, axes = plt.subplots(len(models), len(fmts), figsize=(3.4 * len(fmts), 2.9 * len(models)), squeeze=False)
+    for a, m in enumerate(models):
+        for b, fmt in enumerate(fmts):
+            ax = axes[a][b]
+            keys = {tuple(r[f] for f in _FIELDS): None for r in rows if r["model"] == m
+                    and (r["read_format"] == fmt or r["design"] == "conventional-fp32")}
+            for key in keys:
+                pts = [(r["tokens"], r["kl"]) for r in rows if r["model"] == m
+                       and tuple(r[f] for f in _FIELDS) == key and r["kl"]]
+                if not pts:
+                    continue
+                style = "--" if key[0].startswith("conventional") else "-"
+                label = key[0] + ("" if key[0] in ("separate", "separate-fp8sr", "conventional-fp32")
+                                  else " SR" if key[3] == "stochastic" else " RN")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", ms=3, label=label)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_title(f"{m}, read {fmt}", fontsize=8)
+            ax.set_xlabel("decode steps", fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.legend(fontsize=5)
+        axes[a][0].set_ylabel("KL(fp32 || design)", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _csv(text: str, allowed, what: str) -> list:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    for s in items:
+        if s not in allowed:
+            raise argparse.ArgumentTypeError(f"unknown {what} {s!r}; expected some of {', '.join(allowed)}")
+    return items
+
+
+def _positive(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        val = 0
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return val
+
+
+def main(argv=None) -> dict:
+    from ..integrations import hf
+
+    ap = argparse.ArgumentParser(prog="replayssm study precision-model", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=lambda s: [m.strip() for m in s.split(",") if m.strip()],
+                    default=list(DEFAULT_MODELS),
+                    help=f"comma-separated shipped configs or {', '.join(MODELS)} (default: "
+                         f"{','.join(DEFAULT_MODELS)})")
+    ap.add_argument("--tokens", type=_positive, default=256,
+                    help="teacher-forced decode steps after the prefill (default %(default)s)")
+    ap.add_argument("--prefill", type=_positive, default=64, help="prompt tokens prefilled (default %(default)s)")
+    ap.add_argument("--batch", type=_positive, default=1, help="sequences, one per row (default %(default)s)")
+    ap.add_argument("--window", type=_positive, default=16, help="replay window L (default %(default)s)")
+    ap.add_argument("--designs", type=lambda s: _csv(s, DESIGNS, "design"), default=list(DESIGNS),
+                    help="comma-separated designs (default: all of " + ",".join(DESIGNS) + ")")
+    ap.add_argument("--formats", type=lambda s: _csv(s, LP_FORMATS, "format"), default=list(LP_FORMATS),
+                    help="low-precision formats (default: all of " + ",".join(LP_FORMATS) + ")")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                    help="model weights (default %(default)s: the state's rounding is the only difference)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "reference", "triton"),
+                    help="the pools' backend (default auto: the kernels on CUDA)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where available)")
+    ap.add_argument("--seed", type=int, default=0, help="weights, tokens and rounding streams")
+    ap.add_argument("--out", default="benchmarks/results/precision_model_study.json",
+                    help="JSON results (a .png plot beside it)")
+    ap.add_argument("--no-plot", dest="do_plot", action="store_false")
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds per model (0: none); the reference pass gets 1/(designs + 1) of them "
+                         "and its step count is every design's")
+    args = ap.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {device}: CUDA is not available on this machine")
+    for m in args.models:
+        if m not in MODELS and m not in hf.config_names():
+            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)} or a shipped config")
+    if args.seed < 0:
+        ap.error(f"--seed must be >= 0, got {args.seed}")
+    doc = header("precision_model_study")
+    doc.update(models=args.models, tokens=args.tokens, prefill=args.prefill, batch=args.batch,
+               window=args.window, dtype=args.dtype, seed=args.seed, time_budget_s=args.time_budget or None,
+               teacher_forcing="random tokens; stock prefill, then one true token per forward call",
+               reference="fp32 replay pools (enable(window=...))", metric="KL(p_fp32 || p_design), nats",
+               skipped=[], rows=[])
+    for m in args.models:
+        doc["rows"] += run(m, tokens=args.tokens, prefill=args.prefill, batch=args.batch, window=args.window,
+                           designs=args.designs, lp_formats=args.formats, device=device,
+                           dtype=DTYPES[args.dtype], seed=args.seed, backend=args.backend,
+                           time_budget=args.time_budget, progress=lambda s: print(s, flush=True),
+                           skipped=doc["skipped"])
+        write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
+    print(f"\nmean KL(p_fp32 || p_design) over the decode steps up to each count ({args.prefill} prefilled, "
+          f"batch {args.batch}, window {args.window}, {args.dtype} weights, {device}):")
+    print(table(doc["rows"]))
+    for s in doc["skipped"]:
+        print(f"skipped: {s['model']} {s['format']} ({s['variants']} variants): {s['why']}")
+    path = write_results(args.out, doc)
+    if args.do_plot:
+        plot(doc["rows"], Path(path).with_suffix(".png"))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
