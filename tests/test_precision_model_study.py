@@ -80,6 +80,7 @@ def test_cli_writes_json_and_plot(tmp_path):
 
 
 @pytest.mark.interpret
+@pytest.mark.slow          # 30 s of interpreter: the kernels are checked against the reference elsewhere
 def test_kernels_give_the_reference_kl():
     # the GPU path (interpreted): the precision kernels under the integration, window 4 so that
     # five steps cross a flush; the kernels' rounding streams are the reference's
