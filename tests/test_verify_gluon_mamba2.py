@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from test_verify_mamba2 import KEYS, NAN, _bits, _check, _inputs, _layer, _pool, _rounds  # noqa: E402
 
 from replayssm.ops.mamba2 import replay_verify  # noqa: E402
-from replayssm.ops.mamba2.gluon_verify import HAVE_GLUON, gluon_verify_unsupported  # noqa: E402
+from replayssm.ops.mamba2.gluon_verify import HAVE_GLUON, _tiles, gluon_verify_unsupported  # noqa: E402
 from replayssm.ops.mamba2.verify import verify_config  # noqa: E402
 from replayssm.ops.utils.commit import commit  # noqa: E402
 from replayssm.testing import make_inputs  # noqa: E402
@@ -33,8 +33,29 @@ TINY = dict(HV=4, Hk=2, V=32, K=128)      # the smallest shape the Gluon layouts
 GLUON = dict(gluon=True)
 
 
+def _skip_if_fenced(shape, T, window, config):
+    """Skip a case the dispatch fences off to the Triton kernel (T = 1, T above the window) until
+    the fence is lifted; the case then runs as written."""
+    bv = config.get("BV", next(b for b in (64, 32, 16) if shape["V"] % b == 0))
+    nw = config.get("num_warps", bv // 16)
+    why = gluon_verify_unsupported(shape["HV"], shape["V"], shape["K"], shape["Hk"], T, window, window + T, bv, nw)
+    if why and "Triton kernel" in why:
+        pytest.skip(f"fenced: {why}")
+
+
 # ---------------------------------------------------------------------------------------------
-# CPU: the config key
+# CPU: the config key, the record tiles
+
+
+def test_record_copies_cover_every_committed_position():
+    # a commit after an early flush leaves the cursor at up to T, above a window below T: the
+    # copies issued before the cursor is read (RECMASK off) cover max(window, T) positions
+    # (they covered the window's alone, and window 3 with T = 8 folded records 3..7 as zeros)
+    for window in (1, 2, 3, 5, 8, 16, 20, 32):
+        for T in range(1, 9):
+            t = _tiles(T, window, window + T, 1)
+            assert t["NPOS"] == max(window, T) <= t["BL"], (window, T, t)
+    assert _tiles(8, 3, 11, 4)["NPOS"] == 8 and _tiles(4, 16, 20, 4)["NPOS"] == 16
 
 
 @pytest.mark.skipif(not HAVE_GLUON, reason="this Triton has no Gluon")
@@ -110,9 +131,9 @@ def test_interpreter_runs_triton_whatever_gluon_says():
 
 
 ROUND_CASES = [
-    pytest.param(SUPER, T, GLUON, id=f"super-T{T}") for T in (2, 4, 8)
+    pytest.param(SUPER, T, GLUON, id=f"super-T{T}") for T in (1, 2, 4, 8)
 ] + [
-    pytest.param(NANO, T, GLUON, id=f"nano4b-T{T}") for T in (2, 4, 8)
+    pytest.param(NANO, T, GLUON, id=f"nano4b-T{T}") for T in (1, 2, 4, 8)
 ] + [
     pytest.param(SUPER, 4, dict(gluon=True, BV=32, num_warps=2), id="super-BV32-T4"),
     pytest.param(SUPER, 8, dict(gluon=True, BV=32, num_warps=2), id="super-BV32-T8"),
@@ -128,9 +149,13 @@ ROUND_CASES = [
 @pytest.mark.parametrize("shape, T, config", ROUND_CASES)
 def test_gluon_rounds(shape, T, config):
     # >= 32 verify rounds per row of random draft and accepted counts, every fourth step a
-    # decode step, NaN past every cursor and past every row's count, a padding row, a spare slot
+    # decode step, NaN past every cursor and past every row's count, a padding row, a spare slot.
+    # At T = 1 no verify flushes here: every cursor moves by one a step and the decode's flush
+    # at h = 15 comes first (the H200's T = 1 failures were this count, for any kernel; the
+    # window-2 cases below flush at T = 1)
+    _skip_if_fenced(shape, T, 16, config)
     res = _rounds(shape, window=16, T=T, rounds=48, n_slots=12, seed=T, config=config)
-    assert res["verifies"] >= 32 and res["flushes"] > 0, res
+    assert res["verifies"] >= 32 and (res["flushes"] > 0 or T == 1), res
     _check(res)
     # bf16 records of bf16-valued inputs (exact copies), fewer slots
     res = _rounds(shape, window=16, T=T, rounds=16, n_slots=6, seed=T + 1, record_dtype=torch.bfloat16,
@@ -154,8 +179,14 @@ def test_triton_rounds_with_gluon_off(shape, T):
     pytest.param(SUPER, 32, 8, id="super-L32"),          # record tiles of 32 positions
     pytest.param(NANO, 20, 4, id="nano4b-L20"),
     pytest.param(TINY, 5, 4, id="tiny-L5"),              # a flush at almost every verify
+    pytest.param(SUPER, 2, 1, id="super-L2-T1"),         # one draft: a verify at h = 2 flushes
+    pytest.param(NANO, 2, 1, id="nano4b-L2-T1"),
+    # a window below T: most verifies flush, and commits leave cursors up to T above the window
+    # (the decode steps need RECMASK there too: docs/state-layout.md says cursors stay <= L)
+    pytest.param(TINY, 3, 8, id="tiny-L3-T8"),
 ])
 def test_gluon_rounds_other_windows(shape, window, T):
+    _skip_if_fenced(shape, T, window, GLUON)
     res = _rounds(shape, window=window, T=T, rounds=40, n_slots=6, seed=window + T, config=GLUON)
     assert res["verifies"] >= 30 and res["flushes"] >= 6, res
     _check(res)
@@ -166,7 +197,8 @@ def test_gluon_rounds_other_windows(shape, window, T):
 
 
 def _every_kind_of_row(shape, L, T, record_dtype, seed):
-    """A pool of 8 slots at cursors 0, 1, L - 1, L, L // 2, 2, 3, 5 with random committed records
+    """A pool of 8 slots at cursors 0, 1, L - 1, L, L // 2, 2, 3 (T when T > L: as a commit after
+    an early flush leaves it), 5 with random committed records
     (NaN past each cursor), random checkpoints and epochs, and a launch over 7 of them (slot 7
     left out) plus a padding row: draft counts that flush some rows and not others, one of 0 and
     one above T (both clamped on the device), inputs past each count NaN, a poisoned last draft."""
@@ -174,7 +206,7 @@ def _every_kind_of_row(shape, L, T, record_dtype, seed):
     g = torch.Generator().manual_seed(seed)
     p, layer, ref = _layer(shape, seed)
     pool = _pool(shape, 8, L + T, record_dtype)
-    cursors = [0, 1, L - 1, L, L // 2, 2, 3, 5]
+    cursors = [0, 1, L - 1, L, L // 2, 2, 3 if T <= L else T, 5]
     for s, h in enumerate(cursors):
         pool["ckpt"][s] = 0.1 * torch.randn(HV, V, K, generator=g).to(DEV)
         if h:
@@ -198,16 +230,19 @@ def _every_kind_of_row(shape, L, T, record_dtype, seed):
 
 @gpu
 @needs_gluon
-@pytest.mark.parametrize("shape, T, config, record_dtype", [
-    pytest.param(SUPER, 8, GLUON, torch.bfloat16, id="super-T8-bf16"),
-    pytest.param(SUPER, 2, dict(gluon=True, BV=32, num_warps=2), torch.float32, id="super-BV32-T2-fp32"),
-    pytest.param(NANO, 4, GLUON, torch.bfloat16, id="nano4b-T4-bf16"),
-    pytest.param(NANO, 2, GLUON, torch.float32, id="nano4b-T2-fp32"),
-    pytest.param(TINY, 5, GLUON, torch.float32, id="tiny-T5-fp32"),
-    pytest.param(TINY, 3, dict(gluon=True, BV=16, num_warps=1), torch.float16, id="tiny-BV16-T3-fp16"),
+@pytest.mark.parametrize("shape, T, config, record_dtype, L", [
+    pytest.param(SUPER, 8, GLUON, torch.bfloat16, 16, id="super-T8-bf16"),
+    pytest.param(SUPER, 2, dict(gluon=True, BV=32, num_warps=2), torch.float32, 16, id="super-BV32-T2-fp32"),
+    pytest.param(NANO, 4, GLUON, torch.bfloat16, 16, id="nano4b-T4-bf16"),
+    pytest.param(NANO, 2, GLUON, torch.float32, 16, id="nano4b-T2-fp32"),
+    pytest.param(NANO, 1, GLUON, torch.float32, 16, id="nano4b-T1-fp32"),
+    pytest.param(TINY, 5, GLUON, torch.float32, 16, id="tiny-T5-fp32"),
+    pytest.param(TINY, 3, dict(gluon=True, BV=16, num_warps=1), torch.float16, 16, id="tiny-BV16-T3-fp16"),
+    # window 3, T = 8: cursors 3 and 5 of the pool's rows, at and above the window (verify only)
+    pytest.param(TINY, 8, GLUON, torch.float32, 3, id="tiny-L3-T8-fp32"),
 ])
-def test_gluon_matches_triton_one_launch(shape, T, config, record_dtype):
-    L = 16
+def test_gluon_matches_triton_one_launch(shape, T, config, record_dtype, L):
+    _skip_if_fenced(shape, T, L, config)
     p, (A, dt_bias, D), pool, case = _every_kind_of_row(shape, L, T, record_dtype, seed=T)
     slots, nd, cursors, inp = case["slots"], case["nd"], case["cursors"], case["inp"]
     before = {k: v.clone() for k, v in pool.items()}

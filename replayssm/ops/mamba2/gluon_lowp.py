@@ -46,11 +46,6 @@ def gluon_lp_unsupported(lp_code: int, V: int, K: int, window: int, Lb: int, BV:
     rows (`BV / 16` warps), or None when it does."""
     if lp_code not in GLUON_LP_CODES:
         return f"read format code {lp_code} (fp16, bf16, fp8_e4m3, nvfp4 only)"
-    if lp_code in (3, 4):
-        # on the H200 the decode probe (tests/test_gluon_lowp.py::test_gluon_decode_bit_exact)
-        # failed for fp8_e4m3 and NVFP4 and passed for fp16 and bf16: those two read formats run
-        # the Triton kernel until it is understood
-        return "fp8_e4m3 and NVFP4 reads: the Gluon decode failed its bit-exact GPU probe"
     if window < 2:
         return "window 1 (the eager step) flushes every row"
     return gluon_shape_supported(V, K, window, Lb, BV, max(1, BV // 16)) or None

@@ -55,13 +55,16 @@ def gluon_verify_unsupported(HV: int, V: int, K: int, Hk: int, T: int, window: i
     if num_warps > 8:
         return f"num_warps={num_warps} (at most 8)"
     if T == 1:
-        # the H200's round tests failed at T = 1 (both real shapes) and passed at T = 2, 4, 8:
-        # one draft runs the Triton kernel until that is understood
+        # the H200's round tests failed at T = 1 (both real shapes): their precondition of a
+        # verify flush, which T = 1 at window 16 never has (CPU emulation: the kernel's
+        # arithmetic agrees); one draft runs the Triton kernel until the GPU re-run confirms
         return "T=1 (the Triton kernel: the Gluon kernel failed its GPU round tests there)"
     if not 2 <= T <= MAX_DRAFT:
         return f"T={T} drafts (2..{MAX_DRAFT})"
     if T > window:
-        # the H200's round test at window 3 with T = 8 failed (windows 5, 16, 20, 32 passed)
+        # the H200's round test at window 3 with T = 8 failed: the record copies covered the
+        # window's positions, not the cursors up to T a commit leaves (NPOS, fixed; the decode
+        # kernels' copies have the same limit); the Triton kernel until the GPU re-run confirms
         return f"T={T} drafts above the window {window} (the Triton kernel)"
     if HV % Hk:
         return f"Hk={Hk} does not divide HV={HV}"
@@ -72,14 +75,18 @@ def _tiles(T: int, window: int, Lb: int, num_warps: int) -> dict:
     """The kernel's tile constexprs for T drafts: TP the drafts padded to a power of two; the
     row loop's lanes LRW (rows) x TP (queries) x LKW (columns; 8 for one query, so that a
     quarter warp reads one row: no bank conflict), rows per chunk RC = LRW * num_warps (at most
-    the keys' BL, the drafts' PD rows); PD >= the contraction's lanes over positions (8 / TP)."""
+    the keys' BL, the drafts' PD rows); PD >= the contraction's lanes over positions (8 / TP).
+    NPOS: the positions a committed record can occupy, which the copies cover without waiting
+    for the cursor: the window's, or T's when T exceeds it (a commit after an early flush
+    leaves the cursor at up to T)."""
     TP = 1 << (T - 1).bit_length()
     lkw = 8 if TP == 1 else 4
     lrw = 32 // (TP * lkw)
     PD = max(TP, 8 // TP)
     BL = gluon_record_tile(window, Lb)
     rc = lrw * num_warps
-    return dict(TP=TP, PD=PD, BL=BL, LKW=lkw, LRW=lrw, RC=rc, RCK=min(rc, BL), RCD=min(rc, PD))
+    return dict(TP=TP, PD=PD, BL=BL, LKW=lkw, LRW=lrw, RC=rc, RCK=min(rc, BL), RCD=min(rc, PD),
+                NPOS=min(max(window, T), Lb, BL))
 
 
 if HAVE_GLUON:
@@ -145,7 +152,7 @@ if HAVE_GLUON:
         BL: gl.constexpr, NW: gl.constexpr, LKW: gl.constexpr, LRW: gl.constexpr, RC: gl.constexpr,
         RCK: gl.constexpr, RCD: gl.constexpr, VK: gl.constexpr, VW: gl.constexpr, HVP: gl.constexpr,
         HKP: gl.constexpr, HAS_D: gl.constexpr, HAS_Z: gl.constexpr, HAS_N: gl.constexpr,
-        RECMASK: gl.constexpr,
+        NPOS: gl.constexpr, RECMASK: gl.constexpr,
     ):
         # Layouts (NW warps, K = 128, BV = 16 NW, TP drafts padded, BL record positions):
         # LT   the tile [BV, K] as copied and folded: a row per warp, 4 columns per lane
@@ -176,7 +183,6 @@ if HAVE_GLUON:
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         NVB: gl.constexpr = V // BV
         HG: gl.constexpr = HV // Hk
-        NPOS: gl.constexpr = WINDOW if WINDOW < LB else LB
 
         pid = gl.program_id(0)
         i_b = gl.program_id(1).to(gl.int64)
@@ -231,8 +237,8 @@ if HAVE_GLUON:
 
         # the committed records: log decays (ld_{j+1} and ld_j, one position per lane), the
         # group's keys and this program's rows of x into shared memory. RECMASK predicates them
-        # on the cursor (they wait for it), else on the window's positions (issued at once);
-        # positions at or past the cursor are selected away after either way
+        # on the cursor (they wait for it), else on the NPOS positions a record can occupy
+        # (issued at once); positions at or past the cursor are selected away after either way
         o_l = gl.arange(0, BL, layout=LA1)
         p_ldh = buf_ld + slot * (LB * HV) + i_h
         b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < NPOS), other=0.0)
