@@ -1,12 +1,13 @@
-"""The Gluon verify kernel of GDN (ops/gdn/gluon_verify.py), which `replay_verify` runs on a GPU
-by default (config `gluon`).
+"""The Gluon verify kernel of GDN and KDA (ops/gdn/gluon_verify.py), which `replay_verify` runs
+on a GPU by default for GDN, for KDA with `{"gluon": True}` (config `gluon`).
 
 On the GPU: many rounds of verify + commit mixed with decode steps against the float64
 reference, within 1.5x the conventional fp32 kernel's own error (the yardstick and driver of
-tests/test_verify_delta.py), at Qwen3.5-4B and -122B shapes and a small one, T in {1, 2, 4, 8};
-against the Triton kernel round by round; poisoned drafts; CUDA-graph replay against eager
-runs. On the CPU: the config key (validation, which kernel it selects) and its dispatch, where
-the interpreter always runs the Triton kernel.
+tests/test_verify_delta.py), at Qwen3.5-4B and -122B shapes and a small one, T in {1, 2, 4, 8}
+(KDA: Kimi Linear and a small shape, T in {2, 4, 8}); against the Triton kernel round by round;
+poisoned drafts; CUDA-graph replay against eager runs. On the CPU: the config key (validation,
+which kernel it selects, per family) and its dispatch, where the interpreter always runs the
+Triton kernel.
 """
 import os
 
@@ -16,7 +17,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from replayssm.ops import gdn  # noqa: E402
 from replayssm.ops.gdn.gluon_verify import gluon_verify_unsupported  # noqa: E402
 from replayssm.ops.gdn.verify import verify_config  # noqa: E402
 from replayssm.ops.utils.commit import commit  # noqa: E402
@@ -29,16 +29,17 @@ needs_gluon = pytest.mark.skipif(not (GPU and HAVE_GLUON), reason="needs a CUDA 
 
 SHAPES = {"small": dict(HV=4, Hk=2, V=32, K=128),
           "qwen3.5-4b": dict(HV=32, Hk=16, V=128, K=128),
-          "qwen3.5-122b": dict(HV=64, Hk=16, V=128, K=128)}
+          "qwen3.5-122b": dict(HV=64, Hk=16, V=128, K=128),
+          "kimi-linear-48b": dict(HV=32, Hk=32, V=128, K=128)}
 GLUON = {"gluon": True}
 TRITON = {"gluon": False}
 # cursors 0, L-1, L and spread (window 16): flushes and plain rounds in the first launch
 CURSORS = (0, 15, 16, 4, 9, 12, 1, 16)
 
 
-def _uses_gluon(shape, T, L, config):
+def _uses_gluon(shape, T, L, config, family="gdn"):
     """The resolved config runs the Gluon kernel (so that a test of it cannot pass on Triton)."""
-    cfg = verify_config("gdn", shape["V"], shape["K"], T, config, HV=shape["HV"], Hk=shape["Hk"], window=L,
+    cfg = verify_config(family, shape["V"], shape["K"], T, config, HV=shape["HV"], Hk=shape["Hk"], window=L,
                         Lb=L + T, gpu=True)
     assert cfg["gluon"], cfg
     return cfg
@@ -46,7 +47,7 @@ def _uses_gluon(shape, T, L, config):
 
 def _verify(run, st, x, ids, nd, L, config, arrive):
     out = torch.full((ids.numel(), run.T, run.HV, run.V), float("nan"), device="cuda", dtype=run.io)
-    gdn.replay_verify(x["q"], x["k"], x["v"], x["a"], x["b"], run.A_log, run.dt_bias, None, st["ckpt"],
+    run.ops.replay_verify(x["q"], x["k"], x["v"], x["a"], x["b"], run.A_log, run.dt_bias, None, st["ckpt"],
                       st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["pending"], st["epoch"], ids, L,
                       num_drafts=nd, out=out, config=config, arrive=arrive)
     return out
@@ -76,26 +77,39 @@ def _rel(a, b):
 # GPU: the float64 reference
 
 
-@gpu
-@needs_gluon
-@pytest.mark.parametrize("T", [1, 2, 4, 8])
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_gpu_gluon_rounds_against_reference(name, T):
+def _rounds_against_reference(family, name, T):
     # 32 verify rounds (random draft counts and acceptance, a padding row, an unused slot, NaN
     # past every cursor), a decode step after every third; fp32 records within 1.5x of the
     # conventional kernel's error, bf16 records at bf16 level
     shape = SHAPES[name]
     configs = [GLUON] + ([{"gluon": True, "BV": 16, "num_warps": 1}] if name == "small" else [])
     for config in configs:
-        _uses_gluon(shape, T, 16, config)
+        _uses_gluon(shape, T, 16, config, family)
         for rec in (torch.float32, torch.bfloat16):
-            run, err = _drive("gdn", 32, **shape, L=16, T=T, cursors=CURSORS, seed=T, rec=rec, config=config)
+            run, err = _drive(family, 32, **shape, L=16, T=T, cursors=CURSORS, seed=T, rec=rec, config=config)
             assert {f for _, f in run.seen} == {True, False}, run.seen
             if rec == torch.float32:
                 _check_accuracy(run, err)
             else:
                 assert run.problems == [], run.problems[:5]
                 assert err["out"] < 1e-2 and err["state"] < 1e-2, (name, config, err)
+
+
+@gpu
+@needs_gluon
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["small", "qwen3.5-4b", "qwen3.5-122b"])
+def test_gpu_gluon_rounds_against_reference(name, T):
+    _rounds_against_reference("gdn", name, T)
+
+
+@gpu
+@needs_gluon
+@pytest.mark.parametrize("T", [2, 4, 8])
+@pytest.mark.parametrize("name", ["small", "kimi-linear-48b"])
+def test_gpu_gluon_kda_rounds_against_reference(name, T):
+    # KDA (gluon=True: not its default): channel-wise decays, weights per key column
+    _rounds_against_reference("kda", name, T)
 
 
 @gpu
@@ -116,19 +130,14 @@ def test_gpu_gluon_windows(L, T, cursors):
 # GPU: the Triton kernel, round by round
 
 
-@gpu
-@needs_gluon
-@pytest.mark.parametrize("T", [1, 2, 4, 8])
-@pytest.mark.parametrize("rec", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["small", "qwen3.5-122b"])
-def test_gpu_gluon_matches_triton(name, rec, T):
+def _matches_triton(family, name, rec, T):
     # the same state and inputs through both kernels: outputs and every state tensor agree
     # (integers exactly, floats to rounding: the weights are associated differently), padding
     # rows and drafts past a row's count exactly zero; both then commit the same acceptance
     # and the Gluon state restarts from the Triton one
     shape, L = SHAPES[name], 16
-    _uses_gluon(shape, T, L, GLUON)
-    run = _Run("gdn", **shape, L=L, T=T, cursors=CURSORS, rec=rec, seed=100 + T)
+    _uses_gluon(shape, T, L, GLUON, family)
+    run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, rec=rec, seed=100 + T)
     st_t = run.st
     st_g = {n: t.clone() for n, t in st_t.items()}
     arr_t = torch.zeros(run.N, dtype=torch.int32, device="cuda")
@@ -168,6 +177,24 @@ def test_gpu_gluon_matches_triton(name, rec, T):
     assert flushed == {True, False}, flushed
 
 
+@gpu
+@needs_gluon
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("rec", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["small", "qwen3.5-122b"])
+def test_gpu_gluon_matches_triton(name, rec, T):
+    _matches_triton("gdn", name, rec, T)
+
+
+@gpu
+@needs_gluon
+@pytest.mark.parametrize("T", [2, 4, 8])
+@pytest.mark.parametrize("rec", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["small", "kimi-linear-48b"])
+def test_gpu_gluon_kda_matches_triton(name, rec, T):
+    _matches_triton("kda", name, rec, T)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: poisoned drafts
 
@@ -175,13 +202,14 @@ def test_gpu_gluon_matches_triton(name, rec, T):
 @gpu
 @needs_gluon
 @pytest.mark.parametrize("T", [2, 4, 8])
-def test_gpu_gluon_poisoned_drafts(T):
+@pytest.mark.parametrize("family, name", [("gdn", "qwen3.5-4b"), ("kda", "kimi-linear-48b")], ids=["gdn", "kda"])
+def test_gpu_gluon_poisoned_drafts(family, name, T):
     # NaN in every input of the drafts past each row's count: outputs and state bit for bit
     # those of clean inputs; NaN in draft t0 < n of one row: that row's earlier outputs bit for
     # bit the clean ones, every other row's outputs untouched
-    shape, L = SHAPES["qwen3.5-4b"], 16
-    _uses_gluon(shape, T, L, GLUON)
-    run = _Run("gdn", **shape, L=L, T=T, cursors=CURSORS, seed=7)
+    shape, L = SHAPES[name], 16
+    _uses_gluon(shape, T, L, GLUON, family)
+    run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, seed=7)
     g = torch.Generator().manual_seed(1)
     ids = run._rows()
     Bt = ids.numel()
@@ -222,13 +250,14 @@ def test_gpu_gluon_poisoned_drafts(T):
 @gpu
 @needs_gluon
 @pytest.mark.parametrize("T", [2, 8])
-def test_gpu_gluon_cuda_graph_matches_eager(T):
+@pytest.mark.parametrize("family, name", [("gdn", "qwen3.5-122b"), ("kda", "kimi-linear-48b")], ids=["gdn", "kda"])
+def test_gpu_gluon_cuda_graph_matches_eager(family, name, T):
     # verify + commit captured once and replayed over 12 rounds of new inputs, draft counts and
     # acceptance (copied into the captured buffers): outputs and state bit for bit those of the
     # same calls made eagerly
-    shape, L = SHAPES["qwen3.5-122b"], 16
-    _uses_gluon(shape, T, L, GLUON)
-    run = _Run("gdn", **shape, L=L, T=T, cursors=CURSORS, rec=torch.bfloat16, seed=11, io=torch.bfloat16)
+    shape, L = SHAPES[name], 16
+    _uses_gluon(shape, T, L, GLUON, family)
+    run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, rec=torch.bfloat16, seed=11, io=torch.bfloat16)
     st_e = {n: t.clone() for n, t in run.st.items()}
     st_g = {n: t.clone() for n, t in run.st.items()}
     g = torch.Generator().manual_seed(2)
@@ -242,9 +271,9 @@ def test_gpu_gluon_cuda_graph_matches_eager(T):
     o_g = torch.empty_like(o_e)
 
     def step(st, x, nd, acc, o, arr):
-        gdn.replay_verify(x["q"], x["k"], x["v"], x["a"], x["b"], run.A_log, run.dt_bias, None, st["ckpt"],
-                          st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["pending"], st["epoch"],
-                          ids_d, L, num_drafts=nd, out=o, config=GLUON, arrive=arr, validate=False)
+        run.ops.replay_verify(x["q"], x["k"], x["v"], x["a"], x["b"], run.A_log, run.dt_bias, None, st["ckpt"],
+                              st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["pending"], st["epoch"],
+                              ids_d, L, num_drafts=nd, out=o, config=GLUON, arrive=arr, validate=False)
         commit(st["cursor"], st["pending"], ids_d, acc)
 
     warm = {n: t.clone() for n, t in run.st.items()}
@@ -282,8 +311,8 @@ def test_verify_config_gluon_key():
     c = verify_config("gdn", 32, 128, 2, HV=4, Hk=2, window=16, Lb=18, gpu=True)
     assert c["gluon"] and (c["BV"], c["num_warps"], c["maxnreg"]) == (32, 2, 0), c
     assert verify_config("gdn", 128, 128, 4, {"BV": 32, "num_warps": 2}, gpu=True)["gluon"]
-    # the CPU interpreter, KDA, gluon=False, shapes and configs it does not cover: the Triton
-    # kernel with its own defaults and the caller's overrides
+    # the CPU interpreter, KDA by default, gluon=False, shapes and configs it does not cover:
+    # the Triton kernel with its own defaults and the caller's overrides
     tri = verify_config("gdn", 128, 128, 8, window=16, Lb=24, gpu=False)
     assert not tri["gluon"] and (tri["BV"], tri["num_warps"], tri["maxnreg"]) == (32, 4, 0), tri
     assert verify_config("gdn", 128, 128, 8, {"gluon": True}, gpu=False) == tri
@@ -297,7 +326,7 @@ def test_verify_config_gluon_key():
     c = verify_config("gdn", 128, 128, 4, {"gluon": True, "BV": 32, "num_warps": 4, "KS": 4}, gpu=True)
     assert not c["gluon"] and (c["BV"], c["num_warps"], c["KS"]) == (32, 4, 4), c
     assert gluon_verify_unsupported("gdn", 32, 16, 128, 128, 8, 16, 24, 64, 4) is None
-    for args, match in ((("kda", 32, 32, 128, 128, 8, 16, 24, 64, 4), "GDN only"),
+    for args, match in ((("mamba2", 32, 32, 128, 128, 8, 16, 24, 64, 4), "GDN and KDA only"),
                         (("gdn", 32, 16, 128, 128, 9, 16, 25, 64, 4), "T=9"),
                         (("gdn", 32, 16, 128, 64, 8, 16, 24, 64, 4), "K=64"),
                         (("gdn", 32, 16, 128, 128, 8, 16, 24, 32, 4), "BV=32"),
@@ -310,27 +339,50 @@ def test_verify_config_gluon_key():
                           ({"Gluon": True}, "unknown keys")):
         with pytest.raises(ValueError, match=match):
             verify_config("gdn", 128, 128, 4, config, gpu=True)
-    with pytest.raises(ValueError, match="GDN only"):
-        verify_config("kda", 128, 128, 4, GLUON, gpu=True)
+
+
+def test_verify_config_gluon_key_kda():
+    # KDA: the Triton kernel unless gluon=True is asked for (not yet timed on a GPU); then the
+    # Gluon kernel where it covers the shape, with GDN's program size and register cap
+    kimi = dict(HV=32, Hk=32, window=16)
+    for T in (2, 4, 8):
+        assert not verify_config("kda", 128, 128, T, gpu=True, Lb=16 + T, **kimi)["gluon"]
+        assert not verify_config("kda", 128, 128, T, TRITON, gpu=True, Lb=16 + T, **kimi)["gluon"]
+        c = verify_config("kda", 128, 128, T, GLUON, gpu=True, Lb=16 + T, **kimi)
+        assert c["gluon"] and (c["BV"], c["num_warps"], c["maxnreg"]) == (64, 4, 128 if T > 4 else 0), (T, c)
+        assert gluon_verify_unsupported("kda", 32, 32, 128, 128, T, 16, 16 + T, 64, 4) is None
+    c = verify_config("kda", 32, 128, 2, GLUON, HV=4, Hk=2, window=16, Lb=18, gpu=True)
+    assert c["gluon"] and (c["BV"], c["num_warps"]) == (32, 2), c
+    assert verify_config("kda", 128, 128, 4, {"gluon": True, "BV": 16, "num_warps": 1}, gpu=True)["gluon"]
+    # off a GPU, and where the Gluon layouts do not reach: the Triton kernel, as for GDN
+    tri = verify_config("kda", 128, 128, 8, window=16, Lb=24, gpu=False)
+    assert not tri["gluon"] and verify_config("kda", 128, 128, 8, GLUON, window=16, Lb=24, gpu=False) == tri
+    assert verify_config("kda", 128, 128, 8, gpu=True, **kimi) == tri
+    assert not verify_config("kda", 128, 64, 4, GLUON, gpu=True)["gluon"]
+    assert not verify_config("kda", 128, 128, 4, GLUON, window=40, gpu=True)["gluon"]
+    assert "T=8 drafts above the window 4" in gluon_verify_unsupported("kda", 32, 32, 128, 128, 8, 4, 12, 64, 4)
+    with pytest.raises(ValueError, match="gluon=1 must be a bool"):
+        verify_config("kda", 128, 128, 4, {"gluon": 1}, gpu=True)
 
 
 @pytest.mark.interpret
-def test_gluon_key_dispatch_off_gpu():
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+def test_gluon_key_dispatch_off_gpu(family):
     # without a GPU (the interpreter) gluon=True runs the Triton kernel: the same bits as
     # gluon=False, over the op with its two extra arguments
     if GPU:
         pytest.skip("the interpreter's dispatch")
-    runs = [_Run("gdn", HV=2, Hk=1, V=16, K=32, L=4, T=2, cursors=(3, 0), seed=5) for _ in range(2)]
+    runs = [_Run(family, HV=2, Hk=1, V=16, K=32, L=4, T=2, cursors=(3, 0), seed=5) for _ in range(2)]
     x = runs[0]._inputs(3, steps=2)
     ids = torch.tensor([runs[0].live[1], -1, runs[0].live[0]], dtype=torch.int32)
     nd = torch.tensor([2, 2, 1], dtype=torch.int32)
     outs = []
     for run, config in zip(runs, (GLUON, {"gluon": False, "maxnreg": 64})):
         st = run.st
-        outs.append(gdn.replay_verify(x["q"], x["k"], x["v"], x["a"], x["b"], run.A_log, run.dt_bias, None,
-                                      st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"],
-                                      st["pending"], st["epoch"], ids, 4, num_drafts=nd, config=config,
-                                      arrive=run.arrive))
+        outs.append(run.ops.replay_verify(x["q"], x["k"], x["v"], x["a"], x["b"], run.A_log, run.dt_bias, None,
+                                          st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"],
+                                          st["pending"], st["epoch"], ids, 4, num_drafts=nd, config=config,
+                                          arrive=run.arrive))
     assert torch.equal(outs[0], outs[1]) and bool(torch.isfinite(outs[0]).all())
     for n in runs[0].st:
         assert torch.equal(runs[0].st[n].view(torch.uint8), runs[1].st[n].view(torch.uint8)), n
@@ -343,13 +395,13 @@ import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from replayssm.ops.gdn import gluon_verify as m
-T, HV, Hk, L, rec = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+T, HV, Hk, L, rec, family = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:7]
 fn = m._gluon_verify_kernel
 ptr = dict({n: "*bf16" for n in ("q", "k", "v", "a", "b", "o")}, A_log="*fp32", dt_bias="*fp32", ckpt="*fp32",
            buf_ld="*fp32", buf_w="*" + rec, buf_k="*" + rec, cursor="*i32", pending="*i32", epoch="*i64",
            arrive="*i32", slot_ids="*i32", num_drafts="*i32")
 nb = 4 if rec == "fp32" else 2
-vals = m.gluon_verify_constexprs(T, HV, Hk, 128, 128, L, L + T, 64, 4, w_bytes=nb, k_bytes=nb)
+vals = m.gluon_verify_constexprs(T, HV, Hk, 128, 128, L, L + T, 64, 4, w_bytes=nb, k_bytes=nb, family=family)
 sig, const = {}, {}
 for i, n in enumerate(fn.arg_names):
     if n in ptr:
@@ -369,12 +421,16 @@ print("shared", k.metadata.shared)
 
 
 @pytest.mark.skipif(not HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("T, HV, L, rec, kb", [
-    pytest.param(1, 32, 16, "bf16", 48, id="4b-T1"),
+@pytest.mark.parametrize("family, T, HV, Hk, L, rec, kb", [
+    pytest.param("gdn", 1, 32, 16, 16, "bf16", 48, id="4b-T1"),
+    # KDA's branches (the Gram loop, the weighted keys in shared memory, its flush writer)
+    pytest.param("kda", 4, 32, 32, 16, "bf16", 56, id="kimi-kda-T4"),
     # more compiles of the same kernel: outside CI's representative subset
-    pytest.param(8, 64, 16, "bf16", 48, id="122b-T8", marks=pytest.mark.slow),
-    pytest.param(4, 32, 32, "fp32", 64, id="4b-T4-window32-fp32", marks=pytest.mark.slow)])
-def test_gluon_verify_compiles_for_sm90(T, HV, L, rec, kb):
+    pytest.param("gdn", 8, 64, 16, 16, "bf16", 48, id="122b-T8", marks=pytest.mark.slow),
+    pytest.param("gdn", 4, 32, 16, 32, "fp32", 64, id="4b-T4-window32-fp32", marks=pytest.mark.slow),
+    pytest.param("kda", 8, 32, 32, 16, "bf16", 56, id="kimi-kda-T8", marks=pytest.mark.slow),
+    pytest.param("kda", 4, 32, 32, 32, "fp32", 80, id="kimi-kda-T4-window32-fp32", marks=pytest.mark.slow)])
+def test_gluon_verify_compiles_for_sm90(family, T, HV, Hk, L, rec, kb):
     # the Gluon kernel cannot run on the CPU: that it builds with this Triton (3.6 on the H200
     # machine, newer elsewhere: the shims of utils/gluon.py and _rows_view) is checked here
     import subprocess
@@ -383,7 +439,7 @@ def test_gluon_verify_compiles_for_sm90(T, HV, L, rec, kb):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(T), str(HV), "16", str(L), rec], env=env,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(T), str(HV), str(Hk), str(L), rec, family], env=env,
                        capture_output=True, text=True, timeout=600)
     if r.returncode and "ptxas" in r.stderr and "No such file" in r.stderr:
         pytest.skip("no CUDA toolchain bundled with this Triton")

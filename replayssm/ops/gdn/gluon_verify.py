@@ -1,4 +1,4 @@
-"""Gated DeltaNet speculative verification in Gluon, for the GPU only: the contract of
+"""Gated DeltaNet (and Kimi Delta Attention) speculative verification in Gluon, for the GPU only: the contract of
 `verify._replay_verify_kernel` (one `(row, value head, V-block)` program, T drafts, outputs only;
 docs/state-layout.md, `verify`), organised as the standard-decode Gluon kernel is
 (gluon_decode.py: the checkpoint tile copied into shared memory while every other load is in
@@ -30,6 +30,18 @@ for the 2T vectors `x` (the drafts' normalised keys and scaled queries). A progr
      slot's last program then writes the drafts' decays and keys, which the slot's other
      programs read as committed records until they all arrived.
 
+KDA (`IS_KDA`; `a` `[Bt, T, HV, K]`, `dt_bias` `[HV, K]`, `buf_ld` `[N, Lb, HV, K]`) decays each
+key channel, so no weight can be applied after a dot: `S_h = C Diag(g) + sum_j u_j (c_j * k_j)^T`
+with `[K]` weights (an in-thread reverse scan over the record decays, copied to shared memory
+like the keys), and with `A_t = a_0 ... a_t` per channel
+
+    P_t x = C (g * A_t * x) + sum_{j<h} ((c_j * k_j) . (A_t * x)) u_j + sum_{r<t} ((k_r * a_{r+1} ... a_t) . x) u_r
+
+so the drafts' vectors carry the decays into the same products (the weighted record keys replace
+the decays in shared memory, and are what a flush folds in), and the drafts' Gram rows are formed
+in order with the earlier drafts' keys kept weighted (`_kda_draft_grams`, before the draft loads
+of step 1, while the tile arrives). The solve then takes unit weights.
+
 The CPU interpreter cannot run Gluon: `verify.replay_verify` runs the Triton kernel there, and
 the GPU tests (tests/test_verify_gluon_gdn.py) compare this one with the float64 reference and
 with the Triton kernel.
@@ -50,7 +62,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import _async_load, _barrier, _record_weights, _softplus, _tile_to_shared, _verify_arrive
+    from ..utils.gluon import (_add, _async_load, _barrier, _record_weights, _softplus, _tile_to_shared,
+                                _verify_arrive)
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -58,9 +71,9 @@ __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_
 def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: int, window: int, Lb: int,
                              BV: int, num_warps: int) -> Optional[str]:
     """Why the Gluon verify kernel does not cover this family, shape and launch config; None
-    when it does (GDN only; K = 128, BV = 16 * num_warps dividing V, windows up to 32)."""
-    if family != "gdn":
-        return f"family {family!r} (GDN only)"
+    when it does (GDN and KDA; K = 128, BV = 16 * num_warps dividing V, windows up to 32)."""
+    if family not in ("gdn", "kda"):
+        return f"family {family!r} (GDN and KDA only)"
     if not 1 <= T <= _MAX_T:
         return f"T={T} drafts (1..{_MAX_T})"
     if T > window:
@@ -74,15 +87,16 @@ def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: i
 
 def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
-                            w_bytes: int = 2, k_bytes: int = 2) -> dict:
+                            w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn") -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
-    `k_bytes`: the element sizes of the u and key records (16-byte copies)."""
+    `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
+    "kda"."""
     TP = max(2, triton.next_power_of_2(T))
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
-                NW=num_warps)
+                NW=num_warps, IS_KDA=family == "kda")
 
 
 if HAVE_GLUON:
@@ -119,6 +133,39 @@ if HAVE_GLUON:
             gl.store(buf_ld + (slot * LBCAP + t) * HV + o_hv, -b_A * _softplus(b_a + b_dt), mask=m_hv & ok)
 
     @gluon.jit
+    def _write_drafts_shared_kda(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
+                                 stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
+                                 T: gl.constexpr, HV: gl.constexpr, HK: gl.constexpr, K: gl.constexpr,
+                                 LBCAP: gl.constexpr, USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr):
+        """`_write_drafts_shared` for KDA, whose decays are `[K]` vectors: value heads (then key
+        heads) RH at a time, a loop over them with the drafts unrolled inside, so that the
+        registers of this rare path (every program's) stay bounded at any HV and T."""
+        RH: gl.constexpr = 2 * NW
+        LH: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        o_r = gl.arange(0, RH, layout=gl.SliceLayout(1, LH))
+        o_kh = gl.arange(0, K, layout=gl.SliceLayout(0, LH))
+        for h0 in range(0, HV, RH):
+            o_hv = h0 + o_r
+            m_hv = (o_hv < HV)[:, None] & (o_kh >= 0)[None, :]
+            b_A = gl.exp(gl.load(A_log + o_hv, mask=o_hv < HV, other=0.0).to(gl.float32))[:, None]
+            b_dt = gl.load(dt_bias + o_hv[:, None] * K + o_kh[None, :], mask=m_hv, other=0.0).to(gl.float32)
+            for t in gl.static_range(T):
+                b_a = gl.load(a + i_b * stride_a_b + t * stride_a_t + o_hv[:, None] * stride_a_h + o_kh[None, :],
+                              mask=m_hv, other=0.0).to(gl.float32)
+                gl.store(buf_ld + ((slot * LBCAP + t) * HV + o_hv)[:, None] * K + o_kh[None, :],
+                         -b_A * _softplus(b_a + b_dt), mask=m_hv & (t < n))
+        for h0 in range(0, HK, RH):
+            o_hk = h0 + o_r
+            m_kh = (o_hk < HK)[:, None] & (o_kh >= 0)[None, :]
+            for t in gl.static_range(T):
+                b_k = gl.load(k + i_b * stride_k_b + t * stride_k_t + o_hk[:, None] * stride_k_h + o_kh[None, :],
+                              mask=m_kh, other=0.0).to(gl.float32)
+                if USE_QK_L2NORM:
+                    b_k = b_k * gl.rsqrt(gl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+                p_kb = buf_k + ((slot * LBCAP + t) * HK + o_hk)[:, None] * K + o_kh[None, :]
+                gl.store(p_kb, b_k.to(p_kb.dtype.element_ty), mask=m_kh & (t < n))
+
+    @gluon.jit
     def _records_to_shared(p_R, h, BL: gl.constexpr, N: gl.constexpr, STRIDE: gl.constexpr,
                            VEC: gl.constexpr, NW: gl.constexpr):
         """Start the asynchronous copy of records `0..h-1` (`N` contiguous elements each, STRIDE
@@ -147,6 +194,45 @@ if HAVE_GLUON:
             return s_X.reinterpret(s_X.dtype, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     @gluon.jit
+    def _kda_draft_grams(q, k, a, A_log, dt_bias, p_ldh, i_b, i_hv, i_hk, hc, n, sole, scale,
+                         stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
+                         stride_a_b, stride_a_t, stride_a_h, s_Gk, s_Gq, s_A,
+                         HV: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, TP: gl.constexpr,
+                         USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr):
+        """KDA's drafts in order: draft t's decay vector a_t, its Gram rows `[t, r] = (k_r * a_{r+1}
+        ... a_t) . x_t` for x = k_t, q_t (`[t, t]`: k_t . q_t; columns past t zero) and the
+        running decay `a_0 ... a_t`, to the shared `[TP, TP]` s_Gk, s_Gq and `[TP, K]` s_A (rows
+        past n unwritten); without a flush (`sole`) the decay's record at h' + t. The weighted
+        keys are products of factors <= 1, as the recurrence applies them, never a difference of
+        log sums. A loop to n: unrolled, every draft's loads would be hoisted into registers."""
+        LG: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        o_rG = gl.arange(0, TP, layout=gl.SliceLayout(1, LG))
+        o_kG = gl.arange(0, K, layout=gl.SliceLayout(0, LG))
+        b_AG = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
+        b_dtG = gl.load(dt_bias + i_hv * K + o_kG).to(gl.float32)
+        b_KW = gl.zeros([TP, K], gl.float32, LG)
+        b_cum = gl.zeros([K], gl.float32, gl.SliceLayout(0, LG)) + 1.0
+        s_A1 = _rows_view(s_A, TP, K)
+        s_Gk1 = _rows_view(s_Gk, TP, TP)
+        s_Gq1 = _rows_view(s_Gq, TP, TP)
+        for t in range(0, n):
+            b_kt = gl.load(k + i_b * stride_k_b + t * stride_k_t + i_hk * stride_k_h + o_kG).to(gl.float32)
+            b_qt = gl.load(q + i_b * stride_q_b + t * stride_q_t + i_hk * stride_q_h + o_kG).to(gl.float32)
+            b_at = gl.load(a + i_b * stride_a_b + t * stride_a_t + i_hv * stride_a_h + o_kG).to(gl.float32)
+            if USE_QK_L2NORM:
+                b_kt = b_kt * gl.rsqrt(gl.sum(b_kt * b_kt, axis=0) + 1e-6)
+                b_qt = b_qt * gl.rsqrt(gl.sum(b_qt * b_qt, axis=0) + 1e-6)
+            b_qt = b_qt * scale
+            b_ldt = -b_AG * _softplus(b_at + b_dtG)
+            b_et = gl.exp(b_ldt)
+            b_KW = gl.where((o_rG == t)[:, None], b_kt[None, :], b_KW * b_et[None, :])
+            s_Gk1.index(t).store(gl.sum(b_KW * b_kt[None, :], axis=1))
+            s_Gq1.index(t).store(gl.sum(b_KW * b_qt[None, :], axis=1))
+            b_cum = b_cum * b_et
+            s_A1.index(t).store(b_cum)
+            gl.store(p_ldh + (hc + t) * (HV * K) + o_kG, b_ldt, mask=(o_kG >= 0) & (hc + t < LBCAP) & sole)
+
+    @gluon.jit
     def _gluon_verify_kernel(
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
@@ -158,6 +244,7 @@ if HAVE_GLUON:
         V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr,
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
+        IS_KDA: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -169,6 +256,8 @@ if HAVE_GLUON:
         #     LC its drafts (whole in every thread)
         # LT  the tile [BV, K] as copied and folded (4 columns per lane), LA1 [BL] positions one
         #     per lane (the decay scan)
+        # LE  (KDA) [BL, K] the records' log decays and weighted keys, every position of a column
+        #     in one thread (in-thread scans)
         KL: gl.constexpr = 32 // TL
         L3: gl.constexpr = gl.BlockedLayout([1, TP // TL, 4], [1, TL, KL], [NW, 1, 1], [2, 1, 0])
         LD: gl.constexpr = gl.SliceLayout(0, L3)
@@ -179,6 +268,7 @@ if HAVE_GLUON:
         LC: gl.constexpr = gl.SliceLayout(0, LS)
         LT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         LA1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        LE: gl.constexpr = gl.BlockedLayout([BL, 1], [1, 32], [1, NW], [0, 1])
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         NVB: gl.constexpr = V // BV
@@ -209,6 +299,11 @@ if HAVE_GLUON:
         p_Kg = buf_k + slot * (LBCAP * HK * K) + i_hk * K
         p_Uh = buf_w + slot * (LBCAP * HV * V) + i_hv * V + v0
         s_K = _records_to_shared(p_Kg, gl.minimum(window, LBCAP), BL, K, HK * K, VK, NW)
+        if IS_KDA:
+            # the records' log decays, [K] each, shifted (row j: position j + 1), over the window
+            # as the keys; the same buffer later holds the weighted keys
+            p_ldh = buf_ld + slot * (LBCAP * HV * K) + i_hv * K
+            s_LD = _records_to_shared(p_ldh + HV * K, gl.minimum(window, LBCAP) - 1, BL, K, HV * K, 4, NW)
         s_C = _tile_to_shared(p_C, BV, K, LT, SM)
         h = gl.load(cursor + slot).to(gl.int32)
         s_U = _records_to_shared(p_Uh, h, BL, BV, HV * V, VW, NW)
@@ -219,6 +314,17 @@ if HAVE_GLUON:
             n = h * 0 + T
         flush = h + n > window
         hc = gl.where(flush, 0, h)                   # where the drafts' records go (h')
+        if IS_KDA:
+            # 2. (KDA, first: the draft vectors in LD are loaded after it, not held through it)
+            # the drafts' Gram rows and running decays, while the tile arrives
+            s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+            s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+            s_A = gl.allocate_shared_memory(gl.float32, [TP, K], SM)
+            _kda_draft_grams(q, k, a, A_log, dt_bias, p_ldh, i_b, i_hv, i_hk, hc, n,
+                             (h + n <= window) & (i_v == 0), scale,
+                             stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
+                             stride_a_b, stride_a_t, stride_a_h, s_Gk, s_Gq, s_A,
+                             HV, K, LBCAP, TP, USE_QK_L2NORM, NW)
 
         o_tD = gl.arange(0, TP, layout=gl.SliceLayout(1, LD))
         o_kD = gl.arange(0, K, layout=gl.SliceLayout(0, LD))
@@ -230,60 +336,104 @@ if HAVE_GLUON:
         m_c = o_c < T
         b_vr = gl.load(v + i_b * stride_v_b + i_hv * stride_v_h + v0 + o_y[:, None] + (o_c * stride_v_t)[None, :],
                        mask=m_o, other=0.0)
-        b_ar = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_c * stride_a_t, mask=m_c, other=0.0)
+        if not IS_KDA:
+            b_ar = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_c * stride_a_t, mask=m_c, other=0.0)
         b_br = gl.load(b + i_b * stride_b_b + i_hv * stride_b_h + o_c * stride_b_t, mask=m_c, other=0.0)
         b_Alog = gl.load(A_log + i_hv).to(gl.float32)
-        b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
+        if not IS_KDA:
+            b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
         o_l = gl.arange(0, BL, layout=LA1)
-        p_ldh = buf_ld + slot * (LBCAP * HV) + i_hv
-        b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=o_l + 1 < h, other=0.0)
-        b_ld0 = gl.load(p_ldh)
+        if IS_KDA:
+            o_lE = gl.arange(0, BL, layout=gl.SliceLayout(1, LE))
+            o_kE = gl.arange(0, K, layout=gl.SliceLayout(0, LE))
+            b_ld0 = gl.load(p_ldh + o_kE)
+        else:
+            p_ldh = buf_ld + slot * (LBCAP * HV) + i_hv
+            b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=o_l + 1 < h, other=0.0)
+            b_ld0 = gl.load(p_ldh)
 
         # the drafts' normalised keys, scaled queries (as verify's _load_qk), log decays
         if USE_QK_L2NORM:
             b_kD = b_kD * gl.rsqrt(gl.sum(b_kD * b_kD, axis=1) + 1e-6)[:, None]
             b_qD = b_qD * gl.rsqrt(gl.sum(b_qD * b_qD, axis=1) + 1e-6)[:, None]
         b_qD = b_qD * scale
-        b_ldc = -gl.exp(b_Alog) * _softplus(b_ar.to(gl.float32) + b_dtb)              # [TP] LC
+        if not IS_KDA:
+            b_ldc = -gl.exp(b_Alog) * _softplus(b_ar.to(gl.float32) + b_dtb)          # [TP] LC
 
-        # without a flush, the drafts' decays and keys at h + t now (V-block 0 of the head, of
-        # the key head's first value head): no program of this launch reads positions >= h
+        # without a flush, the drafts' decays (KDA: in the Gram loop below) and keys at h + t now
+        # (V-block 0 of the head, of the key head's first value head): no program of this launch
+        # reads positions >= h
         sole = (h + n <= window) & (i_v == 0)
-        gl.store(p_ldh + (hc + o_c) * HV, b_ldc, mask=m_c & (o_c < n) & (hc + o_c < LBCAP) & sole)
+        if not IS_KDA:
+            gl.store(p_ldh + (hc + o_c) * HV, b_ldc, mask=m_c & (o_c < n) & (hc + o_c < LBCAP) & sole)
         if i_hv % HG == 0:
             p_kh = p_Kg + ((hc + o_tD) * (HK * K))[:, None] + o_kD[None, :]
             m_kh = m_D & ((o_tD < n) & (hc + o_tD < LBCAP))[:, None] & sole
             gl.store(p_kh, b_kD.to(p_kh.dtype.element_ty), mask=m_kh)
 
-        # 2. the records' weights at the cursor (c_j, zero past it; g), to shared memory
-        b_coef, b_g = _record_weights(b_ld1, b_ld0, 0.0, h, o_l)
-        s_c = gl.allocate_shared_memory(gl.float32, [BL], S1)
-        s_c.store(b_coef)
-        # and repeated over RCF rows for the flush's fold, which takes c_j by a runtime index
-        LF: gl.constexpr = gl.BlockedLayout([1, RCF], [32, 1], [NW, 1], [1, 0])
-        s_cR = gl.allocate_shared_memory(gl.float32, [BL, RCF], SM)
-        s_cR.store(gl.convert_layout(b_coef, gl.SliceLayout(1, LF))[:, None] + gl.zeros([BL, RCF], gl.float32, LF))
-        # the drafts' Gram products: [t, r] = k_t . k_r and q_t . k_r
-        s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
-        s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
-        b_kR = gl.convert_layout(b_kD, LR)
-        s_Gk.store(gl.sum(b_kR[:, None, :] * b_kD[None, :, :], axis=2))
-        b_qR = gl.convert_layout(b_qD, LR)
-        s_Gq.store(gl.sum(b_qR[:, None, :] * b_kD[None, :, :], axis=2))
-        # the records' products with the 2T vectors, weighted: [j, t] = c_j (k_j . x_t) (zero at
-        # or past the cursor: a select), once the keys have landed (the tile and the u may still
-        # be in flight)
-        cp.wait_group(2)
-        _barrier()
-        s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-        s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-        o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
-        for j0 in gl.static_range(0, BL, NW):
-            b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
-            b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
-            m_jO = ((j0 + o_jO) < h)[:, None]
-            s_Zk.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_kD[None, :, :], axis=2), 0.0))
-            s_Zq.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_qD[None, :, :], axis=2), 0.0))
+        if IS_KDA:
+            b_g = 1.0
+            # once the record keys and decays have landed (the tile and the u may still be in
+            # flight), per channel: record j's weight c_j = exp(ld_{j+1} + ... + ld_{h-1}) (an
+            # in-thread reverse scan of same-signed log decays, never a difference of prefix sums),
+            # the checkpoint's g = exp(ld_0 + ... + ld_{h-1}): S_h = C Diag(g) + sum_j u_j (c_j k_j)^T;
+            # the weighted keys (zero at or past the cursor: selects) replace the decays
+            cp.wait_group(2)
+            _barrier()
+            b_lds = gl.where((o_lE + 1 < h)[:, None], s_LD.load(LE), 0.0)
+            b_gE = gl.exp(gl.where(h > 0, b_ld0, 0.0) + gl.sum(b_lds, axis=0))          # [K]
+            b_Kw = gl.where((o_lE < h)[:, None], s_K.load(LE).to(gl.float32) *
+                            gl.exp(gl.associative_scan(b_lds, 0, _add, reverse=True)), 0.0)
+            _barrier()
+            s_Kw = s_LD
+            s_Kw.store(b_Kw)
+            _barrier()
+            # the drafts' vectors decayed to their own position (x_t a_0 ... a_t), so that S_h's
+            # terms need no weight
+            b_AD = gl.where((o_tD < n)[:, None], s_A.load(LD), 0.0)      # rows past n: unwritten
+            b_kD = b_kD * b_AD
+            b_qD = b_qD * b_AD
+            # the records' products with the 2T vectors: [j, t] = (c_j * k_j) . (x_t * a_0 ... a_t)
+            s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+            s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+            for j0 in gl.static_range(0, BL, NW):
+                b_Kj = s_Kw.slice(j0, NW, dim=0).load(LR)[:, None, :]
+                s_Zk.slice(j0, NW, dim=0).store(gl.sum(b_Kj * b_kD[None, :, :], axis=2))
+                s_Zq.slice(j0, NW, dim=0).store(gl.sum(b_Kj * b_qD[None, :, :], axis=2))
+            # and the checkpoint's products take g too: C (g * a_0 ... a_t * x_t)
+            b_gD = gl.convert_layout(b_gE, gl.SliceLayout(0, LD))[None, :]
+            b_kD = b_kD * b_gD
+            b_qD = b_qD * b_gD
+        else:
+            # 2. the records' weights at the cursor (c_j, zero past it; g), to shared memory
+            b_coef, b_g = _record_weights(b_ld1, b_ld0, 0.0, h, o_l)
+            s_c = gl.allocate_shared_memory(gl.float32, [BL], S1)
+            s_c.store(b_coef)
+            # and repeated over RCF rows for the flush's fold, which takes c_j by a runtime index
+            LF: gl.constexpr = gl.BlockedLayout([1, RCF], [32, 1], [NW, 1], [1, 0])
+            s_cR = gl.allocate_shared_memory(gl.float32, [BL, RCF], SM)
+            s_cR.store(gl.convert_layout(b_coef, gl.SliceLayout(1, LF))[:, None] + gl.zeros([BL, RCF], gl.float32, LF))
+            # the drafts' Gram products: [t, r] = k_t . k_r and q_t . k_r
+            s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+            s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+            b_kR = gl.convert_layout(b_kD, LR)
+            s_Gk.store(gl.sum(b_kR[:, None, :] * b_kD[None, :, :], axis=2))
+            b_qR = gl.convert_layout(b_qD, LR)
+            s_Gq.store(gl.sum(b_qR[:, None, :] * b_kD[None, :, :], axis=2))
+            # the records' products with the 2T vectors, weighted: [j, t] = c_j (k_j . x_t) (zero at
+            # or past the cursor: a select), once the keys have landed (the tile and the u may still
+            # be in flight)
+            cp.wait_group(2)
+            _barrier()
+            s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+            s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+            o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
+            for j0 in gl.static_range(0, BL, NW):
+                b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
+                b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
+                m_jO = ((j0 + o_jO) < h)[:, None]
+                s_Zk.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_kD[None, :, :], axis=2), 0.0))
+                s_Zq.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_qD[None, :, :], axis=2), 0.0))
 
         # 3. C x for the 2T vectors, RC rows at a time, each chunk of the tile read once
         cp.wait_group(0)
@@ -322,15 +472,21 @@ if HAVE_GLUON:
         for t in gl.static_range(T):
             is_t = o_c == t
             col = is_t[None, :]
-            ld_t = gl.sum(gl.where(is_t, b_ldc, 0.0), axis=0)
-            b_lw = b_lw + ld_t
-            b_lb = b_lb + ld_t
-            g_t = gl.exp(b_lb)
+            if IS_KDA:
+                # KDA's decays are in the products (Gram rows, decayed vectors): unit weights
+                g_t = 1.0
+                b_w = 1.0
+            else:
+                ld_t = gl.sum(gl.where(is_t, b_ldc, 0.0), axis=0)
+                b_lw = b_lw + ld_t
+                b_lb = b_lb + ld_t
+                g_t = gl.exp(b_lb)
             beta_t = gl.sum(gl.where(is_t, b_bet, 0.0), axis=0)
             b_gk = s_Gk1.index(t).load(LC)
             b_gq = s_Gq1.index(t).load(LC)
             kq_t = gl.sum(gl.where(is_t, b_gq, 0.0), axis=0)
-            b_w = gl.exp(b_lw)
+            if not IS_KDA:
+                b_w = gl.exp(b_lw)
             before = o_c < t
             w_k = gl.where(before, b_w * b_gk, 0.0)[None, :]
             w_q = gl.where(before, b_w * b_gq, 0.0)[None, :]
@@ -339,7 +495,8 @@ if HAVE_GLUON:
             b_Pq = g_t * gl.sum(gl.where(col, b_Sq, 0.0), axis=1) + gl.sum(b_Ud * w_q, axis=1)
             b_Ud = gl.where(col, b_u[:, None], b_Ud)
             b_O = gl.where(col, (b_Pq + kq_t * b_u)[:, None], b_O)
-            b_lw = gl.where(is_t, 0.0, b_lw)
+            if not IS_KDA:
+                b_lw = gl.where(is_t, 0.0, b_lw)
         m_n = (o_c < n)[None, :]
         gl.store(p_o, gl.where(m_n, b_O, 0.0).to(o.dtype.element_ty), mask=m_o)
 
@@ -350,34 +507,54 @@ if HAVE_GLUON:
         # 6. an early flush: C <- g C + sum_{j<h} c_j u_j k_j^T, RCF rows of the tile at a time
         # (the arithmetic of utils.gluon._fold_records, one rank-1 update per record, but a
         # loop to the cursor: unrolled over the window, its loads were hoisted into registers),
-        # stored as the new checkpoint
-        if flush:
-            o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
-            s_K1 = _rows_view(s_K, BL, K)
-            s_cR1 = _rows_view(s_cR, BL, RCF)
-            for r0 in gl.static_range(0, BV, RCF):
-                o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LT))
-                b_Cc = b_g * s_C.slice(r0, RCF, dim=0).load(LT)
-                # the records from shared memory, one at a time (c_j repeated over the rows)
-                for jf in range(0, hb):
-                    b_cw = s_cR1.index(jf).load(gl.SliceLayout(1, LT)) * \
-                        s_U1.index(jf).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
-                    b_Cc += b_cw[:, None] * s_K1.index(jf).load(gl.SliceLayout(0, LT)).to(gl.float32)[None, :]
-                gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+        # stored as the new checkpoint. KDA: C <- C Diag(g) + sum_{j<h} u_j (c_j * k_j)^T, the
+        # weighted keys from shared memory
+        if IS_KDA:
+            if flush:
+                o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
+                s_Kw1 = _rows_view(s_Kw, BL, K)
+                b_gT = gl.convert_layout(b_gE, gl.SliceLayout(0, LT))[None, :]
+                for r0 in gl.static_range(0, BV, RCF):
+                    o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LT))
+                    b_Cc = s_C.slice(r0, RCF, dim=0).load(LT) * b_gT
+                    for jf in range(0, hb):
+                        b_uw = s_U1.index(jf).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
+                        b_Cc += b_uw[:, None] * s_Kw1.index(jf).load(gl.SliceLayout(0, LT))[None, :]
+                    gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+        else:
+            if flush:
+                o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
+                s_K1 = _rows_view(s_K, BL, K)
+                s_cR1 = _rows_view(s_cR, BL, RCF)
+                for r0 in gl.static_range(0, BV, RCF):
+                    o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LT))
+                    b_Cc = b_g * s_C.slice(r0, RCF, dim=0).load(LT)
+                    # the records from shared memory, one at a time (c_j repeated over the rows)
+                    for jf in range(0, hb):
+                        b_cw = s_cR1.index(jf).load(gl.SliceLayout(1, LT)) * \
+                            s_U1.index(jf).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
+                        b_Cc += b_cw[:, None] * s_K1.index(jf).load(gl.SliceLayout(0, LT)).to(gl.float32)[None, :]
+                    gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
 
         # the hand-off; on a flush the slot's last program writes the drafts' decays and keys
         last = _verify_arrive(arrive, cursor, pending, epoch, slot, hc, n, flush, HV * NVB)
         if last & flush:
-            _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
-                                 stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
-                                 T, HV, HK, K, LBCAP, HVP, HKP, USE_QK_L2NORM, NW)
+            if IS_KDA:
+                _write_drafts_shared_kda(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
+                                         stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
+                                         T, HV, HK, K, LBCAP, USE_QK_L2NORM, NW)
+            else:
+                _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
+                                     stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
+                                     T, HV, HK, K, LBCAP, HVP, HKP, USE_QK_L2NORM, NW)
 
 
 def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
                         pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
-                        BV: int, num_warps: int, maxnreg: int = 0) -> None:
-    """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`); inputs validated, and the caller
-    checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0: none)."""
+                        BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn") -> None:
+    """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; inputs
+    validated, and the caller checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0:
+    none)."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if Bt == 0:
@@ -391,5 +568,5 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
-                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size()),
+                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

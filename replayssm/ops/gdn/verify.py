@@ -26,7 +26,8 @@ mostly in-thread FMAs and adds, no layout change of the vector per tile. KDA's d
 vector that scales the key columns instead of whole terms.
 
 On a GPU, GDN runs the Gluon kernel of gluon_verify.py instead (config `gluon`, default on where
-it applies: K = 128, BV = 16 * num_warps, windows up to 32); the CPU interpreter runs this one.
+it applies: K = 128, BV = 16 * num_warps, windows up to 32); KDA runs it with `gluon=True` (off
+by default until timed on a GPU); the CPU interpreter runs this one.
 """
 from __future__ import annotations
 
@@ -343,13 +344,13 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     as KS slices of K per thread, see ops/utils/tiles.py; `maxnreg`: a register cap, 0 none;
     `gluon`: the Gluon kernel of gluon_verify.py).
 
-    `gluon` (default True for GDN) applies on a GPU (`gpu`; None: CUDA present and not the
-    CPU interpreter) where `gluon_verify_unsupported` has no objection to the shape, window
-    (`window`, `Lb`; None: 16 and window + T) and config; the Gluon defaults are then BV = 64
+    `gluon` (default True for GDN; False for KDA until its Gluon kernel is timed on a GPU)
+    applies on a GPU (`gpu`; None: CUDA present and not the CPU interpreter) where
+    `gluon_verify_unsupported` has no objection to the shape, window (`window`, `Lb`; None: 16
+    and window + T) and config; the Gluon defaults are then BV = 64
     (the largest of 64, 32, 16 dividing V) in BV / 16 warps, registers capped at 128 for T > 4
     (uncapped they take about 150). Elsewhere the Triton kernel runs, with its own defaults and
-    the caller's overrides. The result's `gluon` says which kernel runs. KDA has no Gluon kernel
-    (gluon=True raises).
+    the caller's overrides. The result's `gluon` says which kernel runs.
 
     Chosen offline from the code compiled for sm_90a (registers, spills, instruction counts;
     benchmarks/tools/regcount.py `gdn-verify` / `kda-verify`), not yet timed on a GPU."""
@@ -361,8 +362,6 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     want = user.pop("gluon", family == "gdn")
     if not isinstance(want, bool):
         raise ValueError(f"config gluon={want!r} must be a bool")
-    if want and family != "gdn":
-        raise ValueError("config gluon=True: the Gluon verify kernel is implemented for GDN only")
     if gpu is None:
         gpu = torch.cuda.is_available() and not _interpreting()
     ks = min(8, max(1, BK // 4))
@@ -394,7 +393,8 @@ def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     if gluon and q.is_cuda and not _interpreting() and \
             gluon_verify_unsupported(family, HV, Hk, V, K, T, window, Lb, BV, num_warps) is None:
         launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending,
-                            epoch, arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, maxnreg)
+                            epoch, arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, maxnreg,
+                            family)
         return
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
