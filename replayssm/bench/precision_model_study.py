@@ -54,7 +54,8 @@ import torch
 
 from .common import header, write_results
 from .model import MODELS
-from .precision_study import LP_FORMATS, checkpoints
+from .precision_study import LP_FORMATS, _csv, checkpoints
+from .precision_study import plot as layer_plot
 from .precision_study import DESIGNS as LAYER_DESIGNS
 from .precision_study import variants as layer_variants
 
@@ -241,48 +242,9 @@ def table(rows) -> str:
 
 
 def plot(rows, path) -> None:
-    """KL against decode steps, log-log: one panel per model and low-precision format (zeros,
-    the reference's own design, do not show on a log axis)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fmts = [f for f in LP_FORMATS if any(r["read_format"] == f for r in rows)] or ["fp32"]
-    fig, axes = plt.subplots(len(models), len(fmts), figsize=(3.4 * len(fmts), 2.9 * len(models)), squeeze=False)
-    for a, m in enumerate(models):
-        for b, fmt in enumerate(fmts):
-            ax = axes[a][b]
-            keys = {tuple(r[f] for f in _FIELDS): None for r in rows if r["model"] == m
-                    and (r["read_format"] == fmt or r["design"] == "conventional-fp32")}
-            for key in keys:
-                pts = [(r["tokens"], r["kl"]) for r in rows if r["model"] == m
-                       and tuple(r[f] for f in _FIELDS) == key and r["kl"]]
-                if not pts:
-                    continue
-                style = "--" if key[0].startswith("conventional") else "-"
-                label = key[0] + ("" if key[0] in ("separate", "separate-fp8sr", "conventional-fp32")
-                                  else " SR" if key[3] == "stochastic" else " RN")
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", ms=3, label=label)
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_title(f"{m}, read {fmt}", fontsize=8)
-            ax.set_xlabel("decode steps", fontsize=7)
-            ax.tick_params(labelsize=6)
-            ax.legend(fontsize=5)
-        axes[a][0].set_ylabel("KL(fp32 || design)", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _csv(text: str, allowed, what: str) -> list:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    for s in items:
-        if s not in allowed:
-            raise argparse.ArgumentTypeError(f"unknown {what} {s!r}; expected some of {', '.join(allowed)}")
-    return items
+    """KL against decode steps, log-log: one panel per model and low-precision format (the
+    layer study's plot; zeros, the reference's own design, do not show on a log axis)."""
+    layer_plot(rows, path, group="model", value="kl", xlabel="decode steps", ylabel="KL(fp32 || design)")
 
 
 def _positive(text: str) -> int:

@@ -276,24 +276,27 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path) -> None:
-    """Relative error against tokens, log-log: one panel per family and low-precision format."""
+def plot(rows, path, *, group: str = "family", value: str = "rel_error", xlabel: str = "tokens",
+         ylabel: str = "output rel. error") -> None:
+    """`value` against `tokens`, log-log: one panel per `group` (a family; the model study: a
+    model) and low-precision format, one line per design, read format and rounding (zeros and
+    None, which a log axis cannot show, left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fams = sorted({r["family"] for r in rows})
+    fields = ("design", group, "read_format", "hp_format", "rounding")
+    groups = list(dict.fromkeys(r[group] for r in rows))
     fmts = [f for f in LP_FORMATS if any(r["read_format"] == f for r in rows)] or ["fp32"]
-    fig, axes = plt.subplots(len(fams), len(fmts), figsize=(3.4 * len(fmts), 2.9 * len(fams)), squeeze=False)
-    for a, fam in enumerate(fams):
+    fig, axes = plt.subplots(len(groups), len(fmts), figsize=(3.4 * len(fmts), 2.9 * len(groups)), squeeze=False)
+    for a, grp in enumerate(groups):
         for b, fmt in enumerate(fmts):
             ax = axes[a][b]
-            keys = {tuple(r[f] for f in _FIELDS): None for r in rows if r["family"] == fam
+            keys = {tuple(r[f] for f in fields): None for r in rows if r[group] == grp
                     and (r["read_format"] == fmt or r["design"] == "conventional-fp32")}
             for key in keys:
-                pts = [(r["tokens"], r["rel_error"]) for r in rows if tuple(r[f] for f in _FIELDS) == key
-                       and r["rel_error"] is not None]
+                pts = [(r["tokens"], r[value]) for r in rows if tuple(r[f] for f in fields) == key and r[value]]
                 if not pts:
                     continue
                 style = "--" if key[0].startswith("conventional") else "-"
@@ -303,11 +306,11 @@ def plot(rows, path) -> None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", ms=3, label=label)
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.set_title(f"{fam}, read {fmt}", fontsize=8)
-            ax.set_xlabel("tokens", fontsize=7)
+            ax.set_title(f"{grp}, read {fmt}", fontsize=8)
+            ax.set_xlabel(xlabel, fontsize=7)
             ax.tick_params(labelsize=6)
             ax.legend(fontsize=5)
-        axes[a][0].set_ylabel("output rel. error", fontsize=7)
+        axes[a][0].set_ylabel(ylabel, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
