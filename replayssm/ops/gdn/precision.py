@@ -17,6 +17,8 @@ per V-block, in row chunks of RC, with no exchange between programs. NVFP4's sca
 matrix: the head's last program to arrive encodes the whole matrix (mamba2/precision.py).
 The flush does not depend on the low-precision format, so neither does the fp32 checkpoint.
 Window 1 (the eager step) flushes every row, folding the records it still holds.
+On CUDA a step may be two launches (`ROWS`, gluon_lowp.py): this kernel over the flush rows,
+then the Gluon kernel of the steady rows, which moves every cursor.
 The HP checkpoint may instead be fp16, bf16 or scaled fp8-e4m3 (`HP`, ops/utils/sround.py):
 the flush decodes it, folds in fp32 and writes it back with seeded stochastic rounding, bit for
 bit `formats.encode(S, hp, "stochastic", seed, stream=slot * 2**32 + epoch[slot])` of its fp32
@@ -40,12 +42,13 @@ from torch import Tensor
 from ..utils.checks import check_tensor
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import (LP_CODES, head_counter, load_lp_tile, lowp_config, store_lp_rows,
-                          store_nvfp4_head)
+from ..utils.lowp import (LP_CODES, flush_programs, head_counter, load_lp_tile, lowp_config,
+                          store_lp_rows, store_nvfp4_head)
 from ..utils.sround import (SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows,
                            store_sr_rows)
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state, check_token_inputs)
+from .gluon_lowp import GLUON_DEFAULT, launch_gluon_lp, use_gluon_lp
 
 __all__ = ["lowp_decode", "LP_FORMATS", "SHARED_FORMATS"]
 
@@ -223,23 +226,23 @@ def _shared_flush(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, head_arriv
 
 
 @triton.jit
-def _lowp_decode_kernel(
+def _lowp_row(
     q, k, v, a, b, A_log, dt_bias, o,
     ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
-    cursor, epoch, arrive, head_arrive, slot_ids,
+    cursor, epoch, arrive, head_arrive,
     scale,
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
     stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+    pid, i_b, i_s, h,
     HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     LBCAP: tl.constexpr, LB: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr, RC: tl.constexpr,
-    LP: tl.constexpr, HP: tl.constexpr, SHARED: tl.constexpr = False, SR: tl.constexpr = True,
+    LP: tl.constexpr, HP: tl.constexpr, SHARED: tl.constexpr, SR: tl.constexpr, HAND_OFF: tl.constexpr,
 ):
+    """Row `i_b` (slot `i_s` >= 0, cursor `h`) of the step, V-block `pid % NV` of value head
+    `pid // NV`: everything it reads and writes; the cursor's move only with HAND_OFF."""
     NV: tl.constexpr = (V + BV - 1) // BV
     HG: tl.constexpr = HV // HK
-    # grid (HV * NV, Bt), V-block fastest: a program owns V-block i_v of value head i_hv
-    pid = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
     i_v = pid % NV
     i_hv = pid // NV
     i_hk = i_hv // HG
@@ -249,12 +252,7 @@ def _lowp_decode_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     p_o = o + (i_b * HV + i_hv) * V + o_v
-
-    i_s = tl.load(slot_ids + i_b).to(tl.int64)
-    if i_s < 0:
-        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
-        return
-    h = tl.load(cursor + i_s).to(tl.int64)
+    h = h.to(tl.int64)
     i_m = i_s * HV + i_hv                                   # this head's matrix in the pool
     p_Ch = ckpt + i_m * (V * K)
 
@@ -332,7 +330,82 @@ def _lowp_decode_kernel(
                 p_kh = buf_k + (o_h * HK + i_hk) * K + o_k
                 tl.store(p_kh, _for_store(b_k, p_kh, EXACT_BF16), mask=m_k)
 
-    hand_off(arrive, cursor, epoch, i_s, h, flush, HV * NV)
+    if HAND_OFF:
+        hand_off(arrive, cursor, epoch, i_s, h, flush, HV * NV)
+
+
+@triton.jit
+def _lowp_decode_kernel(
+    q, k, v, a, b, A_log, dt_bias, o,
+    ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
+    cursor, epoch, arrive, head_arrive, slot_ids,
+    scale,
+    stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+    stride_a_b, stride_a_h, stride_b_b, stride_b_h,
+    n_rows,
+    HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+    LBCAP: tl.constexpr, LB: tl.constexpr, WINDOW: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr, RC: tl.constexpr,
+    LP: tl.constexpr, HP: tl.constexpr, SHARED: tl.constexpr = False, SR: tl.constexpr = True,
+    ROWS: tl.constexpr = 0, BT: tl.constexpr = 16,
+):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    # ROWS 0: grid (HV * NV, Bt), V-block fastest: a program owns V-block i_v of value head
+    # i_hv of row i_b, every row.
+    # ROWS 1 (launch 1 of two, gluon_lowp.py): grid (G,); the rows that flush, without the
+    # cursor's move: their (row, head, V-block) items, item t (the row's rank among the flush
+    # rows, in row order, times HV * NV, plus the program's index in ROWS 0) by program t mod G.
+    # ROWS 2 (launch 2's contract in Triton, for the interpreter's tests of the split): every
+    # other row in full; a flush row only moves the cursor, after every program has read it.
+    if ROWS == 1:
+        NP: tl.constexpr = HV * NV
+        j = tl.program_id(0)
+        G = tl.num_programs(0)
+        seen = 0                                            # flush rows in the chunks before
+        for c0 in range(0, n_rows, BT):
+            o_b = c0 + tl.arange(0, BT)
+            b_sl = tl.load(slot_ids + o_b, mask=o_b < n_rows, other=-1).to(tl.int64)
+            b_h = tl.load(cursor + tl.where(b_sl >= 0, b_sl, 0), mask=b_sl >= 0, other=0)
+            b_fl = (b_sl >= 0) & (b_h + 1 >= WINDOW)
+            b_rank = seen + tl.cumsum(b_fl.to(tl.int32), axis=0) - 1
+            n_fl = tl.sum(b_fl.to(tl.int32), axis=0)
+            t_lo = seen * NP
+            t0 = t_lo + ((j - t_lo) % G + G) % G            # this program's first item of the chunk
+            for t in range(t0, (seen + n_fl) * NP, G):
+                m_r = b_fl & (b_rank == t // NP)
+                i_b = tl.sum(tl.where(m_r, o_b, 0), axis=0).to(tl.int64)
+                i_s = tl.sum(tl.where(m_r, b_sl, 0), axis=0)
+                h = tl.sum(tl.where(m_r, b_h, 0), axis=0)
+                _lowp_row(q, k, v, a, b, A_log, dt_bias, o, ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale,
+                          buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, head_arrive, scale,
+                          stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_a_b,
+                          stride_a_h, stride_b_b, stride_b_h, t % NP, i_b, i_s, h, HV, HK, V, K, LBCAP, LB, WINDOW,
+                          BV, BK, IS_KDA, USE_QK_L2NORM, EXACT_BF16, RC, LP, HP, SHARED, SR, False)
+            seen += n_fl
+    else:
+        i_b = tl.program_id(1).to(tl.int64)
+        i_s = tl.load(slot_ids + i_b).to(tl.int64)
+        if i_s < 0:
+            o_v = (tl.program_id(0) % NV) * BV + tl.arange(0, BV)
+            p_o = o + (i_b * HV + tl.program_id(0) // NV) * V + o_v
+            tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=o_v < V)
+            return
+        h = tl.load(cursor + i_s).to(tl.int64)
+        if ROWS == 2:
+            if h + 1 >= WINDOW:
+                hand_off(arrive, cursor, epoch, i_s, h, True, HV * NV)
+            else:
+                _lowp_row(q, k, v, a, b, A_log, dt_bias, o, ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale,
+                          buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, head_arrive, scale,
+                          stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_a_b,
+                          stride_a_h, stride_b_b, stride_b_h, tl.program_id(0), i_b, i_s, h, HV, HK, V, K, LBCAP,
+                          LB, WINDOW, BV, BK, IS_KDA, USE_QK_L2NORM, EXACT_BF16, RC, LP, HP, SHARED, SR, True)
+        else:
+            _lowp_row(q, k, v, a, b, A_log, dt_bias, o, ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale,
+                      buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, head_arrive, scale,
+                      stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_a_b,
+                      stride_a_h, stride_b_b, stride_b_h, tl.program_id(0), i_b, i_s, h, HV, HK, V, K, LBCAP,
+                      LB, WINDOW, BV, BK, IS_KDA, USE_QK_L2NORM, EXACT_BF16, RC, LP, HP, SHARED, SR, True)
 
 
 def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
@@ -352,7 +425,11 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     checkpoint's parts (`replayssm.formats.allocate(lp_format, [N, HV, V, K])`), read by the
     other steps and rewritten round-to-nearest on a flush; `lp_format` one of `LP_FORMATS`;
     `buf_v` `[N, Lb, HV, V]` (record dtype) and `buf_beta` `[N, Lb, HV]` fp32, the raw records
-    from which a flush recomputes `u` along the HP path. `config`: `BV`, `num_warps`.
+    from which a flush recomputes `u` along the HP path. `config`: `BV`, `num_warps`, and the
+    split of a step (`lowp.lowp_config`; `gluon` here defaults to `gluon_lowp.GLUON_DEFAULT`):
+    on CUDA with `gluon` the flush rows on this kernel, then the steady rows on the Gluon kernel
+    of gluon_lowp.py where it covers the read format and shape; `split` the same two launches
+    with this kernel twice (the interpreter's test of the split).
     `hp_format` fp16, bf16 or fp8_e4m3: `ckpt` is a dict of its parts, decoded by the flush and
     rewritten with seeded stochastic rounding (`formats.encode(S, hp_format, "stochastic",
     seed=seed, stream=slot * 2**32 + epoch)` bit for bit); the LP copy must not be nvfp4.
@@ -404,7 +481,9 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
             raise ValueError(f"hp_rounding {hp_rounding!r}: beside a low-precision copy a {hp_format} checkpoint "
                              "is written with stochastic rounding only")
         ck = dict(checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K), SR=1)
-    cfg = lowp_config(V, config)
+    cfg = lowp_config(V, config, split=True)
+    # the steady rows' Gluon kernel is opt-in for GDN and KDA (gluon_lowp.GLUON_DEFAULT)
+    cfg["gluon"] = bool((config or {}).get("gluon", GLUON_DEFAULT))
     BV = cfg["BV"]
     scale = _scale(scale, K)
     if out is None:
@@ -416,15 +495,29 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     # record tiles cover positions below the window (window 1: whatever the buffer holds)
     npos = LBCAP if window == 1 else min(window, LBCAP)
     nv = triton.cdiv(V, BV)
-    _lowp_decode_kernel[(HV * nv, Bt)](
-        q, k, v, a, b, A_log, dt_bias, out,
-        ck["ckpt"], ck["hp_scale"], ck["sr_key"], ck["lp_data"], ck["lp_scale"], ck["lp_tscale"],
-        buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, head_counter(ckpt.device, N * HV), slot_ids,
-        scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, LB=max(2, triton.next_power_of_2(npos)), WINDOW=int(window),
-        BV=BV, BK=triton.next_power_of_2(K), IS_KDA=family == "kda",
-        USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(), RC=min(16, BV), LP=ck["LP"],
-        HP=ck["HP"], SHARED=shared, SR=bool(ck["SR"]), num_warps=cfg["num_warps"], num_stages=1)
+    args = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, o=out,
+                ckpt=ck["ckpt"], hp_scale=ck["hp_scale"], sr_key=ck["sr_key"], lp_data=ck["lp_data"],
+                lp_scale=ck["lp_scale"], lp_tscale=ck["lp_tscale"], buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
+                buf_v=buf_v, buf_beta=buf_beta, cursor=cursor, epoch=epoch, arrive=arrive,
+                head_arrive=head_counter(ckpt.device, N * HV), slot_ids=slot_ids, scale=scale,
+                stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_k_b=k.stride(0), stride_k_h=k.stride(1),
+                stride_v_b=v.stride(0), stride_v_h=v.stride(1), stride_a_b=a.stride(0), stride_a_h=a.stride(1),
+                stride_b_b=b.stride(0), stride_b_h=b.stride(1), n_rows=Bt,
+                HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, LB=max(2, triton.next_power_of_2(npos)), WINDOW=int(window),
+                BV=BV, BK=triton.next_power_of_2(K), IS_KDA=family == "kda",
+                USE_QK_L2NORM=bool(use_qk_l2norm), EXACT_BF16=_interpreting(), RC=min(16, BV), LP=ck["LP"],
+                HP=ck["HP"], SHARED=shared, SR=bool(ck["SR"]), BT=min(1024, triton.next_power_of_2(Bt)),
+                num_warps=cfg["num_warps"], num_stages=1)
+    gluon = use_gluon_lp(cfg, family, ck["LP"], q, V, K, int(window), LBCAP)
+    if window > 1 and (gluon or cfg["split"]):
+        # launch 1: the flush rows, without the cursor's move (gluon_lowp.py says why)
+        _lowp_decode_kernel[(flush_programs(cfg, HV * nv * Bt, q.device),)](**args, ROWS=1)
+        if gluon:
+            launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, ck["lp_data"], ck["lp_scale"], ck["lp_tscale"],
+                            ck["LP"], buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, slot_ids, out,
+                            int(window), cfg["gluon_BV"], use_qk_l2norm, family, cfg["gluon_maxnreg"])
+        else:
+            _lowp_decode_kernel[(HV * nv, Bt)](**args, ROWS=2)
+    else:
+        _lowp_decode_kernel[(HV * nv, Bt)](**args, ROWS=0)
     return out
