@@ -48,23 +48,18 @@ def gluon_verify_unsupported(HV: int, V: int, K: int, Hk: int, T: int, window: i
                              num_warps: int) -> Optional[str]:
     """Why the Gluon verify kernel does not cover this shape and launch config, or None when it
     does (K = 128, `BV = 16 * num_warps` dividing V, at most 8 warps, windows up to 32,
-    2 <= T <= 8)."""
+    1 <= T <= min(8, window))."""
     why = gluon_shape_supported(V, K, window, Lb, BV, num_warps)
     if why:
         return why
     if num_warps > 8:
         return f"num_warps={num_warps} (at most 8)"
-    if T == 1:
-        # the H200's round tests failed at T = 1 (both real shapes): their precondition of a
-        # verify flush, which T = 1 at window 16 never has (CPU emulation: the kernel's
-        # arithmetic agrees); one draft runs the Triton kernel until the GPU re-run confirms
-        return "T=1 (the Triton kernel: the Gluon kernel failed its GPU round tests there)"
-    if not 2 <= T <= MAX_DRAFT:
-        return f"T={T} drafts (2..{MAX_DRAFT})"
+    if not 1 <= T <= MAX_DRAFT:
+        return f"T={T} drafts (1..{MAX_DRAFT})"
     if T > window:
-        # the H200's round test at window 3 with T = 8 failed: the record copies covered the
-        # window's positions, not the cursors up to T a commit leaves (NPOS, fixed; the decode
-        # kernels' copies have the same limit); the Triton kernel until the GPU re-run confirms
+        # the H200's round test at window 3 with T = 8 fails (verify error 0.1, also with the
+        # record copies over T positions, NPOS): the pool never launches it (max_draft <= window,
+        # docs/state-layout.md); the Triton kernel covers it for direct callers
         return f"T={T} drafts above the window {window} (the Triton kernel)"
     if HV % Hk:
         return f"Hk={Hk} does not divide HV={HV}"
