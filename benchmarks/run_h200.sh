@@ -41,7 +41,7 @@ if [[ "$STAGE" == windows ]]; then
   decode decode_h200_w16_fp32_inputs --windows 16 --cursors staggered --input-dtype float32
 fi
 if [[ "$STAGE" == verify ]]; then
-  python3 -m replayssm.bench.verify --accepted ends --reps 6 --out "$OUT/verify_h200.json" 2>&1 | tee "$OUT/verify_h200.log" | tail -34
+  python3 -m replayssm.bench.verify --batches 64,256,512 --drafts 1,2,4,6,8 --windows 16,star --accepted ends --reps 6 --out "$OUT/verify_h200.json" 2>&1 | tee "$OUT/verify_h200.log" | tail -34
 fi
 if [[ "$STAGE" == verify-variants ]]; then
   v() { python3 -m replayssm.bench.verify --batches 256 --accepted ends --no-snapshot "$@" 2>&1 | grep -E "variant|x$" | tail -40; }

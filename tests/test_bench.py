@@ -487,3 +487,21 @@ def test_precision_benchmark_configs_option(monkeypatch, tmp_path, capsys):
     precision.main(["--shapes", "nemotron3-super", "--batches", "256", "--formats", "fp16", "--no-window",
                     "--out", str(out)])
     assert seen[-1] is None and "configs" not in json.loads(out.read_text())
+
+
+def test_verify_star_windows_follow_the_traffic_model():
+    from replayssm import shapes, traffic
+    from replayssm.bench import verify
+    for name in ("nemotron3-super", "qwen3.5-4b", "kimi-linear-48b"):
+        sh = shapes.parse(name)
+        for T in (1, 2, 4, 8):
+            L = verify.star_window(name, T)
+            assert max(T, 2) <= L <= 32
+            r = traffic.record_bytes(sh.V, sh.K, decay_len=sh.K if sh.family == "kda" else 1)
+            exact = traffic.l_star(sh.V, sh.K, r=r, T=T, A=(T + 1) / 2)
+            assert L == min(32, max(T, 2, round(exact)))
+    # KDA's decay vectors make its records dearer: a shorter window than GDN's at the same K, V
+    assert verify.star_window("kimi-linear-48b", 4) < verify.star_window("qwen3.5-4b", 4)
+    assert verify._windows("16,star,16", "nemotron3-super", 4) == [16, verify.star_window("nemotron3-super", 4)]
+    with pytest.raises(SystemExit):
+        verify.main(["--windows", "16,huge"])

@@ -15,6 +15,10 @@ steps the early flushes fall as they would at that acceptance length (all accept
   sequence, the next step starting from the accepted token's state.
 - `conventional`: one `conventional_decode` step (the unit of `ratio_vs_conventional_step`).
 
+`--windows` takes window lengths and `star`: the traffic model's `L*` for the shape and `T`
+(`traffic.l_star` at mean acceptance `(T + 1) / 2`, KDA's records with their decay vectors, rounded, within `[max(T, 2), 32]`: the
+pool needs `L >= T`, the Gluon kernels take windows up to 32); each row carries its `window`.
+
 `us_per_accepted_token` is the step's time over `accepted`, the tokens each row keeps (mean
 acceptance length = `accepted`). Token inputs and outputs have `--input-dtype` (bf16 default);
 layer parameters and states fp32, records `--record-dtype`.
@@ -26,7 +30,7 @@ import itertools
 
 import torch
 
-from .. import shapes
+from .. import shapes, traffic
 from ..testing import make_inputs, make_params
 from .common import call_accepting, family_ops, graph_time_us, header, write_results
 
@@ -153,12 +157,32 @@ def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record
     return rows
 
 
+def star_window(shape: str, T: int) -> int:
+    """The traffic model's window for `T` drafts at mean acceptance `(T + 1) / 2`, within the
+    windows the pool and the Gluon kernels take (`[max(T, 2), 32]`)."""
+    sh = shapes.parse(shape)
+    r = traffic.record_bytes(sh.V, sh.K, decay_len=sh.K if sh.family == "kda" else 1)
+    L = traffic.l_star(sh.V, sh.K, r=r, T=T, A=(T + 1) / 2)
+    return int(min(32, max(T, 2, round(L))))
+
+
+def _windows(spec: str, shape: str, T: int) -> list:
+    out = []
+    for w in spec.split(","):
+        L = star_window(shape, T) if w.strip() == "star" else int(w)
+        if L not in out:
+            out.append(L)
+    return out
+
+
 def _plot(rows, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    w0 = min((r["window"] for r in rows), key=lambda w: abs(w - 16), default=16)
+    rows = [r for r in rows if r["window"] == w0]
     keys = sorted({(r["shape"], r["batch"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.6), squeeze=False)
     for ax, (shape, batch) in zip(axes[0], keys):
@@ -173,7 +197,7 @@ def _plot(rows, path):
         ax.set_yscale("log")
     axes[0][0].set_ylabel("verify step / conventional step")
     axes[0][-1].legend(fontsize=6)
-    fig.suptitle(f"Speculative verification, window 16 ({torch.cuda.get_device_name()})", fontsize=9)
+    fig.suptitle(f"Speculative verification, window {w0} ({torch.cuda.get_device_name()})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -184,7 +208,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help="model names or family/HV/Hk/V/K specs, comma-separated (default: %(default)s)")
     ap.add_argument("--batches", default="256,512")
-    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--windows", default="16",
+                    help="window lengths, comma-separated; `star`: the traffic model's L* per shape and T")
     ap.add_argument("--drafts", default="2,4,8", help="the T values (tokens per verify step)")
     ap.add_argument("--accepted", default="all", choices=["all", "ends"],
                     help="accepted counts timed: every 1..T, or only 1 and T")
@@ -207,6 +232,9 @@ def main(argv=None):
             assert isinstance(variants, list) and all(isinstance(v, dict) for v in variants)
         except (ValueError, AssertionError):
             ap.error(f"--variants must be a JSON list of objects, got {args.variants!r}")
+    for w in args.windows.split(","):
+        if w.strip() != "star" and not (w.strip().isdigit() and 1 <= int(w) <= 64):
+            ap.error(f"--windows: {w!r} is neither a window length (1..64) nor 'star'")
     try:
         shape_list = [shapes.parse(s) and s for s in args.shapes.split(",")]
     except ValueError as e:
@@ -216,25 +244,30 @@ def main(argv=None):
                          "(torch.cuda.is_available() is False on this machine)")
     rdt, idt = getattr(torch, args.record_dtype), getattr(torch, args.input_dtype)
     doc = header("verify")
-    doc.update(record_dtype=args.record_dtype, input_dtype=args.input_dtype, window=args.window,
+    doc.update(record_dtype=args.record_dtype, input_dtype=args.input_dtype, windows=args.windows,
                rounds=args.rounds)
     rows = []
     for shape, batch, T in itertools.product(shape_list, map(int, args.batches.split(",")),
                                              map(int, args.drafts.split(","))):
         acc = list(range(1, T + 1)) if args.accepted == "all" else sorted({1, T})
-        r = measure(shape, batch, args.window, T, acc, rounds=args.rounds, reps=args.reps, record_dtype=rdt,
-                    input_dtype=idt, snapshot=not args.no_snapshot, variants=variants)
-        rows += r
-        doc["rows"] = rows
-        write_results(args.out, doc)      # after every point: a run cut short keeps what it measured
-        rep = {x["accepted"]: x for x in r if x["scheme"] == "replay" and "config" not in x}
-        snap = {x["accepted"]: x for x in r if x["scheme"] == "snapshot"}
-        line = (f"{shape:18} B={batch:3d} T={T} conv {r[0]['us_per_step']:7.1f} us | replay "
-                f"{rep[min(rep)]['ratio_vs_conventional_step']:.2f}-{rep[max(rep)]['ratio_vs_conventional_step']:.2f}x")
-        if snap:
-            line += (f" | snapshot {snap[min(snap)]['ratio_vs_conventional_step']:.2f}-"
-                     f"{snap[max(snap)]['ratio_vs_conventional_step']:.2f}x")
-        print(line, flush=True)
+        for L in _windows(args.windows, shape, T):
+            if L < T:
+                print(f"{shape:18} B={batch:3d} T={T} L={L}: skipped (the pool needs L >= T)", flush=True)
+                continue
+            r = measure(shape, batch, L, T, acc, rounds=args.rounds, reps=args.reps, record_dtype=rdt,
+                        input_dtype=idt, snapshot=not args.no_snapshot, variants=variants)
+            rows += r
+            doc["rows"] = rows
+            write_results(args.out, doc)      # after every point: a run cut short keeps what it measured
+            rep = {x["accepted"]: x for x in r if x["scheme"] == "replay" and "config" not in x}
+            snap = {x["accepted"]: x for x in r if x["scheme"] == "snapshot"}
+            line = (f"{shape:18} B={batch:3d} T={T} L={L:2d} conv {r[0]['us_per_step']:7.1f} us | replay "
+                    f"{rep[min(rep)]['ratio_vs_conventional_step']:.2f}-"
+                    f"{rep[max(rep)]['ratio_vs_conventional_step']:.2f}x")
+            if snap:
+                line += (f" | snapshot {snap[min(snap)]['ratio_vs_conventional_step']:.2f}-"
+                         f"{snap[max(snap)]['ratio_vs_conventional_step']:.2f}x")
+            print(line, flush=True)
     path = write_results(args.out, doc)
     try:
         _plot([r for r in rows if "config" not in r], path.with_suffix(".png"))
@@ -245,10 +278,10 @@ def main(argv=None):
             print(f"variant {x['shape']:18} B={x['batch']:3d} T={x['T']} accepted={x['accepted']} "
                   f"{x['ratio_vs_conventional_step']:.2f}x {x['config']}")
     rows_default = [x for x in rows if "config" not in x]
-    print(f"\nverify step / conventional step, window {args.window}, drafts all rejected .. all accepted")
-    print("shape               batch  T  conv us   replay        snapshot     per token at A=3 (T=4): replay/snapshot")
-    for shape, batch, T in sorted({(r["shape"], r["batch"], r["T"]) for r in rows_default}):
-        sel = [r for r in rows_default if (r["shape"], r["batch"], r["T"]) == (shape, batch, T)]
+    print("\nverify step / conventional step, drafts all rejected .. all accepted")
+    print("shape               batch  T   L  conv us   replay        snapshot     per token at A=3 (T=4): replay/snapshot")
+    for shape, batch, T, L in sorted({(r["shape"], r["batch"], r["T"], r["window"]) for r in rows_default}):
+        sel = [r for r in rows_default if (r["shape"], r["batch"], r["T"], r["window"]) == (shape, batch, T, L)]
         conv = next(r for r in sel if r["scheme"] == "conventional")
         rng = {}
         for scheme in ("replay", "snapshot"):
@@ -259,7 +292,8 @@ def main(argv=None):
             a3 = {r["scheme"]: r["us_per_accepted_token"] for r in sel if r["accepted"] == 3}
             if "replay" in a3 and "snapshot" in a3:
                 per = f"{a3['snapshot'] / a3['replay']:.2f}x fewer us"
-        print(f"{shape:18} {batch:5d} {T:2d} {conv['us_per_step']:8.1f}   {rng['replay']:12} {rng['snapshot']:12} {per}")
+        print(f"{shape:18} {batch:5d} {T:2d} {L:3d} {conv['us_per_step']:8.1f}   {rng['replay']:12} "
+              f"{rng['snapshot']:12} {per}")
     return doc
 
 
