@@ -36,8 +36,8 @@ from torch import Tensor
 from ..utils.checks import check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import (LP_CODES, flush_programs, head_counter, load_lp_tile, lowp_config,
-                          store_lp_rows, store_nvfp4_head)
+from ..utils.lowp import (LP_CODES, flush_item_row, flush_programs, flush_rows_chunk, head_counter,
+                          load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head)
 from ..utils.sround import (HP_CODES, SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args,
                            store_nvfp4_rows, store_sr_rows)
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
@@ -247,19 +247,11 @@ def _lowp_decode_kernel(
         G = tl.num_programs(0)
         seen = 0                                            # flush rows in the chunks before
         for c0 in range(0, n_rows, BT):
-            o_b = c0 + tl.arange(0, BT)
-            b_sl = tl.load(slot_ids + o_b, mask=o_b < n_rows, other=-1).to(tl.int64)
-            b_h = tl.load(cursor + tl.where(b_sl >= 0, b_sl, 0), mask=b_sl >= 0, other=0)
-            b_fl = (b_sl >= 0) & (b_h + 1 >= WINDOW)
-            b_rank = seen + tl.cumsum(b_fl.to(tl.int32), axis=0) - 1
-            n_fl = tl.sum(b_fl.to(tl.int32), axis=0)
+            o_b, b_sl, b_h, b_fl, b_rank, n_fl = flush_rows_chunk(slot_ids, cursor, c0, n_rows, seen, WINDOW, BT)
             t_lo = seen * NP
             t0 = t_lo + ((j - t_lo) % G + G) % G            # this program's first item of the chunk
             for t in range(t0, (seen + n_fl) * NP, G):
-                m_r = b_fl & (b_rank == t // NP)
-                i_b = tl.sum(tl.where(m_r, o_b, 0), axis=0).to(tl.int64)
-                slot = tl.sum(tl.where(m_r, b_sl, 0), axis=0)
-                h = tl.sum(tl.where(m_r, b_h, 0), axis=0)
+                i_b, slot, h = flush_item_row(o_b, b_sl, b_h, b_fl, b_rank, t, NP)
                 _lowp_row(x, dt, B, C, A, dt_bias, D, z, out, ckpt, hp_scale, sr_key, lp_data, lp_scale,
                           lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, head_arrive, stride_x_b,
                           stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g, stride_z_b,

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .launch import capturing
 
-__all__ = ["LP_CODES", "lp_views", "default_bv", "default_gluon_bv", "lowp_config", "flush_programs", "head_counter",
+__all__ = ["LP_CODES", "lp_views", "default_bv", "default_gluon_bv", "lowp_config", "flush_programs", "head_counter", "flush_rows_chunk", "flush_item_row",
            "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
 
 LP_CODES = {"fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
@@ -138,6 +138,28 @@ def head_counter(device, n: int) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # rounding on the bits
+
+
+@triton.jit
+def flush_rows_chunk(slot_ids, cursor, c0, n_rows, seen, WINDOW: tl.constexpr, BT: tl.constexpr):
+    """A split step's flush launch (`ROWS=1`), rows `c0 .. c0 + BT`: their positions, slots,
+    cursors, which of them flush this step (`h + 1 >= WINDOW`) and each one's rank among the
+    step's flush rows (`seen` of them in the chunks before), and how many flush here."""
+    o_b = c0 + tl.arange(0, BT)
+    b_sl = tl.load(slot_ids + o_b, mask=o_b < n_rows, other=-1).to(tl.int64)
+    b_h = tl.load(cursor + tl.where(b_sl >= 0, b_sl, 0), mask=b_sl >= 0, other=0)
+    b_fl = (b_sl >= 0) & (b_h + 1 >= WINDOW)
+    b_rank = seen + tl.cumsum(b_fl.to(tl.int32), axis=0) - 1
+    return o_b, b_sl, b_h, b_fl, b_rank, tl.sum(b_fl.to(tl.int32), axis=0)
+
+
+@triton.jit
+def flush_item_row(o_b, b_sl, b_h, b_fl, b_rank, t, NP: tl.constexpr):
+    """Item `t` of the flush launch (`NP` items per row: its heads' V-blocks) in the chunk of
+    `flush_rows_chunk`: the row's position, slot and cursor."""
+    m_r = b_fl & (b_rank == t // NP)
+    return (tl.sum(tl.where(m_r, o_b, 0), axis=0).to(tl.int64), tl.sum(tl.where(m_r, b_sl, 0), axis=0),
+            tl.sum(tl.where(m_r, b_h, 0), axis=0))
 
 
 @triton.jit
