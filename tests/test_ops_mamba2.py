@@ -167,7 +167,8 @@ def test_bf16_records(shape, window, n_slots, windows):
 
 BF16_INPUT_CASES = [
     pytest.param(SMALL, 4, 3, 64, None, id="small-L4"),
-    pytest.param(SMALL, 3, 3, 64, dict(BV=8, rows=True), id="small-rows-L3"),
+    # the row-block kernel over 64 windows (its poison and cursor cases run in CI)
+    pytest.param(SMALL, 3, 3, 64, dict(BV=8, rows=True), marks=pytest.mark.slow, id="small-rows-L3"),
     pytest.param(_shape("nemotron3-super"), 16, 16, 64, None,
                  marks=[pytest.mark.gpu, gpu], id="nemotron3-super-L16"),
     pytest.param(_shape("nemotron3-nano-4b"), 16, 16, 64, None,
