@@ -1,6 +1,6 @@
 """GDN's (and KDA's) split step of the precision decode kernel (ops/gdn/gluon_lowp.py): the flush
 rows on the Triton kernel (`ROWS=1`), then every other row on the Gluon kernel of the steady
-rows (opt-in: `{"gluon": True}`), or on the interpreter the Triton kernel again (`split: true`,
+rows (the default; `{"gluon": False}` keeps the single launch), or on the interpreter the Triton kernel again (`split: true`,
 `ROWS=2`).
 
 What is checked, and why it can be exact:
@@ -14,7 +14,7 @@ What is checked, and why it can be exact:
   `C q` and the key's norm in another order: `u`, and the key where its norm's sum differs; the
   raw v bit for bit), and the outputs within fp32 rounding of the float64 reference pool;
 * a CUDA graph of the two launches replays as the eager split does;
-* the Gluon kernel is opt-in: without `gluon` the step is the single launch.
+* the Gluon kernel is the default: without `gluon` the step asks for it.
 """
 import pytest
 import torch
@@ -79,9 +79,9 @@ def _tiny(family="gdn", lp="fp16", n=2, window=3):
     return pool.params, pool
 
 
-def test_gluon_is_opt_in(monkeypatch):
-    """Without `gluon` in the config the step asks for no Gluon kernel (`GLUON_DEFAULT` is off
-    until measured); `{"gluon": True}` asks for it; the config is checked as `lowp_config`'s."""
+def test_gluon_is_the_default(monkeypatch):
+    """Without `gluon` in the config the step asks for the Gluon kernel (`GLUON_DEFAULT`);
+    `{"gluon": False}` asks for the single launch; the config is checked as `lowp_config`'s."""
     seen = []
 
     def spy(cfg, *args):
@@ -89,7 +89,7 @@ def test_gluon_is_opt_in(monkeypatch):
         return False
 
     monkeypatch.setattr(precision, "use_gluon_lp", spy)
-    assert gluon_lowp.GLUON_DEFAULT is False
+    assert gluon_lowp.GLUON_DEFAULT is True
     params, pool = _tiny()
     st = _clone(pool)
     ids = torch.tensor([0, 1], device=DEV)
@@ -97,7 +97,7 @@ def test_gluon_is_opt_in(monkeypatch):
     design = ("gdn", "fp32", "fp16", "stochastic")
     for config in (None, {"BV": 8}, {"gluon": True}, {"gluon": False}):
         _step(params, st, design, ids, x, 3, config)
-    assert seen == [False, False, True, False]
+    assert seen == [True, True, True, False]
     with pytest.raises(ValueError, match="gluon"):
         _step(params, st, design, ids, x, 3, {"gluon": 1})
 
@@ -354,10 +354,10 @@ def test_split_cuda_graph_equals_eager(name, gluon_launches):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_gluon_only_when_asked(gluon_launches):
-    """On CUDA the step without `gluon` (and with `gluon: false`) is the single launch; with
-    `gluon: true` the Gluon kernel runs, and not for a format it does not cover (fp8_e4m3)."""
-    for lp, config, launches in (("fp16", None, 0), ("fp16", {"gluon": False}, 0), ("bf16", {"gluon": True}, 1),
+def test_gpu_gluon_by_default(gluon_launches):
+    """On CUDA the step without `gluon` (and with `gluon: true`) runs the Gluon kernel, with
+    `gluon: false` the single launch, and not for a format it does not cover (fp8_e4m3)."""
+    for lp, config, launches in (("fp16", None, 1), ("fp16", {"gluon": False}, 0), ("bf16", {"gluon": True}, 1),
                                  ("fp8_e4m3", {"gluon": True}, 0)):
         design = ("gdn", "fp32", lp, "stochastic")
         params, pool = _pool(design, GPU_SHAPES["qwen3.5-4b"], 4, 16)

@@ -311,13 +311,13 @@ def test_verify_config_gluon_key():
     c = verify_config("gdn", 32, 128, 2, HV=4, Hk=2, window=16, Lb=18, gpu=True)
     assert c["gluon"] and (c["BV"], c["num_warps"], c["maxnreg"]) == (32, 2, 0), c
     assert verify_config("gdn", 128, 128, 4, {"BV": 32, "num_warps": 2}, gpu=True)["gluon"]
-    # the CPU interpreter, KDA by default, gluon=False, shapes and configs it does not cover:
+    # the CPU interpreter, gluon=False, shapes and configs it does not cover:
     # the Triton kernel with its own defaults and the caller's overrides
     tri = verify_config("gdn", 128, 128, 8, window=16, Lb=24, gpu=False)
     assert not tri["gluon"] and (tri["BV"], tri["num_warps"], tri["maxnreg"]) == (32, 4, 0), tri
     assert verify_config("gdn", 128, 128, 8, {"gluon": True}, gpu=False) == tri
     assert verify_config("gdn", 128, 128, 8, TRITON, gpu=True) == tri
-    assert verify_config("kda", 128, 128, 8, gpu=True) == tri
+    assert verify_config("kda", 128, 128, 8, TRITON, gpu=True) == tri
     for kw in (dict(K=64), dict(window=40)):
         args = dict(V=128, K=128, T=4, window=16)
         args.update(kw)
@@ -342,13 +342,14 @@ def test_verify_config_gluon_key():
 
 
 def test_verify_config_gluon_key_kda():
-    # KDA: the Triton kernel unless gluon=True is asked for (not yet timed on a GPU); then the
-    # Gluon kernel where it covers the shape, with GDN's program size and register cap
+    # KDA, as GDN: the Gluon kernel by default where it covers the shape, with GDN's program size
+    # and register cap; the Triton kernel with gluon=False
     kimi = dict(HV=32, Hk=32, window=16)
     for T in (2, 4, 8):
-        assert not verify_config("kda", 128, 128, T, gpu=True, Lb=16 + T, **kimi)["gluon"]
+        assert verify_config("kda", 128, 128, T, gpu=True, Lb=16 + T, **kimi) == \
+            verify_config("kda", 128, 128, T, GLUON, gpu=True, Lb=16 + T, **kimi)
         assert not verify_config("kda", 128, 128, T, TRITON, gpu=True, Lb=16 + T, **kimi)["gluon"]
-        c = verify_config("kda", 128, 128, T, GLUON, gpu=True, Lb=16 + T, **kimi)
+        c = verify_config("kda", 128, 128, T, gpu=True, Lb=16 + T, **kimi)
         assert c["gluon"] and (c["BV"], c["num_warps"], c["maxnreg"]) == (64, 4, 128 if T > 4 else 0), (T, c)
         assert gluon_verify_unsupported("kda", 32, 32, 128, 128, T, 16, 16 + T, 64, 4) is None
     c = verify_config("kda", 32, 128, 2, GLUON, HV=4, Hk=2, window=16, Lb=18, gpu=True)
@@ -357,7 +358,7 @@ def test_verify_config_gluon_key_kda():
     # off a GPU, and where the Gluon layouts do not reach: the Triton kernel, as for GDN
     tri = verify_config("kda", 128, 128, 8, window=16, Lb=24, gpu=False)
     assert not tri["gluon"] and verify_config("kda", 128, 128, 8, GLUON, window=16, Lb=24, gpu=False) == tri
-    assert verify_config("kda", 128, 128, 8, gpu=True, **kimi) == tri
+    assert verify_config("kda", 128, 128, 8, TRITON, gpu=True, **kimi) == tri
     assert not verify_config("kda", 128, 64, 4, GLUON, gpu=True)["gluon"]
     assert not verify_config("kda", 128, 128, 4, GLUON, window=40, gpu=True)["gluon"]
     assert "T=8 drafts above the window 4" in gluon_verify_unsupported("kda", 32, 32, 128, 128, 8, 4, 12, 64, 4)

@@ -474,7 +474,7 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
                              "is written with stochastic rounding only")
         ck = dict(checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K), SR=1)
     cfg = lowp_config(V, config, split=True)
-    # the steady rows' Gluon kernel is opt-in for GDN and KDA (gluon_lowp.GLUON_DEFAULT)
+    # the steady rows' Gluon kernel where the caller does not say (gluon_lowp.GLUON_DEFAULT)
     cfg["gluon"] = bool((config or {}).get("gluon", GLUON_DEFAULT))
     BV = cfg["BV"]
     scale = _scale(scale, K)
