@@ -209,7 +209,9 @@ def _run(family, fmt, rounding, steps=14, **kw):
         else:
             assert rel_err(y, y_mir) < 1e-5, step
         for k in fast.buf:
-            if EXACT or family == "mamba2" or k != "w":
+            # GDN/KDA's u records, and their keys where the steady rows' Gluon kernel (fp16/bf16
+            # reads, the default on CUDA) sums the key's norm in another order: fp32 rounding
+            if EXACT or family == "mamba2" or k not in ("w", "k"):
                 assert torch.equal(fast.buf[k], mirror.buf[k]), (step, k)
             else:
                 assert rel_err(fast.buf[k], mirror.buf[k]) < 1e-5, (step, k)
