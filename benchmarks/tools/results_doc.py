@@ -153,14 +153,16 @@ def records_table(rows: list) -> list:
 
 
 def verify_table(rows: list) -> list:
-    """One line per (shape, batch, T): the conventional step's time, and each verify scheme's
-    step time over it from all drafts rejected to all accepted, with its bytes per sequence."""
-    header = ["shape", "batch", "T", "conventional us", "replay", "snapshot", "replay MB/seq", "snapshot MB/seq"]
+    """One line per (shape, batch, T, window): the conventional step's time, and each verify
+    scheme's step time over it from all drafts rejected to all accepted, with its bytes per
+    sequence (files from before `--windows` have one window, in the header)."""
+    header = ["shape", "batch", "T", "window", "conventional us", "replay", "snapshot", "replay MB/seq",
+              "snapshot MB/seq"]
     groups = defaultdict(list)
     for r in rows:
-        groups[(r["shape"], r["batch"], r["T"])].append(r)
+        groups[(r["shape"], r["batch"], r["T"], r.get("window", ""))].append(r)
     out = []
-    for (shape, batch, T), rs in groups.items():
+    for (shape, batch, T, window), rs in groups.items():
         conv = next(r for r in rs if r["scheme"] == "conventional")
         cells = []
         for scheme in ("replay", "snapshot"):
@@ -169,7 +171,7 @@ def verify_table(rows: list) -> list:
             cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "")
         mb = [next((r["bytes_per_sequence"] / 2 ** 20 for r in rs if r["scheme"] == s_ and "config" not in r), None)
               for s_ in ("replay", "snapshot")]
-        out.append([shape, batch, T, _us(conv["us_per_step"]), *cells,
+        out.append([shape, batch, T, window, _us(conv["us_per_step"]), *cells,
                     *(f"{m:.2f}" if m is not None else "" for m in mb)])
     return _table(header, out)
 
