@@ -34,8 +34,8 @@ GLUON = dict(gluon=True)
 
 
 def _skip_if_fenced(shape, T, window, config):
-    """Skip a case the dispatch fences off to the Triton kernel (T above the window: its GPU round test fails there)
-    so that a lifted fence runs the case as written."""
+    """Skip a case the dispatch fences off to the Triton kernel (T above the window: its GPU
+    round test fails there), so that a lifted fence runs the case as written."""
     bv = config.get("BV", next(b for b in (64, 32, 16) if shape["V"] % b == 0))
     nw = config.get("num_warps", bv // 16)
     why = gluon_verify_unsupported(shape["HV"], shape["V"], shape["K"], shape["Hk"], T, window, window + T, bv, nw)
