@@ -153,36 +153,52 @@ def records_table(rows: list) -> list:
 
 
 def verify_table(rows: list) -> list:
-    """One line per (shape, batch, T, window): the conventional step's time, and each verify
-    scheme's step time over it from all drafts rejected to all accepted, with its bytes per
-    sequence (files from before `--windows` have one window, in the header)."""
-    header = ["shape", "batch", "T", "window", "conventional us", "replay", "snapshot", "replay MB/seq",
-              "snapshot MB/seq"]
+    """One line per (shape, batch, T): the conventional step's time, and each verify scheme's
+    step time over it from all drafts rejected to all accepted, with its bytes per sequence, at
+    the file's first window (16 where timed); replay at any other window in the last column."""
+    header = ["shape", "batch", "T", "L", "conventional us", "replay", "snapshot", "replay MB/seq",
+              "snapshot MB/seq", "replay at other L"]
     groups = defaultdict(list)
     for r in rows:
-        groups[(r["shape"], r["batch"], r["T"], r.get("window", ""))].append(r)
+        groups[(r["shape"], r["batch"], r["T"])].append(r)
+
+    def span(rs, scheme):
+        ratios = [r["ratio_vs_conventional_step"] for r in rs if r["scheme"] == scheme and "config" not in r
+                  and "ratio_vs_conventional_step" in r]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else ""
+
     out = []
-    for (shape, batch, T, window), rs in groups.items():
-        conv = next(r for r in rs if r["scheme"] == "conventional")
-        cells = []
-        for scheme in ("replay", "snapshot"):
-            ratios = [r["ratio_vs_conventional_step"] for r in rs if r["scheme"] == scheme and "config" not in r
-                      and "ratio_vs_conventional_step" in r]
-            cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "")
-        mb = [next((r["bytes_per_sequence"] / 2 ** 20 for r in rs if r["scheme"] == s_ and "config" not in r), None)
+    for (shape, batch, T), rs in groups.items():
+        windows = sorted({r.get("window", "") for r in rs}, key=lambda w: (w != 16, str(w)))
+        main = [r for r in rs if r.get("window", "") == windows[0]]
+        conv = next(r for r in main if r["scheme"] == "conventional")
+        mb = [next((r["bytes_per_sequence"] / 2 ** 20 for r in main if r["scheme"] == s_ and "config" not in r), None)
               for s_ in ("replay", "snapshot")]
-        out.append([shape, batch, T, window, _us(conv["us_per_step"]), *cells,
-                    *(f"{m:.2f}" if m is not None else "" for m in mb)])
+        other = "; ".join(f"L={w}: {span([r for r in rs if r.get('window', '') == w], 'replay')}" for w in windows[1:])
+        out.append([shape, batch, T, windows[0], _us(conv["us_per_step"]), span(main, "replay"), span(main, "snapshot"),
+                    *(f"{m:.2f}" if m is not None else "" for m in mb), other])
     return _table(header, out)
 
 
 def model_table(data: dict) -> list:
     """Whole-model decode steps (one line per model, context, batch: each scheme's step time,
     its ratio to the conventional step) and the speculative rounds' tokens per second."""
-    header = ["model", "context", "batch", "scheme", "us/step", "vs conventional", "timing"]
-    out = [[r["model"], r["context"], r["batch"], f"`{r['scheme']}`", _us(r["us_per_step"]) if r["us_per_step"] else "",
-            f"{r['ratio_vs_conventional']:.2f}x" if r.get("ratio_vs_conventional") else "", r["timing"]]
-           for r in data["rows"]]
+    schemes = list(dict.fromkeys(r["scheme"] for r in data["rows"]))
+    header = ["model", "context", "batch", *(f"`{s_}` us (vs conventional)" for s_ in schemes), "timing"]
+    groups = defaultdict(dict)
+    for r in data["rows"]:
+        groups[(r["model"], r["context"], r["batch"])][r["scheme"]] = r
+    out = []
+    for (model, context, batch), by in groups.items():
+        cells = []
+        for s_ in schemes:
+            r = by.get(s_)
+            if r is None or not r.get("us_per_step"):
+                cells.append("")
+                continue
+            ratio = f" ({r['ratio_vs_conventional']:.2f}x)" if r.get("ratio_vs_conventional") else ""
+            cells.append(_us(r["us_per_step"]) + ratio)
+        out.append([model, context, batch, *cells, ", ".join(sorted({r["timing"] for r in by.values()}))])
     lines = _table(header, out)
     spec = data.get("speculative_rows") or []
     if spec:
@@ -232,9 +248,8 @@ def file_section(name: str, data: dict) -> list:
     out = [f"### `{name}`", ""]
     note = f" ({data['git_commit_note']})" if data.get("git_commit_note") else ""
     out.append(f"- command: `{data['command']}`")
-    out.append(f"- GPU: {data['device']} (torch {data['torch']}, triton {data['triton']})")
-    out.append(f"- date: {data['date']}")
-    out.append(f"- code: {data['git_commit']}{note}")
+    out.append(f"- GPU: {data['device']} (torch {data['torch']}, triton {data['triton']}); date: {data['date']}; "
+               f"code: {data['git_commit']}{note}")
     dtypes = [f"{k.replace('_', ' ')} {data[k]}" for k in ("record_dtype", "input_dtype") if k in data]
     if "copy_tb_per_s" in data:
         dtypes.append(f"device-to-device copy {data['copy_tb_per_s']:.2f} TB/s")
