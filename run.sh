@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up and entry point. Creates ./.venv on first use (torch, triton and test tools), then:
 #   ./run.sh demo [args]            the main job: conventional vs ReplaySSM decoding, side by side
-#   ./run.sh test [pytest args]     the test suite (pytest)
+#   ./run.sh test [pytest args]     the test suite (pytest, one worker per core)
 #   ./run.sh <cmd> [args]           any other `replayssm` sub-command (traffic, bench, ...)
 #
 # The venv is isolated from the system's site-packages, so the tests run with the pinned
@@ -43,12 +43,13 @@ fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-if ! "$PY" -c "import replayssm, triton, pytest, hypothesis, matplotlib, transformers, tqdm" 2>/dev/null; then
+if ! "$PY" -c "import replayssm, triton, pytest, xdist, hypothesis, matplotlib, transformers, tqdm" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[test,bench]"
 fi
 cmd="${1:-demo}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  test) exec "$PY" -m pytest "$@" ;;
+  # the suite spread over the machine's cores (pytest-xdist); `-n 0` after `test` runs it in one process
+  test) exec "$PY" -m pytest -n auto "$@" ;;
   *) exec "$PY" -m replayssm.cli "$cmd" "$@" ;;
 esac

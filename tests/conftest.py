@@ -42,7 +42,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def pytest_configure(config):
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # under pytest-xdist the workers share the cores (the interpreter's numpy work is small)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
 
 
 def pytest_collection_modifyitems(config, items):
