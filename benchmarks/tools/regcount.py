@@ -265,6 +265,44 @@ def delta_verify(cfg, family="gdn"):
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} verify {c}")
 
 
+_LP_PTR = {1: ("*i16", "*fp32"), 2: ("*i16", "*fp32"), 3: ("*u8", "*fp32"), 4: ("*i32", "*u8")}
+
+
+def _lp_ptr(c):
+    """The LP checkpoint's parts as the Gluon kernels take them (`lp=1..4`: fp16, bf16, fp8,
+    NVFP4; utils/gluon_lowp.lp_gluon_views)."""
+    data, sc = _LP_PTR[c["lp"]]
+    return dict(lp_data=data, lp_scale=sc, lp_tscale="*fp32")
+
+
+def mamba2_gluon_lp(cfg):
+    """Mamba-2's low-precision Gluon kernel (ops/mamba2/gluon_lowp.py) at Super's shape, `lp=`
+    the read format's code (fp16 by default)."""
+    from replayssm.ops.mamba2 import gluon_lowp as m
+
+    c = dict(BV=64, num_warps=4, lp=1)
+    c.update(cfg)
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
+    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D")}, **_lp_ptr(c))
+    vals = dict(HV=128, Hk=8, V=64, K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True, LP=c["lp"])
+    return _gluon(m._gluon_lp_kernel, "mamba2 gluon lp", ptr, vals, c)
+
+
+def delta_gluon_lp(cfg, family="gdn"):
+    """GDN's (KDA's) low-precision Gluon kernel (ops/gdn/gluon_lowp.py) at Qwen3.5-4B's (Kimi
+    Linear's) shape, fp16 reads beside an fp32 checkpoint by default (`raw=1`: the raw v, beta
+    records)."""
+    from replayssm.ops.gdn import gluon_lowp as m
+
+    c = dict(BV=32, num_warps=2, lp=1, raw=1)
+    c.update(cfg)
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
+    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias", "buf_v", "buf_beta")}, **_lp_ptr(c))
+    vals = dict(HV=32, HK=16 if family == "gdn" else 32, V=128, K=128, LBCAP=17, WINDOW=16, LP=c["lp"],
+                USE_QK_L2NORM=True, IS_KDA=family == "kda", RAW=bool(c["raw"]))
+    return _gluon(m._gluon_lp_kernel, f"{family} gluon lp", ptr, vals, c)
+
+
 if __name__ == "__main__":
     fam = sys.argv[1] if len(sys.argv) > 1 else "mamba2"
     cfg = {}
@@ -274,4 +312,5 @@ if __name__ == "__main__":
     print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat,
            "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon, "mamba2-verify": mamba2_verify,
            "gdn-gluon": gdn_gluon, "kda-gluon": kda_gluon, "gdn-verify": delta_verify,
-           "kda-verify": lambda c: delta_verify(c, "kda")}[fam](cfg))
+           "kda-verify": lambda c: delta_verify(c, "kda"), "mamba2-gluon-lp": mamba2_gluon_lp,
+           "gdn-gluon-lp": delta_gluon_lp, "kda-gluon-lp": lambda c: delta_gluon_lp(c, "kda")}[fam](cfg))

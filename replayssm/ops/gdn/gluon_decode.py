@@ -43,6 +43,33 @@ def gluon_unsupported(family: str, HV: int, Hk: int, V: int, K: int, window: int
 if HAVE_GLUON:
 
     @gluon.jit
+    def _delta_token_loads(q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, v0, o_y, stride_q_b, stride_q_h,
+                           stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_a_b, stride_a_h, stride_b_b,
+                           stride_b_h, K: gl.constexpr, LK: gl.constexpr, LD: gl.constexpr,
+                           IS_KDA: gl.constexpr):
+        """The token's loads of a (row, value head, V-block) program, in the order both Gluon
+        kernels issue them (this one and gluon_lowp.py's): key and query in LK, the V-block's
+        values, beta, A_log, and the decay's a and dt_bias (KDA: a `[K]` vector each, in LD)."""
+        o_kK = gl.arange(0, K, layout=gl.SliceLayout(0, LK))
+        p_qt = q + i_b * stride_q_b + i_hk * stride_q_h
+        p_kt = k + i_b * stride_k_b + i_hk * stride_k_h
+        b_qK = gl.load(p_qt + o_kK).to(gl.float32)
+        b_kK = gl.load(p_kt + o_kK).to(gl.float32)
+        b_v = gl.load(v + i_b * stride_v_b + i_hv * stride_v_h + v0 + o_y).to(gl.float32)
+        b_braw = gl.load(b + i_b * stride_b_b + i_hv * stride_b_h).to(gl.float32)
+        b_Alog = gl.load(A_log + i_hv).to(gl.float32)
+        if IS_KDA:
+            # KDA: a log decay per key channel ([K], a's and dt_bias's last dim)
+            o_kD = gl.arange(0, K, layout=gl.SliceLayout(0, LD))
+            b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_kD).to(gl.float32)
+            b_dtb = gl.load(dt_bias + i_hv * K + o_kD).to(gl.float32)
+        else:
+            o_kD = o_kK                                     # (no decay vector)
+            b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(gl.float32)
+            b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
+        return o_kK, o_kD, p_qt, p_kt, b_qK, b_kK, b_v, b_braw, b_Alog, b_araw, b_dtb
+
+    @gluon.jit
     def _gluon_gdn_kernel(
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
@@ -96,22 +123,9 @@ if HAVE_GLUON:
         # every other load
         h = gl.load(cursor + slot).to(gl.int32)
         npos = gl.minimum(window, LBCAP)
-        o_kK = gl.arange(0, K, layout=gl.SliceLayout(0, LK))
-        p_qt = q + i_b * stride_q_b + i_hk * stride_q_h
-        p_kt = k + i_b * stride_k_b + i_hk * stride_k_h
-        b_qK = gl.load(p_qt + o_kK).to(gl.float32)
-        b_kK = gl.load(p_kt + o_kK).to(gl.float32)
-        b_v = gl.load(v + i_b * stride_v_b + i_hv * stride_v_h + v0 + o_y).to(gl.float32)
-        b_braw = gl.load(b + i_b * stride_b_b + i_hv * stride_b_h).to(gl.float32)
-        b_Alog = gl.load(A_log + i_hv).to(gl.float32)
-        if IS_KDA:
-            # KDA: a log decay per key channel ([K], a's and dt_bias's last dim)
-            o_kD = gl.arange(0, K, layout=gl.SliceLayout(0, LD))
-            b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_kD).to(gl.float32)
-            b_dtb = gl.load(dt_bias + i_hv * K + o_kD).to(gl.float32)
-        else:
-            b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(gl.float32)
-            b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
+        o_kK, o_kD, p_qt, p_kt, b_qK, b_kK, b_v, b_braw, b_Alog, b_araw, b_dtb = _delta_token_loads(
+            q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, v0, o_y, stride_q_b, stride_q_h, stride_k_b,
+            stride_k_h, stride_v_b, stride_v_h, stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, LK, LD, IS_KDA)
 
         o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
         m_lK = (o_lK < h)[:, None]

@@ -34,6 +34,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import _add, _arrive_early, _barrier, _move_cursor, _record_weights, _softplus
+    from .gluon_decode import _delta_token_loads
     from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_tile_to_shared,
                                     lp_vector)
 
@@ -120,21 +121,9 @@ if HAVE_GLUON:
 
         # 2. every other load, as the fp32 kernel issues them, plus the row scales
         h = gl.load(cursor + slot).to(gl.int32)
-        o_kK = gl.arange(0, K, layout=gl.SliceLayout(0, LK))
-        p_qt = q + i_b * stride_q_b + i_hk * stride_q_h
-        p_kt = k + i_b * stride_k_b + i_hk * stride_k_h
-        b_qK = gl.load(p_qt + o_kK).to(gl.float32)
-        b_kK = gl.load(p_kt + o_kK).to(gl.float32)
-        b_v = gl.load(v + i_b * stride_v_b + i_hv * stride_v_h + v0 + o_y).to(gl.float32)
-        b_braw = gl.load(b + i_b * stride_b_b + i_hv * stride_b_h).to(gl.float32)
-        b_Alog = gl.load(A_log + i_hv).to(gl.float32)
-        if IS_KDA:
-            o_kD = gl.arange(0, K, layout=gl.SliceLayout(0, LD))
-            b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h + o_kD).to(gl.float32)
-            b_dtb = gl.load(dt_bias + i_hv * K + o_kD).to(gl.float32)
-        else:
-            b_araw = gl.load(a + i_b * stride_a_b + i_hv * stride_a_h).to(gl.float32)
-            b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
+        o_kK, o_kD, p_qt, p_kt, b_qK, b_kK, b_v, b_braw, b_Alog, b_araw, b_dtb = _delta_token_loads(
+            q, k, v, a, b, A_log, dt_bias, i_b, i_hv, i_hk, v0, o_y, stride_q_b, stride_q_h, stride_k_b,
+            stride_k_h, stride_v_b, stride_v_h, stride_a_b, stride_a_h, stride_b_b, stride_b_h, K, LK, LD, IS_KDA)
         b_fac = lp_row_factor(lp_scale, lp_tscale, i_m, v0 + o_y, V, LP)
         if LP == 4:
             RC4: gl.constexpr = 8 * NW
