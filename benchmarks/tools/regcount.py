@@ -4,10 +4,14 @@ Use the GPU machine's Triton (3.6): other versions differ by tens of registers (
 kernel: 168 under 3.9, 221 under 3.6) and in what compiles at all; with a Triton 3.6 wheel
 installed under a folder, `PYTHONPATH=<folder> python benchmarks/tools/regcount.py ...`.
 
-    python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|mamba2-verify|gdn|kda|gdn-mat|gdn-gluon|kda-gluon] [key=value config overrides]
+    python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|mamba2-verify|gdn|kda|gdn-mat|gdn-gluon|kda-gluon|
+                                         gdn-verify|kda-verify|mamba2-gluon-lp|gdn-gluon-lp|kda-gluon-lp] [key=value ...]
 
 (mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
-for fp32 key records, bf16 by default; the Gluon kernels: `values=fp32` for fp32 value records.)
+for fp32 key records, bf16 by default; the Gluon kernels: `values=fp32` for fp32 value records;
+the LP Gluon kernels: `lp=1..4` the read format, fp16, bf16, fp8, NVFP4. `REGCOUNT_DUMP=<path>`
+writes the TTGIR, PTX and cubin beside: `cuobjdump -sass` of two cubins shows whether a refactor
+changed the machine code.)
 """
 import os
 import re
