@@ -279,7 +279,7 @@ def test_run_sh_with_an_old_python3(tmp_path):
 def test_test_tools_are_pinned():
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["test"] == ["pytest==9.0.3", "hypothesis==6.155.2", "transformers==5.17.0"]
+    assert extras["test"] == ["pytest==9.0.3", "pytest-xdist==3.8.0", "hypothesis==6.155.2", "transformers==5.17.0"]
     assert extras["bench"] == ["matplotlib>=3.7"]
     assert extras["hf"] == ["transformers==5.17.0"]
 
