@@ -42,6 +42,8 @@ if [[ "$STAGE" == windows ]]; then
 fi
 if [[ "$STAGE" == verify ]]; then
   python3 -m replayssm.bench.verify --batches 64,256,512 --drafts 1,2,4,6,8 --windows 16,star --accepted ends --reps 6 --out "$OUT/verify_h200.json" 2>&1 | tee "$OUT/verify_h200.log" | tail -34
+  # every acceptance length at T = 4: the time per accepted token at mean acceptance 3
+  python3 -m replayssm.bench.verify --batches 256,512 --drafts 4 --accepted all --reps 6 --out "$OUT/verify_h200_t4_all.json" 2>&1 | tail -14
 fi
 if [[ "$STAGE" == verify-variants ]]; then
   v() { python3 -m replayssm.bench.verify --batches 256 --accepted ends --no-snapshot "$@" 2>&1 | grep -E "variant|x$" | tail -40; }
