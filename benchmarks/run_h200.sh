@@ -7,7 +7,8 @@
 # STAGE: all (test, records, bench) | test | records | bench | windows (the by-window table:
 # windows 8 and 32, window 16 with fp32 records and with fp32 token inputs; about 6 minutes)
 # | verify (the speculative-verification benchmark: replay and snapshot against one
-# conventional step, batch 256 and 512, T = 2, 4, 8, drafts all rejected and all accepted) | verify-variants
+# conventional step, batch 64, 256 and 512, T = 1, 2, 4, 6, 8, windows 16 and L*, drafts all
+# rejected and all accepted; then T = 4 at every acceptance length) | verify-variants
 # (the verify kernels' candidate launch configs at batch 256, drafts all rejected and all
 # accepted, to choose their defaults) | model (the whole-model decode benchmark) | precision
 # (the separate-precision kernel benchmark and the layer-level error study to 131072 tokens).
