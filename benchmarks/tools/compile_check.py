@@ -9,7 +9,9 @@ recorded launch with Triton's bundled ptxas. `--triton DIR`: compile with the Tr
 under DIR (e.g. the GPU machine's 3.6: `pip install --no-deps --target DIR triton==3.6.0`),
 recording still with this environment's, since versions differ by tens of registers and in what
 compiles at all. Constexprs derived from the interpreter itself (e.g. GDN's EXACT_BF16) keep
-their interpreter values. Exit status 1 if any launch fails to compile.
+their interpreter values. Exit status 1 if any launch fails to compile. `COMPILE_CHECK_DUMP=<dir>`
+writes each launch's cubin there (`NNN_<kernel>.cubin`, in launch order): `cuobjdump -sass` of
+two such folders shows whether a change of the kernels' source changed their machine code.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def _compile(path) -> int:
 
     failed = 0
     print(f"triton {triton.__version__} ({os.path.dirname(triton.__file__)})")
-    for r in json.load(open(path)):
+    for n_done, r in enumerate(json.load(open(path))):
         consts = {(i,): v for i, v in r["const"]}
         label = f"{r['module']}.{r['name']} warps={r['nw']} " + " ".join(
             f"{n}={consts[(i,)]}" for i, n in enumerate(r["sig"]) if (i,) in consts and n.isupper())
@@ -92,6 +94,9 @@ def _compile(path) -> int:
                                target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": r["nw"], "num_stages": r.get("ns", 3)})
             print("ok  ", report(k.asm["cubin"], label))
+            if os.environ.get("COMPILE_CHECK_DUMP"):
+                with open(os.path.join(os.environ["COMPILE_CHECK_DUMP"], f"{n_done:03d}_{r['name']}.cubin"), "wb") as f:
+                    f.write(k.asm["cubin"])
         except Exception as e:  # report every launch, then fail
             failed += 1
             print("FAIL", label, type(e).__name__, str(e)[:400].replace("\n", " | "))

@@ -98,6 +98,23 @@ def write_shared_drafts(dt, B, A, dt_bias, buf_ld, buf_k, slot, n, off_dt, strid
 
 
 @triton.jit
+def verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T: tl.constexpr, WINDOW: tl.constexpr,
+                      HAS_N: tl.constexpr):
+    """A verify row's cursor `h` and draft count `n`, whether it flushes early (`h + n > WINDOW`),
+    the committed records its queries see (`hc`: none after an early flush), and the masks of
+    its drafts (`o_t < n`), its records (`o_l < h`) and the committed ones (`o_l < hc`)."""
+    h = tl.load(cursor + slot)
+    if HAS_N:
+        # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
+        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b), 0), T)
+    else:
+        n = tl.full([], T, tl.int32)
+    flush = h + n > WINDOW
+    hc = tl.where(flush, 0, h)
+    return h, n, flush, hc, o_t < n, o_l < h, o_l < hc
+
+
+@triton.jit
 def record_masks(o_l, h, n_pos, RECMASK: tl.constexpr):
     """Masks of the record lanes at cursor h: `m_j` position j < h holds a record, `m_j1`
     position j + 1 does (the shifted log decays; the current token sits at position h), and

@@ -33,7 +33,7 @@ from ..utils.checks import check_slot_values, check_window
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
 from .common import (FLOAT_DTYPES, OPTIONAL_INPUTS, check_state, check_tensor, draft_decays, given, load_tile,
-                     write_shared_drafts)
+                     verify_row_bounds, write_shared_drafts)
 from .gluon_verify import HAVE_GLUON, gluon_verify_unsupported, launch_gluon_verify
 from .verify_tc import _replay_verify_tc_kernel
 
@@ -102,17 +102,8 @@ def _replay_verify_kernel(
                  mask=(o_t < T)[:, None] & m_v[None, :])
         return
 
-    h = tl.load(cursor + slot)
-    if HAS_N:
-        # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
-        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b), 0), T)
-    else:
-        n = tl.full([], T, tl.int32)
-    flush = h + n > WINDOW
-    hc = tl.where(flush, 0, h)                      # committed records the queries see
-    m_t = o_t < n
-    m_l = o_l < h
-    m_c = o_l < hc
+    # hc: the committed records the queries see
+    h, n, flush, hc, m_t, m_l, m_c = verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T, WINDOW, HAS_N)
 
     # int32 tile offsets on a 64-bit scalar base (a slot's checkpoint is far below 2^31 elements)
     p_S0 = ckpt + slot * (HV * V * K) + i_h * (V * K)

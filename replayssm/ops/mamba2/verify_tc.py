@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..utils.cursor import verify_hand_off
 from ..utils.dots import dot_f32
-from .common import OPTIONAL_INPUTS, draft_decays, given, load_tile, write_shared_drafts
+from .common import OPTIONAL_INPUTS, draft_decays, given, load_tile, verify_row_bounds, write_shared_drafts
 
 __all__ = []
 
@@ -72,17 +72,8 @@ def _replay_verify_tc_kernel(
                  mask=m_v[:, None] & (o_t < T)[None, :])
         return
 
-    h = tl.load(cursor + slot)
-    if HAS_N:
-        # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
-        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b), 0), T)
-    else:
-        n = tl.full([], T, tl.int32)
-    flush = h + n > WINDOW
-    hc = tl.where(flush, 0, h)                      # committed records the queries see
-    m_t = o_t < n
-    m_l = o_l < h
-    m_c = o_l < hc
+    # hc: the committed records the queries see
+    h, n, flush, hc, m_t, m_l, m_c = verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T, WINDOW, HAS_N)
 
     # int32 tile offsets on a 64-bit scalar base (a slot's checkpoint is far below 2^31 elements)
     p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + (o_v[:, None] * K + o_k[None, :])
