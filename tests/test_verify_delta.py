@@ -417,3 +417,25 @@ def test_gpu_real_shapes(family, T, rec):
         else:
             assert run.problems == [], run.problems[:5]
             assert err["out"] < 1e-2 and err["state"] < 1e-2, (name, err)
+
+
+@pytest.mark.interpret
+def test_unvalidated_draft_counts_are_clamped(family):
+    # validate=False takes the counts as a sampler hands them over: one above T and one below 0
+    # verify as T and 0 drafts (the same bits everywhere), so no draft lands past the buffer
+    T, ops = 3, OPS[family]
+    runs = [_Run(family, HV=2, Hk=1, V=16, K=32, L=4, T=T, cursors=(1, 0), seed=4) for _ in range(2)]
+    x = runs[0]._inputs(3, steps=T)
+    ids = torch.tensor([runs[0].live[1], -1, runs[0].live[0]], dtype=torch.int32, device=DEV)
+    outs = []
+    for run, counts in ((runs[0], [T, 1, 0]), (runs[1], [T + 5, 1, -2])):
+        st = run.st
+        outs.append(ops.replay_verify(x["q"], x["k"], x["v"], x["a"], x["b"], run.A_log, run.dt_bias, None,
+                                      st["ckpt"], st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"],
+                                      st["pending"], st["epoch"], ids, 4,
+                                      num_drafts=torch.tensor(counts, dtype=torch.int32, device=DEV),
+                                      arrive=run.arrive, validate=False))
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
+    for n in runs[0].st:
+        assert torch.equal(runs[0].st[n].view(torch.uint8), runs[1].st[n].view(torch.uint8)), n
+    assert runs[1].st["pending"][ids[[0, 2]].long()].tolist() == [T, 0]

@@ -309,7 +309,8 @@ if HAVE_GLUON:
         s_U = _records_to_shared(p_Uh, h, BL, BV, HV * V, VW, NW)
 
         if HAS_NDRAFT:
-            n = gl.load(num_drafts + i_b).to(gl.int32)
+            # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
+            n = gl.minimum(gl.maximum(gl.load(num_drafts + i_b).to(gl.int32), 0), T)
         else:
             n = h * 0 + T
         flush = h + n > window

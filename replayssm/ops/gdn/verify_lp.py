@@ -124,7 +124,8 @@ def _lowp_verify_kernel(
         return
     h = tl.load(cursor + i_s).to(tl.int64)
     if HAS_NDRAFT:
-        n = tl.load(num_drafts + i_b).to(tl.int64)
+        # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
+        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b).to(tl.int64), 0), T)
     else:
         n = tl.full([], T, tl.int64)
     flush = h + n > window
