@@ -466,3 +466,29 @@ def test_absent_d_and_z(T):
             err = float((y[b, t].double() - want).norm() / want.norm())
             assert err < 1e-5, (b, t, err)
     assert pool["pending"].tolist() == [T, T]
+
+
+@pytest.mark.interpret
+def test_unvalidated_draft_counts_are_clamped():
+    # validate=False takes the counts as a sampler hands them over: one above T and one below 0
+    # verify as T and 0 drafts (the same bits everywhere), so no draft lands past the buffer
+    shape, L, T = SMALL, 4, 3
+    HV, V, K = shape["HV"], shape["V"], shape["K"]
+    g = torch.Generator().manual_seed(5)
+    p, (A, dt_bias, D), _ = _layer(shape, 5)
+    inp = _inputs(p, shape, 3, T, g, False)
+    sid = torch.tensor([1, -1, 0], dtype=torch.int32, device=DEV)
+    res = []
+    for counts in ([T, 1, 0], [T + 5, 1, -2]):
+        pool = _pool(shape, 3, L + T, torch.float32)         # cursors 0: no record read yet
+        pool["ckpt"].copy_(0.1 * torch.randn(3, HV, V, K, generator=torch.Generator().manual_seed(6)))
+        y = replay_verify(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"], pool["ckpt"],
+                          pool["buf_ld"], pool["buf_w"], pool["buf_k"], pool["cursor"], pool["pending"],
+                          pool["epoch"], sid, L, num_drafts=torch.tensor(counts, dtype=torch.int32, device=DEV),
+                          arrive=pool["arrive"], validate=False)
+        res.append((y, pool))
+    (y0, p0), (y1, p1) = res
+    assert torch.equal(y0, y1) and torch.isfinite(y1).all()
+    for k in p0:
+        assert torch.equal(p0[k].view(torch.uint8), p1[k].view(torch.uint8)), k
+    assert p1["pending"][[1, 0]].tolist() == [T, 0]
