@@ -38,7 +38,7 @@ from ..utils.launch import arrive_counter
 from ..utils.lowp import head_counter, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
 from ..utils.sround import checkpoint_args, store_sr_rows
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, draft_decays, given,
-                     write_shared_drafts)
+                     verify_row_bounds, write_shared_drafts)
 from .verify import _check_verify_inputs
 
 __all__ = ["lowp_verify", "verify_lp_config"]
@@ -92,17 +92,8 @@ def _lowp_verify_kernel(
                  mask=(o_t < T)[:, None] & m_v[None, :])
         return
 
-    h = tl.load(cursor + slot)
-    if HAS_N:
-        # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
-        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b), 0), T)
-    else:
-        n = tl.full([], T, tl.int32)
-    flush = h + n > WINDOW
-    hc = tl.where(flush, 0, h)                      # committed records the queries see
-    m_t = o_t < n
-    m_l = o_l < h
-    m_c = o_l < hc
+    # hc: the committed records the queries see
+    h, n, flush, hc, m_t, m_l, m_c = verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T, WINDOW, HAS_N)
 
     i_m = slot * HV + i_h                           # this head's matrix in the pool
     p_S0 = ckpt + i_m * (V * K)                     # (fp32 HP only)
