@@ -22,7 +22,7 @@ import torch
 from replayssm import SlotPool
 from replayssm.ops.gdn import gluon_lowp, precision
 from replayssm.ops.utils.gluon import HAVE_GLUON
-from replayssm.ops.utils.lowp import LP_CODES
+from replayssm.ops.utils.lowp import LP_CODES, lowp_config
 from replayssm.testing import make_inputs, make_params
 
 from conftest import rel_err
@@ -80,7 +80,7 @@ def _tiny(family="gdn", lp="fp16", n=2, window=3):
 
 
 def test_gluon_is_the_default(monkeypatch):
-    """Without `gluon` in the config the step asks for the Gluon kernel (`GLUON_DEFAULT`);
+    """Without `gluon` in the config the step asks for the Gluon kernel (`lowp_config`'s default);
     `{"gluon": False}` asks for the single launch; the config is checked as `lowp_config`'s."""
     seen = []
 
@@ -89,7 +89,7 @@ def test_gluon_is_the_default(monkeypatch):
         return False
 
     monkeypatch.setattr(precision, "use_gluon_lp", spy)
-    assert gluon_lowp.GLUON_DEFAULT is True
+    assert lowp_config(8, None, split=True)["gluon"] is True
     params, pool = _tiny()
     st = _clone(pool)
     ids = torch.tensor([0, 1], device=DEV)

@@ -16,8 +16,9 @@ steps the early flushes fall as they would at that acceptance length (all accept
 - `conventional`: one `conventional_decode` step (the unit of `ratio_vs_conventional_step`).
 
 `--windows` takes window lengths and `star`: the traffic model's `L*` for the shape and `T`
-(`traffic.l_star` at mean acceptance `(T + 1) / 2`, KDA's records with their decay vectors, rounded, within `[max(T, 2), 32]`: the
-pool needs `L >= T`, the Gluon kernels take windows up to 32); each row carries its `window`.
+(`traffic.l_star` at mean acceptance `(T + 1) / 2`, KDA's records with their decay vectors;
+rounded, within `[max(T, 2), 32]`: the pool needs `L >= T`, the Gluon kernels take windows up
+to 32); each row carries its `window`.
 
 `us_per_accepted_token` is the step's time over `accepted`, the tokens each row keeps (mean
 acceptance length = `accepted`). Token inputs and outputs have `--input-dtype` (bf16 default);

@@ -16,7 +16,7 @@ Launch 1 runs first: it reads the cursor and epoch before launch 2 moves them. U
 a steady row's `u` record is arithmetic on the checkpoint (summed here in another order than
 the Triton kernel's), so it differs from the single launch's in fp32 rounding, and so does the
 key record where the norm's sum does; the HP refold reads the raw records, the checkpoints of
-a flush are the same Triton code's. The default (`GLUON_DEFAULT`) where it covers the shape:
+a flush are the same Triton code's. The default (`lowp_config`'s `gluon`) where it covers the shape:
 on the H200 at batch 256 (precision_gluon_gdn_h200.json) fp16/bf16 reads take 0.70-0.74x the
 fp32 reads' time at Qwen3.5's shapes and 0.88x at Kimi Linear's (the Triton kernel 1.5-3.1x).
 """
@@ -34,14 +34,11 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import _add, _arrive_early, _barrier, _move_cursor, _record_weights, _softplus
-    from .gluon_decode import _delta_token_loads
     from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_tile_to_shared,
                                     lp_vector)
+    from .gluon_decode import _delta_token_loads
 
-__all__ = ["GLUON_DEFAULT", "gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
-
-# `lowp_config`'s `gluon` for GDN and KDA when the caller gives none
-GLUON_DEFAULT = True
+__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
 
 
 def gluon_lp_unsupported(family: str, lp_code: int, V: int, K: int, window: int, Lb: int,
@@ -66,8 +63,8 @@ def gluon_lp_unsupported(family: str, lp_code: int, V: int, K: int, window: int,
 
 
 def use_gluon_lp(cfg: dict, family: str, lp_code: int, q, V: int, K: int, window: int, Lb: int) -> bool:
-    """Whether `lowp_decode` with launch config `cfg` (`lowp.lowp_config`, `gluon` resolved
-    against `GLUON_DEFAULT`) splits its step into the flush rows' Triton launch and this kernel:
+    """Whether `lowp_decode` with launch config `cfg` (`lowp.lowp_config`, `gluon` True unless
+    the caller says) splits its step into the flush rows' Triton launch and this kernel:
     asked for, on CUDA outside the interpreter, and covered (`gluon_lp_unsupported`)."""
     return bool(cfg["gluon"]) and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" \
         and gluon_lp_unsupported(family, lp_code, V, K, window, Lb, cfg["gluon_BV"]) is None

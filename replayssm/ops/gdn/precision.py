@@ -48,7 +48,7 @@ from ..utils.sround import (SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, s
                            store_sr_rows)
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state, check_token_inputs)
-from .gluon_lowp import GLUON_DEFAULT, launch_gluon_lp, use_gluon_lp
+from .gluon_lowp import launch_gluon_lp, use_gluon_lp
 
 __all__ = ["lowp_decode", "LP_FORMATS", "SHARED_FORMATS"]
 
@@ -418,7 +418,7 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     other steps and rewritten round-to-nearest on a flush; `lp_format` one of `LP_FORMATS`;
     `buf_v` `[N, Lb, HV, V]` (record dtype) and `buf_beta` `[N, Lb, HV]` fp32, the raw records
     from which a flush recomputes `u` along the HP path. `config`: `BV`, `num_warps`, and the
-    split of a step (`lowp.lowp_config`; `gluon` here defaults to `gluon_lowp.GLUON_DEFAULT`):
+    split of a step (`lowp.lowp_config`, `gluon` True unless the caller says):
     on CUDA with `gluon` the flush rows on this kernel, then the steady rows on the Gluon kernel
     of gluon_lowp.py where it covers the read format and shape; `split` the same two launches
     with this kernel twice (the interpreter's test of the split).
@@ -474,8 +474,6 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
                              "is written with stochastic rounding only")
         ck = dict(checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K), SR=1)
     cfg = lowp_config(V, config, split=True)
-    # the steady rows' Gluon kernel where the caller does not say (gluon_lowp.GLUON_DEFAULT)
-    cfg["gluon"] = bool((config or {}).get("gluon", GLUON_DEFAULT))
     BV = cfg["BV"]
     scale = _scale(scale, K)
     if out is None:

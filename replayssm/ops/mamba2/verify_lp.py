@@ -92,7 +92,6 @@ def _lowp_verify_kernel(
                  mask=(o_t < T)[:, None] & m_v[None, :])
         return
 
-    # hc: the committed records the queries see
     h, n, flush, hc, m_t, m_l, m_c = verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T, WINDOW, HAS_N)
 
     i_m = slot * HV + i_h                           # this head's matrix in the pool

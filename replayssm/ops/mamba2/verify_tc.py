@@ -72,7 +72,6 @@ def _replay_verify_tc_kernel(
                  mask=m_v[:, None] & (o_t < T)[None, :])
         return
 
-    # hc: the committed records the queries see
     h, n, flush, hc, m_t, m_l, m_c = verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T, WINDOW, HAS_N)
 
     # int32 tile offsets on a 64-bit scalar base (a slot's checkpoint is far below 2^31 elements)

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from .launch import capturing
 
-__all__ = ["LP_CODES", "lp_views", "default_bv", "default_gluon_bv", "lowp_config", "flush_programs", "head_counter", "flush_rows_chunk", "flush_item_row",
-           "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
+__all__ = ["LP_CODES", "lp_views", "default_bv", "default_gluon_bv", "lowp_config", "flush_programs", "head_counter",
+           "flush_rows_chunk", "flush_item_row", "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
 
 LP_CODES = {"fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
 _HEAD_COUNTERS: dict = {}
@@ -136,10 +136,6 @@ def head_counter(device, n: int) -> Tensor:
     return t
 
 
-# ----------------------------------------------------------------------------------------------
-# rounding on the bits
-
-
 @triton.jit
 def flush_rows_chunk(slot_ids, cursor, c0, n_rows, seen, WINDOW: tl.constexpr, BT: tl.constexpr):
     """A split step's flush launch (`ROWS=1`), rows `c0 .. c0 + BT`: their positions, slots,
@@ -160,6 +156,10 @@ def flush_item_row(o_b, b_sl, b_h, b_fl, b_rank, t, NP: tl.constexpr):
     m_r = b_fl & (b_rank == t // NP)
     return (tl.sum(tl.where(m_r, o_b, 0), axis=0).to(tl.int64), tl.sum(tl.where(m_r, b_sl, 0), axis=0),
             tl.sum(tl.where(m_r, b_h, 0), axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# rounding on the bits
 
 
 @triton.jit
