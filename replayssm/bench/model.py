@@ -19,6 +19,9 @@ The `no-recurrence` scheme (`--schemes ...,no-recurrence`) skips the recurrent l
 step: its time is the model's time outside the recurrence, and conventional / its time is the
 most any scheme of the recurrent state can gain in this model.
 Points whose key/value cache would not fit are skipped with the reason in the row.
+The attention layers run `hf.use_gqa_attention` (`--attention gqa`, every scheme alike): each
+key/value head is read once per step, where transformers' own SDPA path (`--attention sdpa`)
+writes a copy of the cache per query head and step, which at batch 256 takes most of the step.
 
 Speculative rows (`speculative_rows`, batches `--spec-batches`): one round of speculative
 generation's target work, the verification forward of `T` tokens per row (`--drafts`: the last
@@ -46,6 +49,21 @@ from .common import graph_time_us, header, write_results
 
 MODELS = {"nemotron3-nano-4b": "nemotron3_nano_4b", "qwen3.5-4b": "qwen3_5_4b"}
 SCHEMES = ("conventional", "replay", "stock", "no-recurrence")
+ATTENTION = ("gqa", "sdpa")
+
+
+def build(name: str, *, dtype=torch.bfloat16, device="cuda", attention: str = "gqa", **overrides):
+    """The random-weight model of `name` (a key of MODELS or a shipped config) with its attention
+    layers on `attention`: "gqa" (`hf.use_gqa_attention`: each key/value head read once, as a
+    serving engine's attention does) or "sdpa" (transformers' path, which copies the key/value
+    cache per query head and step: most of the step at batch 256, the same for every scheme)."""
+    from ..integrations import hf
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    model = hf.build(MODELS.get(name, name), dtype=dtype, device=device, **overrides)
+    if attention == "gqa":
+        hf.use_gqa_attention(model)
+    return model
 
 
 def eager_time_us(fn, reps: int = 20, warmup: int = 2) -> float:
@@ -222,12 +240,12 @@ def _time_step(step, reps: int, graphs: bool):
 def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *, dtype=torch.bfloat16,
             device="cuda", window: int = 16, record_dtype=torch.bfloat16, reps: int = 20, graphs: bool = True,
             prefill_tokens: int = 131072, kv_budget: float = 0.6, model=None, real: int = 0,
-            **overrides) -> list:
+            attention: str = "gqa", **overrides) -> list:
     """Rows of one model (a key of MODELS or a shipped config name) over contexts x batches."""
     from ..integrations import hf
     label = name
     if model is None:
-        model = hf.build(MODELS.get(name, name), dtype=dtype, device=device, **overrides)
+        model = build(name, dtype=dtype, device=device, attention=attention, **overrides)
     rows = []
     for context, batch in itertools.product(contexts, batches):
         base = {"model": label, "batch": batch, "context": context, "dtype": str(dtype).replace("torch.", ""),
@@ -266,9 +284,9 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
                 got[scheme] = step()[:, -1].argmax(-1)          # one eager step first: the tokens
                 us, timing = _time_step(step, reps, graphs)
             except torch.OutOfMemoryError:
-                # transformers' SDPA path copies the key/value cache per step (repeat_kv): more
-                # than the cache itself, which the room check counts
-                us, timing = None, "skipped: out of memory in the step (the model's attention copies the cache)"
+                # with attention="sdpa" transformers copies the key/value cache per step
+                # (repeat_kv): more than the cache itself, which the room check counts
+                us, timing = None, "skipped: out of memory in the step"
             rows.append(dict(base, scheme=scheme, us_per_step=us, timing=timing,
                              tokens_per_s=batch / us * 1e6 if us else None, kv_bytes=need))
             hf.disable(model)
@@ -287,14 +305,14 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
 def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: int = 3, dtype=torch.bfloat16,
                         device="cuda", window: int = 16, record_dtype=torch.bfloat16, reps: int = 20,
                         graphs: bool = True, prefill_tokens: int = 131072, kv_budget: float = 0.6, model=None,
-                        real: int = 0, **overrides) -> list:
+                        real: int = 0, attention: str = "gqa", **overrides) -> list:
     """Speculative rows of one model: a verification round (`T` tokens per row, `accepted`
     kept) of the snapshot and the replay scheme, from the same prefilled cache."""
     from ..integrations import hf
     if not 1 <= accepted <= T:
         raise ValueError(f"accepted must lie in 1..T={T}, got {accepted}")
     if model is None:
-        model = hf.build(MODELS.get(name, name), dtype=dtype, device=device, **overrides)
+        model = build(name, dtype=dtype, device=device, attention=attention, **overrides)
     steps = step_budget(reps) * accepted + T
     rows = []
     for context, batch in itertools.product(contexts, batches):
@@ -348,7 +366,7 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                 hf.disable(model)
                 _free()
                 rows.append(dict(base, scheme=scheme, us_per_round=None, tokens_per_s=None,
-                                 timing="skipped: out of memory in the round (the model's attention copies the cache)"))
+                                 timing="skipped: out of memory in the round"))
                 continue
             rows.append(dict(base, scheme=scheme, us_per_round=us, timing=timing,
                              tokens_per_s=batch * accepted / us * 1e6,
@@ -416,6 +434,8 @@ def main(argv=None):
     ap.add_argument("--schemes", default="conventional,replay",
                     help=f"comma-separated, of {','.join(SCHEMES)} (stock: transformers' own decode path; "
                          "no-recurrence: the recurrent layers' state step skipped, the time spent outside it)")
+    ap.add_argument("--attention", default="gqa", choices=ATTENTION,
+                    help="the attention layers' path, the same for every scheme (see build())")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--reps", type=int, default=20)
@@ -451,7 +471,7 @@ def main(argv=None):
     spec_batches = [b for b in args.spec_batches if b > 0]
     if not 1 <= args.accepted <= args.drafts:
         ap.error(f"--accepted must lie in 1..--drafts ({args.drafts}), got {args.accepted}")
-    doc.update(window=args.window, record_dtype=args.record_dtype, dtype=args.dtype,
+    doc.update(attention=args.attention, window=args.window, record_dtype=args.record_dtype, dtype=args.dtype,
                prefill=("whole context through the model" if args.real_prefill == 0 else
                         f"{args.real_prefill} positions through the model, the rest random keys/values"),
                transformers=transformers.__version__,
@@ -461,7 +481,7 @@ def main(argv=None):
     rows = []
     for m in models:
         # one model for the decode and the speculative points (two would not fit beside the caches)
-        model = hf.build(MODELS.get(m, m), dtype=getattr(torch, args.dtype), device=args.device)
+        model = build(m, dtype=getattr(torch, args.dtype), device=args.device, attention=args.attention)
         r = measure(m, args.batches, args.contexts, schemes, window=args.window, reps=args.reps,
                     dtype=getattr(torch, args.dtype), device=args.device,
                     record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,

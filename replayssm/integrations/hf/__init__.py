@@ -11,12 +11,14 @@
 Supported mixers: NemotronH, Bamba, GraniteMoeHybrid, Zamba2 and Falcon-H1 (Mamba-2),
 Qwen3.5 and Qwen3-Next (Gated DeltaNet), Kimi Linear (KDA). `configs` builds the shipped
 architectures (Nemotron-3-Nano-4B, Qwen3.5-4B and a tiny model of each class) with random
-weights.
+weights. `use_gqa_attention` runs a model's attention layers without transformers' per-step copy
+of the key/value cache (attention.py).
 """
+from .attention import use_gqa_attention
 from .configs import build, config, config_names
 from .enable import SCHEMES, attach_cache, disable, enable, is_enabled, replay_state
 from .mixers import UnsupportedModelError
 from .speculative import speculative_generate
 
 __all__ = ["enable", "disable", "is_enabled", "replay_state", "attach_cache", "SCHEMES", "speculative_generate",
-           "UnsupportedModelError", "build", "config", "config_names"]
+           "UnsupportedModelError", "build", "config", "config_names", "use_gqa_attention"]
