@@ -468,3 +468,26 @@ def test_precision_options_refused_before_anything_changes():
     after = _greedy(model, ids, 12)
     assert all(torch.equal(a, b) for a, b in zip(after.logits, before.logits))
     assert not hf.is_enabled(fresh) and not any("forward" in vars(m) for m in fresh.modules())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["tiny_nemotron_h", "tiny_qwen3_5", "tiny_kimi_linear"])
+def test_gpu_greedy_and_speculative_match_stock(name, monkeypatch):
+    # on the kernels (pools, the fused short convolution, the grouped-query attention): fp32
+    # greedy tokens equal stock transformers', speculative ones equal greedy ones
+    model = _model(name).cuda()
+    ids = _prompt(10, batch=3).cuda()
+    ref = _greedy(model, ids, 32)
+    hf.use_gqa_attention(model)
+    hf.enable(model, max_draft=4)
+    count = _Count(monkeypatch)
+    got = _greedy(model, ids, 32)
+    assert count.n["decode"] > 0
+    assert torch.equal(got.sequences, ref.sequences)
+    lr, lg = torch.stack(ref.logits), torch.stack(got.logits)
+    assert ((lg - lr).norm() / lr.norm()).item() < 1e-4
+    out = hf.speculative_generate(model, ids[:1], draft=_noisy_copy(name, 0.6).cuda(), num_draft=4,
+                                  max_new_tokens=32)
+    assert torch.equal(out, ref.sequences[:1])
+    assert count.n["verify"] > 0

@@ -23,6 +23,15 @@ from .conventional import ConventionalPool
 from .snapshot import SnapshotPool
 
 
+def _kernel_activation(act) -> Optional[str]:
+    """The fused convolution's name for `act` (SiLU or none), None for any other activation."""
+    if act is None or isinstance(act, torch.nn.Identity):
+        return "none"
+    if act is F.silu or isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        return "silu"
+    return None
+
+
 class ConvHistory:
     """The short convolution's inputs per slot, with rollback.
 
@@ -62,6 +71,12 @@ class ConvHistory:
         """Causal depthwise convolution of `x` `[B, S, C]` after each row's committed history,
         activated. The `S` inputs (`S <= T`) become pending; with `commit_all` (any `S`) they
         join the history at once. Padding rows (slot < 0) see a zero history and write nothing."""
+        kernel_act = _kernel_activation(act)
+        if x.is_cuda and kernel_act is not None and x.stride(-1) == 1:
+            # on the GPU one fused pass (ops/shortconv.py) instead of gather, cat, conv, scatter
+            from ...ops.shortconv import short_conv_update
+            return short_conv_update(self.buf, self.pending, slots, x, weight.contiguous(), bias, kernel_act,
+                                     commit_all=commit_all)
         B, S, C = x.shape
         keep = self.kernel - 1
         ok = slots >= 0
