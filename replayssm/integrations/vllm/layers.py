@@ -17,6 +17,7 @@ The profile run (no metadata) and layers in a process where the plugin is off ru
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -134,6 +135,21 @@ def bound_state(ns, layer, settings: Settings, family: str, params: dict, probe:
     return st, ex
 
 
+@contextlib.contextmanager
+def _stock_forward(layer):
+    """Around a call of vLLM's own forward: that code unpacks `get_state_dtype()` as its two
+    states (conv, SSM) for its kernels' autotune keys, while the patched declaration lists all
+    of replayssm's parts. The first two of those are the tensors the stock forward reads and
+    writes (vLLM's conv state, the checkpoint where it keeps its SSM state), so the layer
+    answers with them while the call lasts."""
+    parts = tuple(type(layer).get_state_dtype(layer))
+    layer.__dict__["get_state_dtype"] = lambda: parts[:2]
+    try:
+        yield
+    finally:
+        layer.__dict__.pop("get_state_dtype", None)
+
+
 def _conv_view(ns, conv):
     # vLLM's conv kernels take (..., dim, width - 1); the SD layout stores it transposed
     return conv if ns.is_conv_state_dim_first() else conv.transpose(-1, -2)
@@ -159,7 +175,8 @@ def mamba2_forward(ns, settings: Settings):
         def conv_ssm_forward(self, projected_states, output):
             md = _compat.metadata_for(ns, self.prefix)
             if md is None:
-                return orig(self, projected_states, output)
+                with _stock_forward(self):
+                    return orig(self, projected_states, output)
             st, ex = bound_state(ns, self, settings, "mamba2", _mamba2_params(self),
                                  _mamba2_probe(self, projected_states.dtype, projected_states.device))
             nd, ndt = md.num_decodes, md.num_decode_tokens
@@ -168,7 +185,7 @@ def mamba2_forward(ns, settings: Settings):
                 only_p = dataclasses.replace(md, num_decodes=0, num_decode_tokens=0, state_indices_tensor_d=None,
                                              query_start_loc_d=None, num_accepted_tokens=None)
                 end = ndt + md.num_prefill_tokens
-                with _compat.swapped_metadata(ns, self.prefix, only_p):
+                with _compat.swapped_metadata(ns, self.prefix, only_p), _stock_forward(self):
                     orig(self, projected_states[ndt:end], output[ndt:end])
                 batch.after_prefill(st, md.state_indices_tensor_p)
             if nd > 0:
@@ -225,7 +242,8 @@ def gdn_forward(ns, settings: Settings):
         def _forward_core(self, mixed_qkv, b, a, core_attn_out):
             md = _compat.metadata_for(ns, self.prefix)
             if md is None:
-                return orig(self, mixed_qkv, b, a, core_attn_out)
+                with _stock_forward(self):
+                    return orig(self, mixed_qkv, b, a, core_attn_out)
             st, ex = bound_state(ns, self, settings, "gdn", _gdn_params(self),
                                  _gdn_probe(self, mixed_qkv.dtype, mixed_qkv.device))
             n = md.num_actual_tokens
@@ -282,7 +300,7 @@ def _gdn_prefill(ns, orig, layer, md, st, mixed_qkv, b, a, core_attn_out, spec):
         spec_token_indx=None, non_spec_token_indx=None, num_accepted_tokens=None,
         nums_dict=nums, batch_ptr=bptr, token_chunk_offset_ptr=tptr)
     y = torch.zeros((tok.shape[0], *core_attn_out.shape[1:]), dtype=core_attn_out.dtype, device=core_attn_out.device)
-    with _compat.swapped_metadata(ns, layer.prefix, only_p):
+    with _compat.swapped_metadata(ns, layer.prefix, only_p), _stock_forward(layer):
         orig(layer, mixed_qkv.index_select(0, tok), b.index_select(0, tok), a.index_select(0, tok), y)
     core_attn_out.index_copy_(0, tok, y)
     batch.after_prefill(st, md.prefill_state_indices)
