@@ -60,6 +60,7 @@ def register(environ=None) -> bool:
         layers.declare_model(ns, cls, family, cfg)
     _compat.patch_method(ns.MambaMixer2, "conv_ssm_forward", layers.mamba2_forward(ns, cfg))
     _compat.patch_method(ns.GDN, "_forward_core", layers.gdn_forward(ns, cfg))
+    _compat.patch_method(ns.GPUModelRunner, "initialize_kv_cache_tensors", layers.bind_states(ns, cfg))
     _STATUS.update(registered=True, reason=f"vLLM {version}: Mamba-2 and GDN layers on replayssm ({cfg})")
     log.info("replayssm: %s", _STATUS["reason"])
     return True

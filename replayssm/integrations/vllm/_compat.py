@@ -19,7 +19,10 @@ A newer vLLM should need changes here only. The plugin touches:
   (`Mamba2AttentionMetadata`, `GDNAttentionMetadata`: fields named in `layers.py`), replaced
   for the prefill-only call with `dataclasses.replace`.
 - `causal_conv1d_update` (the decode rows' convolution, vLLM's kernel), `is_conv_state_dim_first`,
-  `compute_causal_conv1d_metadata`, `NULL_BLOCK_ID`, `get_current_vllm_config`.
+  `compute_causal_conv1d_metadata`, `NULL_BLOCK_ID`.
+- `GPUModelRunner.initialize_kv_cache_tensors` (patched: the layers' states are built once the
+  KV cache is bound) and the runner's `vllm_config`, `speculative_config`, `model_config`,
+  `device`, `compilation_config.static_forward_context`, `num_accepted_tokens.gpu`.
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ def load() -> SimpleNamespace:
         MambaMixer2=_get("vllm.model_executor.layers.mamba.mamba_mixer2", "MambaMixer2"),
         GDN=_get("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention"),
         get_forward_context=_get("vllm.forward_context", "get_forward_context"),
-        get_current_vllm_config=_get("vllm.config", "get_current_vllm_config"),
+        GPUModelRunner=_get("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
         causal_conv1d_update=_get("vllm.model_executor.layers.mamba.ops.causal_conv1d", "causal_conv1d_update"),
         is_conv_state_dim_first=_get("vllm.model_executor.layers.mamba.mamba_utils", "is_conv_state_dim_first"),
         extra_groups=_get("vllm.model_executor.layers.mamba.mamba_utils",

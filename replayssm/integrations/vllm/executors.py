@@ -72,6 +72,11 @@ class KernelExecutor:
         live, idx = live_rows(slots)
         for name in _STAGED:
             torch.index_select(getattr(st, name), 0, idx, out=self.scratch[name][:B])
+        # a block vLLM recycles keeps its last owner's bytes (it zeroes attention blocks only),
+        # and GDN may decode a 1-token prompt without a prefill: keep the counters in range so
+        # the kernels cannot index records outside the buffer
+        self.scratch["cursor"][:B].clamp_(0, st.spec.window)
+        self.scratch["pending"][:B].clamp_(0, st.spec.max_draft)
         ids = torch.where(live, self.rows[:B], torch.full_like(self.rows[:B], -1))
 
         def write_back():
@@ -164,4 +169,8 @@ def make_executor(state: BlockState, params: dict, *, mode: str, max_batch: int,
     if mode == "auto":
         ok = probe_inputs is not None and probe_strided(state, params, probe_inputs, probe_out)
         mode = "strided" if ok else "staged"
+    elif mode == "strided" and not all(t.is_contiguous() for t in (state.ckpt, state.ld, state.w, state.k)):
+        # the kernels address rows as `slot * rowsize`; vLLM's page-strided views would be misread
+        raise ValueError("REPLAYSSM_VLLM_STATE=strided needs contiguous state tensors, and vLLM's blocks are "
+                         "strided by the page: use 'auto' or 'staged'")
     return KernelExecutor(state, params, mode=mode, max_batch=max_batch)

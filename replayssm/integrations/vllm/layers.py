@@ -25,6 +25,7 @@ import torch
 from . import _compat, batch
 from .config import Settings
 from .executors import make_executor
+from . import state as S
 from .state import BlockState, StateSpec
 
 _STATE_ATTR = "_replayssm_state"
@@ -112,27 +113,83 @@ def declare_model(ns, cls, family: str, settings: Settings) -> None:
 
 # ------------------------------------------------------------------------------ state binding
 
+_BIND_ATTR = "_replayssm_bind"
+
+
+def _family(ns, layer):
+    if isinstance(layer, ns.MambaMixer2):
+        return "mamba2"
+    if isinstance(layer, ns.GDN):
+        return "gdn"
+    return None
+
+
+def _params_probe(layer, family: str, dtype, device):
+    if family == "mamba2":
+        return _mamba2_params(layer), _mamba2_probe(layer, dtype, device)
+    return _gdn_params(layer), _gdn_probe(layer, dtype, device)
+
+
+def bind_states(ns, settings: Settings):
+    """Patch of the model runner's `initialize_kv_cache_tensors`: right after vLLM binds a KV
+    cache (the profiling one, then the real one) each Mamba-2 / GDN layer's replayssm state and
+    executor are built. vLLM runs no eager forward before its first CUDA-graph capture, and
+    its config is not current at forward time: both are at hand here. Each layer also keeps the
+    runner's per-row accepted counts (`num_accepted_tokens`, refreshed every step, in batch
+    order), which vLLM passes to the layers only on steps where some row has drafts."""
+    def make(orig):
+        def initialize_kv_cache_tensors(self, *args, **kwargs):
+            kv_caches = orig(self, *args, **kwargs)
+            max_batch = self.vllm_config.scheduler_config.max_num_seqs
+            accepted = self.num_accepted_tokens.gpu if self.speculative_config is not None else None
+            for layer in self.compilation_config.static_forward_context.values():
+                family = _family(ns, layer)
+                if family is None:
+                    continue
+                layer.__dict__[_BIND_ATTR] = {
+                    "max_batch": max_batch, "accepted": accepted,
+                    "rows": torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)}
+                bound_state(ns, layer, settings, family,
+                            *_params_probe(layer, family, self.model_config.dtype, self.device))
+            return kv_caches
+        return initialize_kv_cache_tensors
+    return make
+
+
 def bound_state(ns, layer, settings: Settings, family: str, params: dict, probe: dict):
-    """`(BlockState, executor)` of `layer` over the tensors vLLM bound to it, built on first
-    use (it allocates: must run before CUDA-graph capture, i.e. in vLLM's warm-up)."""
+    """`(BlockState, executor)` of `layer` over the tensors vLLM bound to it (built by
+    `bind_states` when the KV cache is bound; it allocates, so never inside a capture)."""
     kv = layer.kv_cache
     key = kv[1].data_ptr()
     cached = getattr(layer, _STATE_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1], cached[2]
+    bind = layer.__dict__.get(_BIND_ATTR)
+    if bind is None:
+        raise RuntimeError(f"replayssm: no state bound for {layer.prefix}: the plugin builds it when the "
+                           "model runner initialises the KV cache (initialize_kv_cache_tensors)")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"replayssm: state of {layer.prefix} first seen inside a CUDA-graph capture")
     spec = _layer_spec(layer, settings, family, _stock(type(layer), "get_state_shape"),
                        _stock(type(layer), "get_state_dtype"))
     st = BlockState.from_kv_cache(spec, kv)
-    max_batch = ns.get_current_vllm_config().scheduler_config.max_num_seqs
     mode = settings.state
     if st.ckpt.device.type != "cuda":
         mode = "reference"
-    ex = make_executor(st, params, mode=mode, max_batch=max_batch, probe_inputs=probe["inputs"],
+    ex = make_executor(st, params, mode=mode, max_batch=bind["max_batch"], probe_inputs=probe["inputs"],
                        probe_out=probe["out"])
     setattr(layer, _STATE_ATTR, (key, st, ex))
     return st, ex
+
+
+def _accepted(layer, given, rows: int):
+    """The accepted counts of the step before for the first `rows` decode rows: vLLM's
+    (`given`) where it passes them, else the runner's buffer (steps without any drafts), else
+    None (no speculation configured: nothing is pending)."""
+    if given is not None:
+        return given
+    buf = layer.__dict__.get(_BIND_ATTR, {}).get("accepted")
+    return None if buf is None else buf[:rows]
 
 
 @contextlib.contextmanager
@@ -207,8 +264,13 @@ def _mamba2_decode(ns, layer, md, st, ex, proj, out):
     HV, Hk = layer.num_heads // layer.tp_size, layer.n_groups // layer.tp_size
     inputs = {"x": x.reshape(ndt, HV, layer.head_dim), "dt": dt,
               "B": B.reshape(ndt, Hk, layer.ssm_state_size), "C": C.reshape(ndt, Hk, layer.ssm_state_size)}
+    qsl, acc = md.query_start_loc_d, md.num_accepted_tokens
+    if layer.num_spec and qsl is None:
+        # a step in which no row has drafts: vLLM passes neither; one token per row
+        qsl = layer.__dict__[_BIND_ATTR]["rows"][:ndt + 1]
+        acc = _accepted(layer, None, ndt)
     batch.run_decode(ex, st, idx[:, 0], inputs, out.view(ndt, HV, layer.head_dim), spec_tokens=layer.num_spec,
-                     query_start_loc=md.query_start_loc_d, num_accepted=md.num_accepted_tokens)
+                     query_start_loc=qsl, num_accepted=acc)
 
 
 # ------------------------------------------------------------------------------ GDN
@@ -277,7 +339,8 @@ def gdn_forward(ns, settings: Settings):
                 qkv = ns.causal_conv1d_update(mixed_qkv[:nd], conv, w, self.conv1d.bias, self.activation,
                                               conv_state_indices=idx, validate_data=False)
                 batch.run_decode(ex, st, idx, _gdn_inputs(self, qkv, a[:nd], b[:nd]), core_attn_out[:nd],
-                                 spec_tokens=self.num_spec, query_start_loc=md.non_spec_query_start_loc[:nd + 1])
+                                 spec_tokens=self.num_spec, query_start_loc=md.non_spec_query_start_loc[:nd + 1],
+                                 num_accepted=_accepted(self, None, nd) if self.num_spec else None)
         return _forward_core
     return make
 
@@ -289,6 +352,13 @@ def _gdn_prefill(ns, orig, layer, md, st, mixed_qkv, b, a, core_attn_out, spec):
         tok = md.non_spec_token_indx
     else:
         tok = torch.arange(md.num_decode_tokens, md.num_actual_tokens, device=mixed_qkv.device)
+    if spec:
+        # rows without drafts in a step with drafts come here as prefills, possibly with the
+        # previous step's verified tokens pending: commit those first (rows in ~mask order;
+        # the boolean index syncs with the host, as prefill steps do anyway)
+        acc = _accepted(layer, None, md.spec_sequence_masks.numel())
+        if acc is not None:
+            S.commit(st, batch.slot_ids(md.prefill_state_indices), acc[~md.spec_sequence_masks])
     batch.before_prefill(st, md.prefill_state_indices, md.prefill_has_initial_state)
     qsl = md.prefill_query_start_loc
     nums, bptr, tptr = ns.compute_conv_metadata(qsl.cpu(), device=qsl.device)
