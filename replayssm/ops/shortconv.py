@@ -77,7 +77,7 @@ def _short_conv_kernel(x_ptr, out_ptr, buf_ptr, pend_ptr, slot_ptr, w_ptr, bias_
 
 def short_conv_update(buf: Tensor, pending: Tensor, slots: Tensor, x: Tensor, weight: Tensor,
                       bias: Optional[Tensor], activation: str, *, commit_all: bool,
-                      out: Optional[Tensor] = None, block: int = 256) -> Tensor:
+                      out: Optional[Tensor] = None, block: int = 256, num_warps: int = 2) -> Tensor:
     """Convolve `x [B, S, C]` after each row's committed history in `buf`, activated
     (`activation` in ACTIVATIONS), into `out [B, S, C]` (x's dtype; returned). Rows whose slot is
     negative see a zero history and write only the spare row `buf[-1]`. With `commit_all` the
@@ -107,5 +107,5 @@ def short_conv_update(buf: Tensor, pending: Tensor, slots: Tensor, x: Tensor, we
                              C, S, N1 - 1, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
                              buf.stride(0), buf.stride(1),
                              KC=Kc, BC=block, HAS_BIAS=bias is not None, SILU=activation == "silu",
-                             COMMIT_ALL=commit_all, num_warps=2)
+                             COMMIT_ALL=commit_all, num_warps=num_warps)
     return out

@@ -22,7 +22,10 @@ def main(argv=None) -> int:
               max_num_seqs=32, seed=0)
     kw.update(extra)
     llm = LLM(**kw)
-    prompts = [{"prompt_token_ids": [1] + [10 + (7 * i + j) % 500 for j in range(3 + 9 * i)]} for i in range(12)]
+    # prompts of 5..104 tokens: with 3 speculative tokens, stock vLLM 0.25.0 (plugin off) gave a
+    # 4-token prompt (1 + num_speculative_tokens) another first token than without speculation
+    # (benchmarks/results/vllm_check_h200.log), which would hide what the plugin does
+    prompts = [{"prompt_token_ids": [1] + [10 + (7 * i + j) % 500 for j in range(4 + 9 * i)]} for i in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 5), ignore_eos=True) for i in range(12)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     print("PLUGIN", json.dumps(status()), flush=True)
