@@ -150,7 +150,7 @@ def _traffic(args) -> int:
 
 BENCHES = {"decode": "replayssm.bench.decode", "records": "replayssm.bench.records",
            "verify": "replayssm.bench.verify", "model": "replayssm.bench.model",
-           "precision": "replayssm.bench.precision"}
+           "precision": "replayssm.bench.precision", "vllm": "replayssm.bench.vllm_serving"}
 
 
 def _bench(args) -> int:
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     t.add_argument("--format", default="fp32", choices=formats.FORMATS,
                    help="the state's storage format (default %(default)s)")
     t.set_defaults(func=_traffic)
-    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep), verify (speculative verification), model (whole transformers models), records (record precision study) or precision (low-precision checkpoint reads)",
+    b = sub.add_parser("bench", help="GPU benchmarks: decode (kernel sweep), verify (speculative verification), model (whole transformers models), records (record precision study), precision (low-precision checkpoint reads) or vllm (serving throughput with the vLLM plugin)",
                        description="GPU benchmarks. Arguments after the benchmark's name go to it: "
                                    "`replayssm bench decode --help`.")
     b.add_argument("which", nargs="?", choices=sorted(BENCHES), metavar="{" + ",".join(sorted(BENCHES)) + "}",

@@ -12,6 +12,7 @@ where CUDA is present).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -351,6 +352,23 @@ def test_tensor_parallel_ranks_concatenate_to_the_unsplit_layer(family, executor
         for name in ("cursor", "pending"):
             assert torch.equal(getattr(st, name), getattr(full, name)), (r, name)
         assert torch.allclose(st.ckpt, full.ckpt[:, r * (HV // tp):(r + 1) * (HV // tp)], rtol=1e-5, atol=1e-6)
+
+
+def test_serving_benchmark_model_folder_and_prompts(tmp_path):
+    # `replayssm bench vllm`'s pieces that run without vLLM: the dummy-weight model folder (the
+    # shipped config cut to its first layers) and the prompts (repeating ones for n-gram drafts)
+    from replayssm.bench import vllm_serving as vs
+    cfg = json.loads((vs.model_dir("nemotron3_nano_4b", 6, tmp_path) / "config.json").read_text())
+    assert cfg["architectures"] == ["NemotronHForCausalLM"] and cfg["num_hidden_layers"] == 6
+    assert cfg["hybrid_override_pattern"] == "M-M-M-" and cfg["mamba_num_heads"] == 96
+    whole = json.loads((vs.model_dir("nemotron3_nano_4b", 0, tmp_path) / "config.json").read_text())
+    assert whole["num_hidden_layers"] == 42 and not any(k.startswith("_") for k in whole)
+    with pytest.raises(ValueError, match="unknown model"):
+        vs.model_dir("qwen3_5_4b", 0, tmp_path)
+    ps = vs.prompts(3, 20, 1000, repeat=True)
+    assert len(ps) == 3 and all(len(p["prompt_token_ids"]) == 20 for p in ps)
+    assert ps[0]["prompt_token_ids"][:7] == ps[0]["prompt_token_ids"][7:14]
+    assert vs.prompts(2, 9, 50, repeat=False)[0]["prompt_token_ids"] != vs.prompts(2, 9, 50, repeat=True)[0]["prompt_token_ids"]
 
 
 # ------------------------------------------------------------------------------ GPU, with vLLM

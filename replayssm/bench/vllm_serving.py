@@ -1,0 +1,202 @@
+"""Serving benchmark: decode throughput of stock vLLM against vLLM with the replayssm plugin.
+
+A random-weight model (vLLM's `load_format="dummy"`) at a real layer shape: the shipped
+transformers config of Nemotron-3-Nano-4B (`--model nemotron3_nano_4b`; NemotronH, 21 Mamba-2
+layers), optionally cut to its first `--layers` layers of the hybrid pattern. No tokenizer
+(`skip_tokenizer_init`): prompts are token ids. Each (scheme, speculation) pair runs in its own
+process, since the plugin registers when vLLM starts (`REPLAYSSM_VLLM=1` for `replayssm`, 0
+for `stock`); within it every batch size is timed on the same engine.
+
+Per batch `B`: `B` prompts of `--prompt` tokens; one `generate` with `max_tokens=1` (the
+prefill and first token) and one with `1 + --decode` tokens, both with `ignore_eos`; the
+decode throughput is `B * decode / (t_long - t_short)` (`tokens_per_s`), `ratio_vs_stock`
+the plugin's over stock's at the same batch and speculation. `--speculative ngram` adds n-gram
+drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes; its prompts repeat a short
+pattern so that lookups find drafts, and the rows carry vLLM's draft acceptance where its
+metrics report it. JSON rows: `model`, `batch`, `scheme`, `speculative`, `tokens_per_s`,
+`ratio_vs_stock`, plus the timings.
+
+    python -m replayssm.bench.vllm_serving --batches 64,256,512 --out benchmarks/results/vllm_h200.json
+
+Needs vLLM 0.25.0 and a GPU (the bring-up in ../shared/vllm on the project's GPU machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = ("nemotron3_nano_4b",)
+SCHEMES = ("stock", "replayssm")
+
+
+def model_dir(name: str, layers: int, out: Path) -> Path:
+    """A vLLM model folder (config.json only: weights are vLLM's dummy ones) for the shipped
+    config `name`, cut to its first `layers` layers (0: all)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    from ..integrations.hf.configs import _DIR
+    cfg = {k: v for k, v in json.loads((_DIR / f"{name}.json").read_text()).items() if not k.startswith("_")}
+    if layers:
+        pattern = cfg["hybrid_override_pattern"][:layers]
+        if "M" not in pattern:
+            raise ValueError(f"the first {layers} layers of {name} hold no Mamba-2 layer")
+        cfg.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
+    cfg.update(architectures=["NemotronHForCausalLM"], torch_dtype="bfloat16")
+    d = out / f"{name}_{layers or 'all'}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
+def prompts(batch: int, length: int, vocab: int, repeat: bool, seed: int = 0) -> list:
+    """`batch` prompts of `length` token ids; with `repeat`, each a period-7 pattern (n-gram
+    lookup finds continuations in it)."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(batch):
+        if repeat:
+            unit = [rng.randrange(3, vocab) for _ in range(7)]
+            ids = (unit * (length // 7 + 1))[:length]
+        else:
+            ids = [rng.randrange(3, vocab) for _ in range(length)]
+        out.append({"prompt_token_ids": ids})
+    return out
+
+
+def _acceptance(llm) -> dict:
+    """Draft acceptance from vLLM's metrics, where it reports them (empty otherwise)."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:                  # noqa: BLE001 - metrics are optional in the row
+        return {}
+    got = {}
+    for m in metrics:
+        name = getattr(m, "name", "")
+        if name.endswith("spec_decode_num_drafts") or name.endswith("spec_decode_num_draft_tokens") \
+                or name.endswith("spec_decode_num_accepted_tokens"):
+            got[name.split(":")[-1]] = getattr(m, "value", None)
+    return got
+
+
+def worker(args) -> int:
+    """One engine: prints a `RESULT {json}` line per batch."""
+    from vllm import LLM, SamplingParams
+    spec = None
+    if args.speculative == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.drafts, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1}
+    cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
+    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
+              max_num_seqs=max(args.batches), max_model_len=args.prompt + args.decode + 8,
+              gpu_memory_utilization=args.gpu_memory, speculative_config=spec, disable_log_stats=spec is None)
+    for batch in args.batches:
+        ps = prompts(batch, args.prompt, cfg["vocab_size"], repeat=spec is not None)
+        short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+        full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True, detokenize=False)
+        llm.generate(ps[:8], short, use_tqdm=False)                    # warm-up
+        t0 = time.perf_counter()
+        llm.generate(ps, short, use_tqdm=False)
+        t1 = time.perf_counter()
+        before = _acceptance(llm)
+        outs = llm.generate(ps, full, use_tqdm=False)
+        t2 = time.perf_counter()
+        after = _acceptance(llm)
+        made = sum(len(o.outputs[0].token_ids) for o in outs) - batch     # past the first token
+        row = {"batch": batch, "prefill_s": t1 - t0, "generate_s": t2 - t1, "decode_tokens": made,
+               "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9)}
+        row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
+        print("RESULT " + json.dumps(row), flush=True)
+    return 0
+
+
+def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
+    env = dict(os.environ, REPLAYSSM_VLLM="1" if scheme == "replayssm" else "0")
+    cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--model-dir", str(folder),
+           "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
+           "--speculative", speculative, "--drafts", str(args.drafts), "--gpu-memory", str(args.gpu_memory)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode != 0 or not rows:
+        tail = (r.stdout + r.stderr)[-1500:]
+        print(f"{scheme} / {speculative}: engine failed (rc {r.returncode}):\n{tail}")
+        return [{"batch": b, "tokens_per_s": None, "error": f"rc {r.returncode}: {tail[-300:]}"} for b in args.batches]
+    return rows
+
+
+def _ints(text: str) -> list:
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="replayssm bench vllm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODELS[0], choices=MODELS)
+    ap.add_argument("--layers", type=int, default=0, help="first layers of the hybrid pattern (0: all)")
+    ap.add_argument("--batches", type=_ints, default=[64, 256, 512])
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    ap.add_argument("--decode", type=int, default=128, help="decode tokens timed per request")
+    ap.add_argument("--speculative", default="none,ngram",
+                    help="comma-separated of none, ngram (runs of each; 'none,ngram': both)")
+    ap.add_argument("--drafts", type=int, default=3, help="n-gram draft tokens per step")
+    ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
+    ap.add_argument("--out", default="vllm.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    specs = args.speculative.split(",")
+    for s in specs:
+        if s not in ("none", "ngram"):
+            ap.error(f"--speculative: unknown {s!r}; choose from none, ngram")
+    from ..integrations.vllm import _compat
+    if _compat.vllm_version() is None:
+        raise SystemExit(f"{ap.prog}: error: vLLM is not installed here (the benchmark runs vLLM 0.25.0 on a GPU)")
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{ap.prog}: error: the vLLM benchmark needs a CUDA device")
+    from .common import header, write_results
+    doc = header("vllm")
+    doc.update(vllm=_compat.vllm_version(), model=args.model, layers=args.layers or "all", prompt=args.prompt,
+               decode=args.decode, drafts=args.drafts, rows=[])
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = model_dir(args.model, args.layers, Path(tmp))
+        for spec in specs:
+            got = {s: _run_engine(args, s, spec, folder) for s in SCHEMES}
+            for s in SCHEMES:
+                for r, base in zip(got[s], got["stock"]):
+                    ratio = (r["tokens_per_s"] / base["tokens_per_s"]
+                             if r.get("tokens_per_s") and base.get("tokens_per_s") else None)
+                    doc["rows"].append(dict(r, model=args.model, scheme=s, speculative=spec, ratio_vs_stock=ratio))
+            write_results(args.out, doc)
+    print(f"\nvLLM {doc['vllm']} decode throughput, {args.model} ({doc['layers']} layers), "
+          f"{args.prompt} prompt + {args.decode} decode tokens per request")
+    print("speculative scheme      batch   tokens/s  vs stock")
+    for r in doc["rows"]:
+        tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:10.0f}"
+        ratio = "-" if r["ratio_vs_stock"] is None else f"{r['ratio_vs_stock']:.2f}x"
+        print(f"{r['speculative']:11} {r['scheme']:10} {r['batch']:5d} {tps:>10} {ratio:>9}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
