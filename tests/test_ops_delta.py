@@ -57,6 +57,10 @@ FLOOR = 2.0 ** -23
 
 @pytest.mark.interpret
 def test_accuracy_64_windows_fp32_and_bf16_records():
+    if FAMILY == "kda" and os.environ.get("CI", "").lower() in ("1", "true") and os.environ.get("REPLAYSSM_SLOW") != "1":
+        # 2 minutes of interpreter time: CI runs the GDN case (the same kernel without the decay
+        # vectors) and the H200 tests KDA's 64 windows at real shapes; REPLAYSSM_SLOW=1 runs it
+        pytest.skip("slow interpreter case: CI runs the representative subset (REPLAYSSM_SLOW=1 runs it)")
     # 3 slots at cursors 3, 0, 2 (one flushes on its first step), a padding row, an unused slot,
     # rows shuffled every step; 64 windows of 4 steps. Measured on the CPU interpreter (seed 0):
     # GDN: conventional out 2.07e-7 / state 1.84e-7; replay fp32 records out 1.66e-7 / ckpt
