@@ -82,6 +82,18 @@ def header(benchmark: str) -> dict:
             "torch": torch.__version__, "triton": triton.__version__}
 
 
+def positive_ints(text: str) -> list:
+    """argparse type: comma-separated positive integers (`"64,256"` -> `[64, 256]`)."""
+    import argparse
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
 def write_results(path: str | os.PathLike, doc: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from .common import graph_time_us, header, write_results
+from .common import graph_time_us, header, positive_ints, write_results
 
 MODELS = {"nemotron3-nano-4b": "nemotron3_nano_4b", "qwen3.5-4b": "qwen3_5_4b"}
 SCHEMES = ("conventional", "replay", "stock", "no-recurrence")
@@ -414,23 +414,13 @@ def _plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def _ints(text: str) -> list:
-    try:
-        vals = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="replayssm bench model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS),
                     help="comma-separated: %(default)s, or any shipped config (hf.config_names())")
-    ap.add_argument("--batches", type=_ints, default=[1, 64, 256])
-    ap.add_argument("--contexts", type=_ints, default=[2048, 16384], help="prefilled positions per row")
+    ap.add_argument("--batches", type=positive_ints, default=[1, 64, 256])
+    ap.add_argument("--contexts", type=positive_ints, default=[2048, 16384], help="prefilled positions per row")
     ap.add_argument("--schemes", default="conventional,replay",
                     help=f"comma-separated, of {','.join(SCHEMES)} (stock: transformers' own decode path; "
                          "no-recurrence: the recurrent layers' state step skipped, the time spent outside it)")
@@ -446,7 +436,7 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true", help="time the steps eagerly (CUDA events)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the weights' dtype")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: the bookkeeping only, timed on the host)")
-    ap.add_argument("--spec-batches", type=_ints, default=[64, 256, 512],
+    ap.add_argument("--spec-batches", type=positive_ints, default=[64, 256, 512],
                     help="batches of the speculative rows (0: none)")
     ap.add_argument("--drafts", type=int, default=4, help="T: tokens per verification round")
     ap.add_argument("--accepted", type=int, default=3, help="tokens a round keeps (1..T), every round")

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .common import positive_ints
+
 MODELS = ("nemotron3_nano_4b",)
 SCHEMES = ("stock", "replayssm")
 
@@ -130,22 +132,12 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     return rows
 
 
-def _ints(text: str) -> list:
-    try:
-        vals = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="replayssm bench vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=MODELS[0], choices=MODELS)
     ap.add_argument("--layers", type=int, default=0, help="first layers of the hybrid pattern (0: all)")
-    ap.add_argument("--batches", type=_ints, default=[64, 256, 512])
+    ap.add_argument("--batches", type=positive_ints, default=[64, 256, 512])
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--decode", type=int, default=128, help="decode tokens timed per request")
     ap.add_argument("--speculative", default="none,ngram",
