@@ -354,6 +354,20 @@ def test_tensor_parallel_ranks_concatenate_to_the_unsplit_layer(family, executor
         assert torch.allclose(st.ckpt, full.ckpt[:, r * (HV // tp):(r + 1) * (HV // tp)], rtol=1e-5, atol=1e-6)
 
 
+def test_metadata_lookup_refuses_micro_batches():
+    # the forward context's metadata: None in the profile run, a dict per step, and a list per
+    # micro-batch under vLLM's dual-batch overlap, which the plugin refuses by name
+    from types import SimpleNamespace
+    ctx = SimpleNamespace(attn_metadata=None)
+    ns = SimpleNamespace(get_forward_context=lambda: ctx)
+    assert _compat.metadata_for(ns, "layer.0") is None
+    ctx.attn_metadata = {"layer.0": "md"}
+    assert _compat.metadata_for(ns, "layer.0") == "md"
+    ctx.attn_metadata = [{"layer.0": "a"}, {"layer.0": "b"}]
+    with pytest.raises(NotImplementedError, match="micro-batching"):
+        _compat.metadata_for(ns, "layer.0")
+
+
 def test_serving_benchmark_model_folder_and_prompts(tmp_path):
     # `replayssm bench vllm`'s pieces that run without vLLM: the dummy-weight model folder (the
     # shipped config cut to its first layers) and the prompts (repeating ones for n-gram drafts)

@@ -80,7 +80,6 @@ def load() -> SimpleNamespace:
     models = []
     for module, name, family in (("vllm.model_executor.models.nemotron_h", "NemotronHForCausalLM", "mamba2"),
                                  ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM", "gdn"),
-                                 ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLMBase", "gdn"),
                                  ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration", "gdn")):
         try:
             models.append((family, _get(module, name)))
@@ -123,6 +122,10 @@ def metadata_for(ns, prefix: str):
     md = ns.get_forward_context().attn_metadata
     if md is None:
         return None
+    if isinstance(md, list):
+        # vLLM's micro-batching (DBO) hands one metadata dict per micro-batch
+        raise NotImplementedError("replayssm's vLLM plugin does not support micro-batching (dual-batch overlap); "
+                                  "serve without it, or unset REPLAYSSM_VLLM")
     return md[prefix]
 
 
