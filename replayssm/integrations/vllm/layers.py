@@ -13,7 +13,9 @@ Forward (`conv_ssm_forward` of Mamba-2, `_forward_core` of GDN), for a batch wit
 - decode rows: vLLM's `causal_conv1d_update` on its conv state, then `batch.run_decode`
   (replayssm decode, or commit + verify with speculative decoding).
 
-The profile run (no metadata) and layers in a process where the plugin is off run stock code.
+The states are built when the model runner binds its KV cache (`bind_states`), before any
+CUDA-graph capture. The profile run (no metadata) and layers in a process where the plugin is
+off run stock code.
 """
 from __future__ import annotations
 
