@@ -392,9 +392,12 @@ MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's ou
 
 def _generate(model, mode, enabled, extra="{}"):
     env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0")
-    r = subprocess.run([sys.executable, "-m", "replayssm.integrations.vllm.check", os.path.join(MODELS, model),
-                        mode, extra],
-                       env=env, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", os.path.join(MODELS, model), mode, extra]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0 and "Error in memory profiling" in r.stdout + r.stderr:
+        # engines started side by side (pytest-xdist) can trip vLLM's start-up memory check
+        # when another one frees memory meanwhile: once more
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")][-1]
     return line[len("TOKENS "):]
@@ -415,7 +418,11 @@ def test_vllm_greedy_equals_stock(model, mode):
     """Greedy tokens with the plugin equal stock vLLM's, token for token, on requests of
     different lengths that arrive together and finish at different steps."""
     _needs_vllm()
-    extra = '{"gdn_prefill_backend": "triton"}' if model.startswith("qwen") else "{}"
+    # Qwen3-Next: stock keeps its SSM state in the model's bf16 unless told otherwise, the
+    # plugin's checkpoint is fp32; the random tiny model's greedy tokens flip with that rounding
+    # (benchmarks/results/vllm_check_h200.log), so stock runs with an fp32 state here
+    extra = ('{"gdn_prefill_backend": "triton", "mamba_ssm_cache_dtype": "float32"}' if model.startswith("qwen")
+             else "{}")
     assert _generate(model, mode, True, extra) == _generate(model, mode, False, extra)
 
 

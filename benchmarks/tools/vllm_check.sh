@@ -5,7 +5,8 @@
 #   (c1 -> /tmp/site/vllm; c3 for Qwen3-Next's MoE layer)
 #   then:  bash benchmarks/tools/vllm_check.sh C2_DIR [pytest args, e.g. -k "nemotron_h_tiny and eager"]
 # C2_DIR: the c2 folder of prep_carry.sh (vllm_src.tar.xz, site312.tar.xz, models/). Each LLM start
-# costs 1.5-2 minutes: select a few tests per call (-k) to stay inside one command's limit.
+# costs 1.5-2 minutes: select a few tests per call (-k), or run them side by side (VLLM_CHECK_PROCS,
+# below), to stay inside one command's limit.
 set -u
 C2=$(cd "$1" && pwd); shift; REPO=$(pwd); T0=$(date +%s); LOG=${OUT:-/tmp}/vllm_check.log
 mkdir -p /tmp/site
@@ -22,5 +23,11 @@ import vllm
 from importlib.metadata import entry_points
 print("vllm", vllm.__version__, "plugins:", [e.value for e in entry_points(group="vllm.general_plugins")])
 PY
-python3 -m pytest tests/test_vllm_plugin.py -m gpu -x -v -p no:cacheprovider "$@" 2>&1 | tee $LOG | tail -40
+# VLLM_CHECK_PROCS=N (N > 1, pytest-xdist importable): the tests in N processes side by side, each
+# engine with 0.8/N of the GPU's memory (6 tests x 2 engines fit one 10-minute command this way)
+N=${VLLM_CHECK_PROCS:-1}; PAR=()
+if [ "$N" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
+  PAR=(-n "$N"); export REPLAYSSM_VLLM_CHECK_GPU_MEMORY=$(python3 -c "print(round(0.8 / $N, 3))")
+elif [ "$N" -gt 1 ]; then echo "pytest-xdist is not importable: the tests run one after another"; fi
+python3 -m pytest tests/test_vllm_plugin.py -m gpu -v -p no:cacheprovider "${PAR[@]}" "$@" 2>&1 | tee $LOG | tail -40
 echo "== vllm_check rc=${PIPESTATUS[0]} in $(( $(date +%s)-T0 )) s (log: $LOG)"

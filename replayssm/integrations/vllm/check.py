@@ -8,6 +8,7 @@ together and finish at different steps (continuous batching).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -18,7 +19,9 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
 
     from . import status
-    kw = dict(model=model, enforce_eager=(mode == "eager"), gpu_memory_utilization=0.3, max_model_len=512,
+    # REPLAYSSM_VLLM_CHECK_GPU_MEMORY: the GPU's share per engine, lower when several run side by side
+    share = float(os.environ.get("REPLAYSSM_VLLM_CHECK_GPU_MEMORY", "0.3"))
+    kw = dict(model=model, enforce_eager=(mode == "eager"), gpu_memory_utilization=share, max_model_len=512,
               max_num_seqs=32, seed=0)
     kw.update(extra)
     llm = LLM(**kw)
