@@ -420,7 +420,7 @@ def test_vllm_greedy_equals_stock(model, mode):
     _needs_vllm()
     # Qwen3-Next: stock keeps its SSM state in the model's bf16 unless told otherwise, the
     # plugin's checkpoint is fp32; the random tiny model's greedy tokens flip with that rounding
-    # (benchmarks/results/vllm_check_h200.log), so stock runs with an fp32 state here
+    # (measured with vLLM 0.25.0 on the H200), so stock runs with an fp32 state here
     extra = ('{"gdn_prefill_backend": "triton", "mamba_ssm_cache_dtype": "float32"}' if model.startswith("qwen")
              else "{}")
     assert _generate(model, mode, True, extra) == _generate(model, mode, False, extra)
