@@ -151,16 +151,16 @@ def bind_states(ns, settings: Settings):
                 layer.__dict__[_BIND_ATTR] = {
                     "max_batch": max_batch, "accepted": accepted,
                     "rows": torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)}
-                bound_state(ns, layer, settings, family,
-                            *_params_probe(layer, family, self.model_config.dtype, self.device))
+                bound_state(ns, layer, settings, family, self.model_config.dtype, self.device)
             return kv_caches
         return initialize_kv_cache_tensors
     return make
 
 
-def bound_state(ns, layer, settings: Settings, family: str, params: dict, probe: dict):
+def bound_state(ns, layer, settings: Settings, family: str, dtype, device):
     """`(BlockState, executor)` of `layer` over the tensors vLLM bound to it (built by
-    `bind_states` when the KV cache is bound; it allocates, so never inside a capture)."""
+    `bind_states` when the KV cache is bound; it allocates, so never inside a capture). Every
+    forward looks it up here: nothing is allocated unless the KV cache changed."""
     kv = layer.kv_cache
     key = kv[1].data_ptr()
     cached = getattr(layer, _STATE_ATTR, None)
@@ -178,6 +178,7 @@ def bound_state(ns, layer, settings: Settings, family: str, params: dict, probe:
     mode = settings.state
     if st.ckpt.device.type != "cuda":
         mode = "reference"
+    params, probe = _params_probe(layer, family, dtype, device)
     ex = make_executor(st, params, mode=mode, max_batch=bind["max_batch"], probe_inputs=probe["inputs"],
                        probe_out=probe["out"])
     setattr(layer, _STATE_ATTR, (key, st, ex))
@@ -236,8 +237,7 @@ def mamba2_forward(ns, settings: Settings):
             if md is None:
                 with _stock_forward(self):
                     return orig(self, projected_states, output)
-            st, ex = bound_state(ns, self, settings, "mamba2", _mamba2_params(self),
-                                 _mamba2_probe(self, projected_states.dtype, projected_states.device))
+            st, ex = bound_state(ns, self, settings, "mamba2", projected_states.dtype, projected_states.device)
             nd, ndt = md.num_decodes, md.num_decode_tokens
             if md.num_prefills > 0:
                 batch.before_prefill(st, md.state_indices_tensor_p, md.has_initial_states_p, self.A)
@@ -308,8 +308,7 @@ def gdn_forward(ns, settings: Settings):
             if md is None:
                 with _stock_forward(self):
                     return orig(self, mixed_qkv, b, a, core_attn_out)
-            st, ex = bound_state(ns, self, settings, "gdn", _gdn_params(self),
-                                 _gdn_probe(self, mixed_qkv.dtype, mixed_qkv.device))
+            st, ex = bound_state(ns, self, settings, "gdn", mixed_qkv.dtype, mixed_qkv.device)
             n = md.num_actual_tokens
             spec = md.spec_sequence_masks is not None
             mixed = md.num_prefills > 0 or md.num_decodes > 0
@@ -342,7 +341,7 @@ def gdn_forward(ns, settings: Settings):
                                               conv_state_indices=idx, validate_data=False)
                 batch.run_decode(ex, st, idx, _gdn_inputs(self, qkv, a[:nd], b[:nd]), core_attn_out[:nd],
                                  spec_tokens=self.num_spec, query_start_loc=md.non_spec_query_start_loc[:nd + 1],
-                                 num_accepted=_accepted(self, None, nd) if self.num_spec else None)
+                                 num_accepted=_accepted(self, None, nd))
         return _forward_core
     return make
 
