@@ -164,6 +164,23 @@ def test_table_configs_by_records_batch_and_window():
     assert cfg(batch=9, records=torch.float32)["gluon"]
 
 
+def test_gluon_register_cap_by_head_ratio():
+    # the Gluon entries' cap of 80 registers spills the kernel where the value heads per key head
+    # are not a power of two: 96 there; an explicit cap and the long-window override still win
+    if FAMILY != "gdn":
+        pytest.skip("the register cap by head ratio is GDN's")
+
+    def cap(HV, Hk, config=None, window=16, batch=256):
+        return OPS.replay_config(128, 128, config, batch=batch, records=torch.bfloat16, window=window,
+                                 HV=HV, Hk=Hk)["maxnreg"]
+
+    assert cap(32, 16) == cap(64, 16) == cap(16, 16) == cap(64, 32) == 80
+    assert cap(24, 8) == cap(48, 16) == cap(40, 8) == 96
+    assert cap(24, 8, {"maxnreg": 80}) == 80
+    assert cap(24, 8, window=32) == 0
+    assert cap(24, 8, batch=8) == 0          # no Gluon entry at small batches
+
+
 @pytest.mark.interpret
 def test_window_one_flushes_every_step_one_key_head_per_value_head():
     res = simulate(FAMILY, HV=2, Hk=2, V=16, K=32, window=1, windows=6, live_slots=2, pad_rows=1,
@@ -472,6 +489,19 @@ def test_gpu_gluon_kernel_real_shapes(recmask, window):
                            config={"gluon": True, "BV": 64, "num_warps": 4, "recmask": recmask})
         _check_accuracy(res, FLOOR)
         assert res["replay_out"]["bfloat16"] < 1e-2, res
+
+
+@gpu
+@needs_gpu
+def test_gpu_gluon_kernel_odd_head_ratio():
+    # three value heads per key head, a shape in no table: the Gluon entry at its higher register
+    # cap (12 rows take the large-batch entry), 64 windows, fp32 and bf16 records
+    if FAMILY != "gdn":
+        pytest.skip("the register cap by head ratio is GDN's")
+    res = simulate(FAMILY, HV=24, Hk=8, V=128, K=128, window=16, windows=64, live_slots=10, pad_rows=2,
+                   unused_slots=1, extra_capacity=2, record_dtypes=(torch.float32, torch.bfloat16), device="cuda")
+    _check_accuracy(res, FLOOR)
+    assert res["replay_out"]["bfloat16"] < 1e-2, res
 
 
 @gpu

@@ -138,14 +138,15 @@ def mamba2_gluon(cfg):
 
 
 def gdn_gluon(cfg):
-    """GDN's Gluon kernel (ops/gdn/gluon_decode.py) at Qwen3.5-4B's shape."""
+    """GDN's Gluon kernel (ops/gdn/gluon_decode.py) at Qwen3.5-4B's shape (`HV=`, `HK=` other
+    head counts)."""
     from replayssm.ops.gdn import gluon_decode as m
 
     c = dict(BV=64, num_warps=4)
     c.update(cfg)
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
     ptr.update({n: "*fp32" for n in ("A_log", "dt_bias")})
-    vals = dict(HV=32, HK=16, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=False)
+    vals = dict(HV=c.pop("HV", 32), HK=c.pop("HK", 16), V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=False)
     return _gluon(m._gluon_gdn_kernel, "gdn gluon", ptr, vals, c)
 
 

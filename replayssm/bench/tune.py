@@ -24,7 +24,7 @@ _WINDOWED = {
               + [dict(BV=16, num_warps=1, recmask=False, KS=8), dict(BV=16, num_warps=2, recmask=False, KS=4),
                  dict(BV=32, num_warps=1, recmask=False, rows=True), dict(BV=64, num_warps=4, warpsum=True)],
     "gdn": [dict(BV=bv, num_warps=bv // 16, recmask=True, gluon=True, maxnreg=r)
-            for bv in (16, 32, 64) for r in (0, 80)]
+            for bv in (16, 32, 64) for r in (0, 80, 96)]
            + [dict(BV=16, num_warps=1, recmask=False), dict(BV=16, num_warps=1, recmask=False, BC=8, KS=8)],
     "kda": [dict(BV=32, num_warps=4, recmask=False), dict(BV=64, num_warps=4, recmask=True),
             dict(BV=128, num_warps=4, recmask=True, KS=8)],

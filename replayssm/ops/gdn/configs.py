@@ -92,6 +92,10 @@ _EAGER_CONFIGS = {
 # The tables' Gluon entries at windows above 16 (record tiles of 32 positions): their register
 # cap of 80 spills there
 _GLUON_LONG_WINDOW = {"maxnreg": 0}
+# The GDN Gluon kernel's cap of 80 registers (six programs per SM) spills where the value heads
+# per key head are not a power of two (HG = 3, 5 under Triton 3.6; none for 1, 2, 4); there it
+# takes 96 (five programs per SM)
+_GLUON_CAP, _GLUON_CAP_ODD_GROUP = 80, 96
 
 
 def derived(family: str, HV: int, V: int, K: int) -> dict:
@@ -179,14 +183,19 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
                     HV: Optional[int] = None, Hk: Optional[int] = None) -> dict:
     """Launch config from the table (or defaults) and `config`; `replay`: a replay config, with
     the replay-only keys (and, for bf16 records, the overrides of `_BF16_RECORDS_TABLE`; for a
-    Gluon entry at a `window` above 16, `_GLUON_LONG_WINDOW`). `HV`, `Hk`: the head counts, for
-    entries installed for them (None: the entries that serve every head count)."""
+    Gluon entry at a `window` above 16, `_GLUON_LONG_WINDOW`; for GDN's Gluon entries at a head
+    ratio `HV // Hk` that is not a power of two, the higher register cap). `HV`, `Hk`: the head
+    counts, for entries installed for them and that ratio (None: the entries that serve every
+    head count)."""
     key = _known(family, HV, Hk, V, K)
     cfg = _default_config(table, key, batch)
     if replay and bf16_records:
         cfg.update(table_entry(_BF16_RECORDS_TABLE, key, batch) or {})
     if replay and cfg.get("gluon") and window is not None and window > 16:
         cfg.update(_GLUON_LONG_WINDOW)
+    if (replay and family == "gdn" and cfg.get("gluon") and cfg.get("maxnreg") == _GLUON_CAP
+            and HV and Hk and (HV // Hk) & (HV // Hk - 1)):
+        cfg.update(maxnreg=_GLUON_CAP_ODD_GROUP)
     keys = _CONFIG_KEYS
     if replay:
         keys = _CONFIG_KEYS + _REPLAY_KEYS
