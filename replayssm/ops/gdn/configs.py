@@ -68,12 +68,14 @@ _BF16_RECORDS_TABLE = {
         (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True, "maxnreg": 80})],
 }
 
-# Small batches are latency-bound and prefer small programs; large ones one-warp programs of
-# 32 rows, which keep their bandwidth with bf16 token inputs (as the models pass them).
+# Small batches are latency-bound and prefer small programs (one warp of 4 rows at batches 1-2:
+# the most programs in flight); large ones one-warp programs of 32 rows, which keep their
+# bandwidth with bf16 token inputs (as the models pass them).
+_TINY = {"BV": 4, "num_warps": 1}
 _CONVENTIONAL_TABLE = {
-    ("gdn", None, None, 128, 128): [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
+    ("gdn", None, None, 128, 128): [(2, _TINY), (8, {"BV": 32, "num_warps": 1}),
                                     (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
-    ("kda", None, None, 128, 128): [(1, {"BV": 16, "num_warps": 4}), (4, {"BV": 8, "num_warps": 1}),
+    ("kda", None, None, 128, 128): [(2, _TINY), (4, {"BV": 8, "num_warps": 1}),
                                     (8, {"BV": 32, "num_warps": 1}),
                                     (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})],
 }
@@ -84,10 +86,18 @@ _CONVENTIONAL_TABLE = {
 # table's). At small batches a window only lengthens each program's chain (KDA's Gluon window
 # kernel: 0.73x the conventional step at batch 1, 1.06x at 64; batches between not measured).
 _EAGER_CONFIGS = {
-    ("gdn", 32, None, 128, 128): [(8, {"BV": 8, "num_warps": 1}), (16, {})],   # Qwen3.5-4B, Qwen3-Next
-    ("gdn", 64, None, 128, 128): [(8, {"BV": 8, "num_warps": 1})],            # Qwen3.5-122B
-    ("kda", 32, None, 128, 128): [(32, {"BV": 8, "num_warps": 1})],           # Kimi-Linear-48B
+    ("gdn", 32, None, 128, 128): [(2, _TINY), (8, {"BV": 8, "num_warps": 1}), (16, {})],  # Qwen3.5-4B, Qwen3-Next
+    ("gdn", 64, None, 128, 128): [(2, _TINY), (8, {"BV": 8, "num_warps": 1})],            # Qwen3.5-122B
+    ("kda", 32, None, 128, 128): [(2, _TINY), (32, {"BV": 8, "num_warps": 1})],           # Kimi-Linear-48B
 }
+
+
+def _eager_entries(reach: int) -> list:
+    """The eager step's entries of a shape in no table, up to batch `reach` (0: none): as the
+    tuned shapes', one-warp programs of 4 rows at batches 1-2, of 8 beyond."""
+    if not reach:
+        return []
+    return [(min(2, reach), dict(_TINY))] + ([(reach, {"BV": 8, "num_warps": 1})] if reach > 2 else [])
 
 # The tables' Gluon entries at windows above 16 (record tiles of 32 positions): their register
 # cap of 80 spills there
@@ -100,24 +110,24 @@ _GLUON_CAP, _GLUON_CAP_ODD_GROUP = 80, 96
 
 def derived(family: str, HV: int, V: int, K: int) -> dict:
     """Table entries for a shape the tables do not name, derived from its dimensions as the
-    tuned shapes' entries are: the eager step in one-warp programs of 8 rows up to the batch
-    `utils.launch.eager_reach` gives; the Gluon program beyond (GDN and KDA), in blocks of 16
-    rows per warp dividing V (the Triton kernel where Gluon does not apply); small batches in
+    tuned shapes' entries are: the eager step in one-warp programs (`_eager_entries`) up to the
+    batch `utils.launch.eager_reach` gives; the Gluon program beyond (GDN and KDA), in blocks of
+    16 rows per warp dividing V (the Triton kernel where Gluon does not apply); small batches in
     one-warp programs of 16 rows (KDA: 32 rows of 4 warps). `replayssm tune` measures a shape's
     own."""
     bv = next((b for b in (64, 32, 16) if V % b == 0), 16)
-    conventional = [(1, {"BV": 8, "num_warps": 4}), (8, {"BV": 32, "num_warps": 1}),
+    conventional = [(2, dict(_TINY)), (8, {"BV": 32, "num_warps": 1}),
                     (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})]
     large = {"gluon": True, "BV": bv, "num_warps": bv // 16, "recmask": True, "maxnreg": 80 if bv == 64 else 0}
     if family == "kda":
         return {"replay": [(8, {"BV": 32, "num_warps": 4, "recmask": False}), (1 << 30, large)],
                 "conventional": conventional,
-                "eager": [(b, {"BV": 8, "num_warps": 1}) for b in (eager_reach(HV, V, K),) if b]}
+                "eager": _eager_entries(eager_reach(HV, V, K))}
     return {"replay": [(2, {"BV": 16, "num_warps": 1, "recmask": False}),
                        (8, {"BV": 16, "num_warps": 1, "recmask": False, "BC": 8}), (1 << 30, large)],
             "bf16_records": [(8, {}), (1 << 30, large)],
             "conventional": conventional,
-            "eager": [(b, {"BV": 8, "num_warps": 1}) for b in (eager_reach(HV, V, K),) if b]}
+            "eager": _eager_entries(eager_reach(HV, V, K))}
 
 
 _TABLES = {"replay": _REPLAY_TABLE, "bf16_records": _BF16_RECORDS_TABLE,
