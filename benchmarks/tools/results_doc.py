@@ -5,7 +5,7 @@
 For each JSON file named in the index's tables (in the index's order, under its section
 headings): the file's own provenance (command, GPU, date, code version) and a compact table of
 its rows, with the columns that matter for its benchmark (`decode`, `eager_sweep`, `tune`,
-`records`, `verify`, `model`, `precision`, `precision_study`). `--check` writes nothing and exits 1 when docs/results.md differs from
+`records`, `verify`, `model`, `precision`, `precision_study`, `vllm_ssu`). `--check` writes nothing and exits 1 when docs/results.md differs from
 what would
 be written (benchmarks/tools/test_tools.py runs the same comparison). Reads JSON only: it
 imports nothing of the package.
@@ -244,6 +244,20 @@ def precision_study_table(rows: list) -> list:
 # ----------------------------------------------------------------------------------------------
 # The document
 
+def vllm_ssu_table(rows: list) -> list:
+    """One line per (shape, batch): vLLM's Mamba-2 kernel, our conventional kernel and the pool's
+    step (path), in microseconds a step, and the step's speed-up over vLLM's kernel."""
+    cells = defaultdict(dict)
+    for r in rows:
+        cells[(r["shape"], r["batch"])][r["scheme"]] = r
+    out = []
+    for (shape, batch), c in cells.items():
+        v, conv, rep = c["vllm_conventional"], c["conventional"], c["replay"]
+        out.append([shape, batch, _us(v["us_per_step"]), _us(conv["us_per_step"]),
+                    f"{_us(rep['us_per_step'])} ({rep['path']})", f"{rep['ratio_vs_vllm']:.2f}x"])
+    return _table(["shape", "batch", "vLLM us", "conventional us", "replay us (path)", "replay vs vLLM"], out)
+
+
 def file_section(name: str, data: dict) -> list:
     out = [f"### `{name}`", ""]
     note = f" ({data['git_commit_note']})" if data.get("git_commit_note") else ""
@@ -271,6 +285,8 @@ def file_section(name: str, data: dict) -> list:
         out += model_table(data)
     elif kind == "precision":
         out += precision_table(data["rows"])
+    elif kind == "vllm_ssu":
+        out += vllm_ssu_table(data["rows"])
     elif kind == "precision_study":
         out += precision_study_table(data["rows"])
     else:
