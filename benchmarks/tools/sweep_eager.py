@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from replayssm import traffic
+from replayssm import shapes
 from replayssm.bench.common import graph_time_us, header, write_results
 from replayssm.bench.decode import SHAPES, Case
 
@@ -29,13 +29,13 @@ def _candidates(family: str, V: int) -> list:
     if family == "mamba2":
         return [dict(BV=bv, num_warps=w) for bv, w in itertools.product((16, 32, 64, 128), (1, 2, 4, 8))
                 if bv // 16 >= w // 2]
-    return [dict(BV=bv, num_warps=w) for bv, w in itertools.product((8, 16, 32, 64), (1, 2, 4))
+    return [dict(BV=bv, num_warps=w) for bv, w in itertools.product((4, 8, 16, 32, 64), (1, 2, 4))
             if bv <= V]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="model names or family/HV/Hk/V/K specs")
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--conv-batches", default="1,8")
     ap.add_argument("--window", type=int, default=16)
@@ -58,7 +58,7 @@ def main(argv=None):
             return repr(e)[:160]
 
     for shape in args.shapes.split(","):
-        fam, _, _, V, _ = traffic.MODEL_SHAPES[shape]
+        fam, _, _, V, _ = shapes.parse(shape)
         for batch in map(int, args.batches.split(",")):
             case = Case(shape, batch, W, input_dtype=idt)
             t_conv = timed(case.conventional_window)
