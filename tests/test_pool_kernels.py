@@ -53,3 +53,22 @@ def test_triton_pool_matches_reference_pool(family, eager):
     assert int(ref.epoch.sum()) > 0          # flushes happened
     if eager:
         assert min(sizes) <= eager < max(sizes)  # both kinds of step ran
+
+
+def test_triton_decode_discards_uncommitted_drafts_of_its_rows_only():
+    # verify two slots, decode one of them (and a padding row): its drafts are gone (an
+    # unvalidated commit then moves nothing), the other slot's stay committable
+    params = make_params("gdn", HV, K, seed=4)
+    pool = SlotPool(params, N, V, K, HK, window=L, max_draft=T, dtype=torch.float32, device=DEV,
+                    backend="triton", eager_max_batch=0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.tensor([1, 2], device=DEV)
+    pool.verify(ids, **{k: v.to(DEV) for k, v in make_inputs(params, 2, V, K, HK, steps=T, dtype=torch.float32,
+                                                             generator=g).items()})
+    assert pool.pending.tolist() == [0, T, T, 0]
+    pool.decode(torch.tensor([2, -1], device=DEV),
+                **{k: v.to(DEV) for k, v in make_inputs(params, 2, V, K, HK, dtype=torch.float32, generator=g).items()})
+    assert pool.pending.tolist() == [0, T, 0, 0]
+    cursor = pool.cursor.clone()
+    pool.commit(ids, torch.tensor([T, T], device=DEV), validate=False)
+    assert pool.cursor.tolist() == [cursor[0], cursor[1] + T, cursor[2], cursor[3]]

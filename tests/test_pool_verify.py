@@ -142,6 +142,20 @@ def test_commit_kernel_moves_cursors_only():
     assert pending.tolist() == [0, 0, 0, 3, 0]
 
 
+def test_clear_pending_kernel_zeroes_the_rows_slots_only():
+    # a decode's clearing of uncommitted drafts (interpreted on the CPU): the rows' slots zeroed,
+    # padding rows (any negative id) and slots outside the call untouched
+    from replayssm.ops.utils.commit import clear_pending
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for dtype in (torch.int32, torch.int64):
+        pending = torch.tensor([2, 4, 1, 3, 5], dtype=torch.int32, device=dev)
+        clear_pending(pending, torch.tensor([3, -1, 0, -7], dtype=dtype, device=dev))
+        assert pending.tolist() == [0, 4, 1, 0, 5]
+        clear_pending(pending, torch.zeros(0, dtype=dtype, device=dev))
+        assert pending.tolist() == [0, 4, 1, 0, 5]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["mamba2", "gdn", "kda"])

@@ -150,7 +150,7 @@ def _mirror(pool) -> Layout:
     lay = pool.layout
     return Layout(ckpt={"data": formats.decode(lay.ckpt, pool.hp_format)}, ckpt_lp=None,
                   buf={k: v.clone() for k, v in lay.buf.items()}, cursor=lay.cursor.clone(),
-                  pending_all=lay.pending_all.clone(), epoch=lay.epoch.clone(),
+                  pending=lay.pending.clone(), epoch=lay.epoch.clone(),
                   arrive=torch.zeros_like(lay.arrive), stream_seed=lay.stream_seed)
 
 

@@ -156,9 +156,15 @@ def _commit(layout, slot_ids, accepted):
     commit(layout.cursor, layout.pending, slot_ids, accepted)
 
 
+def _clear_pending(layout, slot_ids):
+    from ..ops.utils.commit import clear_pending
+    clear_pending(layout.pending, slot_ids)
+
+
 for _family, _run in (("mamba2", _mamba2_verify), ("gdn", _delta_verify(_gdn)), ("kda", _delta_verify(_kda))):
     register(_family, "verify")(_run)
     register(_family, "commit")(_commit)
+    register(_family, "clear_pending")(_clear_pending)
 
 
 # ---------------------------------------------------------------------------------------------

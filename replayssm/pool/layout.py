@@ -20,8 +20,7 @@ class Layout:
     dtype, or a format's parts, `replayssm.formats.allocate`); `ckpt_lp`: the optional
     low-precision checkpoint's parts; `buf`: records `ld` `[N, Lb, HV]` (KDA `[N, Lb, HV, K]`),
     `w` `[N, Lb, HV, V]`, `k` `[N, Lb, Hk, K]`, and for GDN/KDA with two checkpoints the raw
-    `v`, `beta`; `cursor` `[N]` int32; `pending` `[N]` int32 (a view of `pending_all` `[N + 1]`,
-    whose extra entry absorbs writes of padding rows); `epoch` `[N]` int64, checkpoint writes
+    `v`, `beta`; `cursor` `[N]` int32; `pending` `[N]` int32; `epoch` `[N]` int64, checkpoint writes
     (flushes and loads), never reset; `arrive` `[N]` int32, the kernels' arrival counters;
     `stream_seed`, the seed of the stochastic rounding of the high-precision checkpoint (the
     pool's, from its `seed` and `layer`), which kernels that write that checkpoint need."""
@@ -30,14 +29,10 @@ class Layout:
     ckpt_lp: Optional[dict]
     buf: dict
     cursor: Tensor
-    pending_all: Tensor
+    pending: Tensor
     epoch: Tensor
     arrive: Tensor
     stream_seed: int = 0
-
-    @property
-    def pending(self) -> Tensor:
-        return self.pending_all[:-1]
 
     @classmethod
     def allocate(cls, *, N: int, HV: int, Hk: int, V: int, K: int, Lb: int, dtype: torch.dtype,
@@ -59,7 +54,7 @@ class Layout:
             buf["beta"] = torch.zeros(N, Lb, HV, dtype=ld_dtype, device=device)
         zeros = dict(dtype=torch.int32, device=device)
         return cls(ckpt=ckpt, ckpt_lp=ckpt_lp, buf=buf, cursor=torch.zeros(N, **zeros),
-                   pending_all=torch.zeros(N + 1, **zeros),
+                   pending=torch.zeros(N, **zeros),
                    epoch=torch.zeros(N, dtype=torch.int64, device=device),
                    arrive=torch.zeros(N, **zeros))
 

@@ -261,8 +261,8 @@ class SlotPool:
             # a low-precision copy, or one narrow checkpoint (the shared design, lp_format None)
             y = backends.get(self.family, "decode_lp")(self.params, self.layout, slot_ids, inputs, window,
                                                         out, self.lp_format, self.hp_rounding)
-        # padding rows write the spare entry, so no host-side mask is needed
-        self.layout.pending_all.index_fill_(0, torch.where(slot_ids < 0, self.N, slot_ids.long()), 0)
+        # a decode discards drafts left uncommitted
+        backends.get(self.family, "clear_pending")(self.layout, slot_ids)
         return y
 
     @torch.no_grad()

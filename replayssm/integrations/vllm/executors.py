@@ -145,7 +145,7 @@ class ReferenceExecutor:
         pool.N = state.N
         pool.layout = Layout(ckpt={"data": state.ckpt}, ckpt_lp=None,
                              buf={"ld": state.ld, "w": state.w, "k": state.k}, cursor=state.cursor,
-                             pending_all=torch.zeros(state.N + 1, dtype=torch.int32), epoch=state.epoch,
+                             pending=torch.zeros(state.N, dtype=torch.int32), epoch=state.epoch,
                              arrive=state.arrive)
         pool.ckpt, pool.buf = pool.layout.ckpt, pool.layout.buf
         pool.cursor, pool.pending, pool.epoch = state.cursor, state.pending, state.epoch

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["commit"]
+__all__ = ["commit", "clear_pending"]
 
 _BLOCK = 128
 
@@ -39,3 +39,23 @@ def commit(cursor: Tensor, pending: Tensor, slot_ids: Tensor, accepted: Tensor) 
         return
     _commit_kernel[(triton.cdiv(Bt, _BLOCK),)](cursor=cursor, pending=pending, slot_ids=slot_ids,
                                                accepted=accepted, Bt=Bt, BLOCK=_BLOCK)
+
+
+@triton.jit
+def _clear_pending_kernel(pending, slot_ids, Bt, BLOCK: tl.constexpr):
+    o_b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_b = o_b < Bt
+    slot = tl.load(slot_ids + o_b, mask=m_b, other=-1).to(tl.int64)
+    tl.store(pending + slot, tl.zeros([BLOCK], dtype=tl.int32), mask=m_b & (slot >= 0))
+
+
+def clear_pending(pending: Tensor, slot_ids: Tensor) -> None:
+    """`pending[s] = 0` for every `s = slot_ids[b] >= 0` (a decode discards the drafts of a
+    verify left uncommitted), in one launch: padding rows are masked in the kernel rather than
+    mapped to a spare entry by separate comparison, select and scatter launches, which cost a
+    small batch's decode step as much as the kernel. `pending` `[N]` int32; `slot_ids` `[Bt]`
+    int32/int64, contiguous, on its device."""
+    Bt = slot_ids.shape[0]
+    if Bt == 0:
+        return
+    _clear_pending_kernel[(triton.cdiv(Bt, _BLOCK),)](pending=pending, slot_ids=slot_ids, Bt=Bt, BLOCK=_BLOCK)
