@@ -24,6 +24,23 @@ from ...reference import GDNParams, Mamba2Params
 from .state import BlockState, live_rows
 
 _STAGED = ("ckpt", "ld", "w", "k", "cursor", "pending", "epoch")
+# staging buffers by (device, rows, each staged tensor's row shape and dtype): one set serves
+# every layer of that shape, since the layers of a step run one after another on one stream and
+# each call writes its rows back before it returns (one set per layer would take a whole
+# `max_batch` copy of the state per layer, after vLLM has sized its cache)
+_SCRATCH: dict = {}
+
+
+def _shared_scratch(state: BlockState, max_batch: int) -> dict:
+    dev = state.ckpt.device
+    key = (str(dev), max_batch) + tuple((name, tuple(getattr(state, name).shape[1:]), getattr(state, name).dtype)
+                                        for name in _STAGED)
+    if key not in _SCRATCH:
+        bufs = {name: torch.zeros((max_batch, *getattr(state, name).shape[1:]), dtype=getattr(state, name).dtype,
+                                  device=dev) for name in _STAGED}
+        bufs["arrive"] = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        _SCRATCH[key] = bufs
+    return _SCRATCH[key]
 
 
 def params_for(family: str, **tensors) -> object:
@@ -52,11 +69,8 @@ class KernelExecutor:
         self.state, self.params, self.mode = state, dict(params), mode
         self.family = state.spec.family
         if mode == "staged":
-            # allocated now, outside any graph capture, and reused by every call
-            self.scratch = {name: torch.zeros((max_batch, *getattr(state, name).shape[1:]),
-                                              dtype=getattr(state, name).dtype, device=state.ckpt.device)
-                            for name in _STAGED}
-            self.scratch["arrive"] = torch.zeros(max_batch, dtype=torch.int32, device=state.ckpt.device)
+            # allocated now, outside any graph capture, and reused by every call (and layer)
+            self.scratch = _shared_scratch(state, max_batch)
             self.rows = torch.arange(max_batch, dtype=torch.int32, device=state.ckpt.device)
 
     def _tensors(self, slots: Tensor):
