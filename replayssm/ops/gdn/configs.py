@@ -99,6 +99,7 @@ def _eager_entries(reach: int) -> list:
         return []
     return [(min(2, reach), dict(_TINY))] + ([(reach, {"BV": 8, "num_warps": 1})] if reach > 2 else [])
 
+
 # The tables' Gluon entries at windows above 16 (record tiles of 32 positions): their register
 # cap of 80 spills there
 _GLUON_LONG_WINDOW = {"maxnreg": 0}

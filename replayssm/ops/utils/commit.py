@@ -52,8 +52,8 @@ def _clear_pending_kernel(pending, slot_ids, Bt, BLOCK: tl.constexpr):
 def clear_pending(pending: Tensor, slot_ids: Tensor) -> None:
     """`pending[s] = 0` for every `s = slot_ids[b] >= 0` (a decode discards the drafts of a
     verify left uncommitted), in one launch: padding rows are masked in the kernel rather than
-    mapped to a spare entry by separate comparison, select and scatter launches, which cost a
-    small batch's decode step as much as the kernel. `pending` `[N]` int32; `slot_ids` `[Bt]`
+    mapped to a spare entry by separate comparison, select, cast and scatter launches, which
+    count where a decode step takes a few microseconds. `pending` `[N]` int32; `slot_ids` `[Bt]`
     int32/int64, contiguous, on its device."""
     Bt = slot_ids.shape[0]
     if Bt == 0:
