@@ -11,7 +11,9 @@
 # rejected and all accepted; then T = 4 at every acceptance length) | verify-variants
 # (the verify kernels' candidate launch configs at batch 256, drafts all rejected and all
 # accepted, to choose their defaults) | model (the whole-model decode benchmark) | precision
-# (the separate-precision kernel benchmark and the layer-level error study to 131072 tokens).
+# (the separate-precision kernel benchmark and the layer-level error study to 131072 tokens)
+# | vllm-ssu (vLLM's Mamba-2 decode kernel beside ours; VLLM_SRC: a folder holding vLLM 0.25.0's
+# unzipped `vllm/` sources, carried to the GPU machine).
 # Results go to $OUT (default benchmarks/results/, under the names its README.md lists).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -54,6 +56,10 @@ if [[ "$STAGE" == verify-variants ]]; then
     --variants '[{"BV": 16, "num_warps": 1}, {"BV": 16, "num_warps": 2}]'
   v --shapes qwen3.5-4b,kimi-linear-48b --out "$OUT/verify_variants_delta.json" \
     --variants '[{"KS": 4}, {"KS": 16}, {"BV": 64, "num_warps": 8}, {"BV": 16, "num_warps": 1}]'
+fi
+if [[ "$STAGE" == vllm-ssu ]]; then
+  python3 benchmarks/tools/vllm_ssu.py --vllm-src "${VLLM_SRC:?VLLM_SRC: the unzipped vLLM sources}" \
+    --out "$OUT/vllm_ssu_h200.json" 2>&1 | grep -v -i "warning\|config file" | tail -20
 fi
 if [[ "$STAGE" == model ]]; then
   python3 -m replayssm.bench.model --out "$OUT/model_h200.json" 2>&1 | tee "$OUT/model_h200.log" | tail -20

@@ -86,3 +86,36 @@ def test_compile_check_compiles_what_a_test_launches():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "ok   replayssm.ops.utils.commit._commit_kernel" in r.stdout
     assert "0 of 1 launches failed" in r.stdout
+
+
+_FAKE_SSU = '''import functools, json, os
+import torch
+from packaging import version
+import vllm.envs as envs
+from vllm import _custom_ops as ops
+from vllm.logger import init_logger
+from vllm.model_executor.layers.mamba.ops.triton_helpers import fast_exp
+from vllm.platforms import current_platform
+from vllm.triton_utils import HAS_TRITON, tl, triton
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+logger = init_logger(__name__)
+def selective_state_update(*args, null_block_id=NULL_BLOCK_ID, **kwargs):
+    logger.info_once("config from %s", envs.VLLM_TUNED_CONFIG_FOLDER)
+    return (current_platform.is_xpu(), HAS_TRITON, fast_exp.__name__, null_block_id)
+'''
+
+
+def test_vllm_ssu_loads_the_kernel_module_with_its_imports_stood_in(tmp_path):
+    # a stand-in of vLLM 0.25.0's mamba_ssm.py with the same package imports: the loader's
+    # stand-ins cover them, and the module's function comes back
+    ops = tmp_path / "vllm" / "model_executor" / "layers" / "mamba" / "ops"
+    ops.mkdir(parents=True)
+    (ops / "mamba_ssm.py").write_text(_FAKE_SSU)
+    (ops / "triton_helpers.py").write_text("from vllm.triton_utils import tl, triton\n\n"
+                                           "def fast_exp(x):\n    return x\n")
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import vllm_ssu; "
+            f"print(vllm_ssu.load_ssu({str(tmp_path)!r})())")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "(False, True, 'fast_exp', 0)"
