@@ -104,7 +104,7 @@ def _eager_entries(reach: int) -> list:
 # cap of 80 spills there
 _GLUON_LONG_WINDOW = {"maxnreg": 0}
 # The GDN Gluon kernel's cap of 80 registers (six programs per SM) spills where the value heads
-# per key head are not a power of two (HG = 3, 5 under Triton 3.6; none for 1, 2, 4); there it
+# per key head are not a power of two (HG = 3, 5 under Triton 3.6: 24 bytes; 2, 4: none); there it
 # takes 96 (five programs per SM)
 _GLUON_CAP, _GLUON_CAP_ODD_GROUP = 80, 96
 
