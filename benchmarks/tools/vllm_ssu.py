@@ -88,8 +88,8 @@ def load_ssu(src: str | None):
 def _vllm_window(ssu, case: Case):
     """`case.window` steps of vLLM's kernel on the case's conventional state and inputs, called
     as vLLM's Mamba-2 mixer calls it (per-head dt, A, D and dt_bias broadcast over the head's
-    rows, softplus in the kernel, slot-indexed state). Its null block (padding) is given as -1, as our
-    padding rows are: the case has none, and vLLM's default, block 0, is one of the case's slots."""
+    rows, softplus in the kernel, slot-indexed state). Its null block (padding) is given as -1,
+    as our padding rows are: the case has none, and vLLM's default, block 0, is one of its slots."""
     p = case.params
     HV, V, K = case.HV, case.V, case.K
     A = p.A[:, None, None].expand(HV, V, K)
@@ -124,7 +124,8 @@ def main(argv=None):
         for batch in args.batches:
             case = Case(name, batch, args.window)
             ref = case.state.clone()
-            # the same outputs as our conventional kernel first (one step each from one state)
+            # first the same window from the same state through both kernels: their states and
+            # outputs must agree (the rows record how closely)
             _vllm_window(ssu, case)()
             y_vllm, s_vllm = case.out.clone(), case.state.clone()
             case.state.copy_(ref)

@@ -38,6 +38,11 @@ _REPLAY_DEFAULTS = {"recmask": True, "BC": 0, "KS": 1, "mat": False, "BKT": 64, 
                     "gluon": False}
 _MAT_PRECISIONS = {"tf32x3": 0, "bf16x2": 1, "bf16": 2}
 
+# The GDN Gluon kernel's cap of 80 registers (six programs per SM) spills where the value heads
+# per key head are not a power of two (HG = 3, 5 under Triton 3.6: 24 bytes; 2, 4: none); there it
+# takes 96 (five programs per SM)
+_GLUON_CAP, _GLUON_CAP_ODD_GROUP = 80, 96
+
 # Small batches are latency-bound: small programs, record loads issued without waiting for the
 # cursor.
 _REPLAY_TABLE = {
@@ -48,12 +53,12 @@ _REPLAY_TABLE = {
                                     # kernel with the same keys): it overlaps the tile's copy with
                                     # the record reads
                                     (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True,
-                                               "maxnreg": 80})],
+                                               "maxnreg": _GLUON_CAP})],
     # KDA: the Triton kernel to batch 8 (the eager step runs there, see _EAGER_CONFIGS); beyond,
     # the Gluon kernel (IS_KDA), whose register cap of 80 fits six programs per SM
     ("kda", None, None, 128, 128): [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
                                     (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True,
-                                               "maxnreg": 80})],
+                                               "maxnreg": _GLUON_CAP})],
 }
 
 # With bf16 records (keys exact in bf16) the materialising kernel's two-term bf16 product wins
@@ -65,7 +70,7 @@ _BF16_RECORDS_TABLE = {
               "num_stages": 3, "gluon": False, "maxnreg": 0}),
         # the Gluon kernel at large batch: 80 registers fit six programs per SM (as many as its
         # shared memory allows); predicated record loads move half the record bytes on average
-        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True, "maxnreg": 80})],
+        (1 << 30, {"gluon": True, "BV": 64, "num_warps": 4, "recmask": True, "maxnreg": _GLUON_CAP})],
 }
 
 # Small batches are latency-bound and prefer small programs (one warp of 4 rows at batches 1-2:
@@ -103,10 +108,6 @@ def _eager_entries(reach: int) -> list:
 # The tables' Gluon entries at windows above 16 (record tiles of 32 positions): their register
 # cap of 80 spills there
 _GLUON_LONG_WINDOW = {"maxnreg": 0}
-# The GDN Gluon kernel's cap of 80 registers (six programs per SM) spills where the value heads
-# per key head are not a power of two (HG = 3, 5 under Triton 3.6: 24 bytes; 2, 4: none); there it
-# takes 96 (five programs per SM)
-_GLUON_CAP, _GLUON_CAP_ODD_GROUP = 80, 96
 
 
 def derived(family: str, HV: int, V: int, K: int) -> dict:
@@ -119,7 +120,7 @@ def derived(family: str, HV: int, V: int, K: int) -> dict:
     bv = next((b for b in (64, 32, 16) if V % b == 0), 16)
     conventional = [(2, dict(_TINY)), (8, {"BV": 32, "num_warps": 1}),
                     (1 << 30, {"BV": 32, "num_warps": 1, "num_stages": 1})]
-    large = {"gluon": True, "BV": bv, "num_warps": bv // 16, "recmask": True, "maxnreg": 80 if bv == 64 else 0}
+    large = {"gluon": True, "BV": bv, "num_warps": bv // 16, "recmask": True, "maxnreg": _GLUON_CAP if bv == 64 else 0}
     if family == "kda":
         return {"replay": [(8, {"BV": 32, "num_warps": 4, "recmask": False}), (1 << 30, large)],
                 "conventional": conventional,
