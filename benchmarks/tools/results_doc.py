@@ -4,7 +4,7 @@
 
 For each JSON file named in the index's tables (in the index's order, under its section
 headings): the file's own provenance (command, GPU, date, code version) and a compact table of
-its rows, with the columns that matter for its benchmark (`decode`, `eager_sweep`, `tune`,
+its rows, with the columns that matter for its benchmark (`decode`, and its `--variants` runs, `eager_sweep`, `tune`,
 `records`, `verify`, `model`, `precision`, `precision_study`, `vllm_ssu`). `--check` writes nothing and exits 1 when docs/results.md differs from
 what would
 be written (benchmarks/tools/test_tools.py runs the same comparison). Reads JSON only: it
@@ -89,6 +89,23 @@ def decode_table(rows: list) -> list:
         line.append(f"{conv['tb_per_s']:.2f} / {rep['tb_per_s']:.2f}" if conv and rep else "-")
         out.append(line)
     return _table(header, out)
+
+
+def variants_table(rows: list) -> list:
+    """A decode benchmark's `--variants` run: one line per (shape, window, batch), the
+    conventional kernel's time and each replay config's speed-up over it (a config timed twice
+    shows both)."""
+    configs, cells = [], defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        c = _config(r["config"])
+        if c not in configs:
+            configs.append(c)
+        cell = cells[(r["shape"], r["window"], r["batch"])]
+        cell["conv"].append(r["us_conv"])
+        cell[c].append(f"{r['ratio']:.2f}x")
+    out = [[shape, window, batch, _us(c["conv"][0])] + [" / ".join(c[k]) or "-" for k in configs]
+           for (shape, window, batch), c in cells.items()]
+    return _table(["shape", "window", "batch", "conventional us"] + configs, out)
 
 
 def eager_sweep_table(rows: list) -> list:
@@ -271,7 +288,9 @@ def file_section(name: str, data: dict) -> list:
         out.append("- " + ", ".join(dtypes))
     out.append("")
     kind = data["benchmark"]
-    if kind == "decode":
+    if kind == "decode" and "variants" in data:
+        out += variants_table(data["variants"])
+    elif kind == "decode":
         out += decode_table(data["rows"])
     elif kind == "eager_sweep":
         out += eager_sweep_table(data["rows"])
