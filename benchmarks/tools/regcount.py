@@ -53,15 +53,15 @@ def jit_function(kernel):
     return kernel
 
 
-def compile_kernel(fn, signature, constexprs, num_warps, source=ASTSource):
+def compile_kernel(fn, signature, constexprs, num_warps, source=ASTSource, maxnreg=0):
     # the JIT specialises 16-byte aligned pointers and integers divisible by 16 (strides, the
     # window): without these hints the offline compile cannot vectorise the loads
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or (signature[n] == "i32" and (n.startswith("stride") or n == "window"))}
     src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps}
-    if os.environ.get("REGCOUNT_MAXNREG"):
-        opts["maxnreg"] = int(os.environ["REGCOUNT_MAXNREG"])
+    if os.environ.get("REGCOUNT_MAXNREG") or maxnreg:
+        opts["maxnreg"] = int(os.environ.get("REGCOUNT_MAXNREG") or maxnreg)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     if os.environ.get("REGCOUNT_DUMP"):
         for ext in ("ttgir", "ptx"):
@@ -270,6 +270,31 @@ def delta_verify(cfg, family="gdn"):
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"{family} verify {c}")
 
 
+def delta_gluon_verify(cfg, family="gdn"):
+    """The GDN/KDA Gluon verify kernel (ops/gdn/gluon_verify.py) at Qwen3.5-4B's shape (`HV=`, `HK=`
+    other head counts; Kimi Linear's for KDA), `T` drafts, window 16, bf16 records and token
+    inputs (`inputs=fp32`, `rec=fp32`), `mma=` the tensor-core K chunk (0: FMA dots)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from replayssm.ops.gdn import gluon_verify as m
+
+    c = dict(BV=64, num_warps=4, T=8, HV=32, HK=16 if family == "gdn" else 32, rec="bf16", inputs="bf16", mma=0)
+    c.update(cfg)
+    c.setdefault("maxnreg", 128 if c["T"] > 4 else 0)
+    ptr = {n: "*" + c["inputs"] for n in ("q", "k", "v", "a", "b", "o")}
+    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias", "ckpt", "buf_ld")}, buf_w="*" + c["rec"],
+               buf_k="*" + c["rec"], cursor="*i32", pending="*i32", epoch="*i64", arrive="*i32",
+               slot_ids="*i64", num_drafts="*i32")
+    rb = 4 if c["rec"] == "fp32" else 2
+    vals = m.gluon_verify_constexprs(c["T"], c["HV"], c["HK"], 128, 128, 16, 16 + c["T"], c["BV"], c["num_warps"],
+                                     w_bytes=rb, k_bytes=rb, family=family, mma=c["mma"],
+                                     x_bytes=4 if c["inputs"] == "fp32" else 2)
+    kernel = jit_function(m._gluon_verify_kernel)
+    sig, const = signature(kernel, ptr, vals, floats=("scale",))
+    return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource, c["maxnreg"]),
+                  f"{family} gluon verify {c}")
+
+
 _LP_PTR = {1: ("*i16", "*fp32"), 2: ("*i16", "*fp32"), 3: ("*u8", "*fp32"), 4: ("*i32", "*u8")}
 
 
@@ -318,4 +343,5 @@ if __name__ == "__main__":
            "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon, "mamba2-verify": mamba2_verify,
            "gdn-gluon": gdn_gluon, "kda-gluon": kda_gluon, "gdn-verify": delta_verify,
            "kda-verify": lambda c: delta_verify(c, "kda"), "mamba2-gluon-lp": mamba2_gluon_lp,
-           "gdn-gluon-lp": delta_gluon_lp, "kda-gluon-lp": lambda c: delta_gluon_lp(c, "kda")}[fam](cfg))
+           "gdn-gluon-lp": delta_gluon_lp, "gdn-gluon-verify": delta_gluon_verify,
+           "kda-gluon-verify": lambda c: delta_gluon_verify(c, "kda"), "kda-gluon-lp": lambda c: delta_gluon_lp(c, "kda")}[fam](cfg))
