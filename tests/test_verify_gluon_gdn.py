@@ -92,8 +92,13 @@ def _rounds_against_reference(family, name, T, configs=None, io=torch.float32):
             run, err = _drive(family, 32, **shape, L=16, T=T, cursors=CURSORS, seed=T, rec=rec, config=config,
                               io=io)
             assert {f for _, f in run.seen} == {True, False}, run.seen
-            if rec == torch.float32:
+            if rec == torch.float32 and io == torch.float32:
                 _check_accuracy(run, err)
+            elif rec == torch.float32:
+                # bf16 outputs: their rounding is the yardstick's too; the fp32 state is not
+                assert run.problems == [], run.problems[:5]
+                assert err["out"] <= 1.5 * err["conv_out"] and err["state"] <= 1.5 * err["conv_state"], err
+                assert err["conv_state"] < 1e-5, err
             else:
                 assert run.problems == [], run.problems[:5]
                 assert err["out"] < 1e-2 and err["state"] < 1e-2, (name, config, err)

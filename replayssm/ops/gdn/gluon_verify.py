@@ -64,6 +64,8 @@ if HAVE_GLUON:
 
     from ..utils.gluon import (_add, _async_load, _barrier, _record_weights, _softplus, _tile_to_shared,
                                 _verify_arrive)
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
     from ..utils.gluon_mma import mma_split_a, mma_split_ab, tf32_pieces
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
@@ -99,7 +101,7 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
     TP = max(2, triton.next_power_of_2(T))
     mma = mma if TP == 8 else 0
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
-                MMA=mma, X_EXACT=bool(mma) and x_bytes <= 2 and family == "gdn",
+                MMA=mma, X_EXACT=bool(mma) and x_bytes <= 2 and family == "gdn", K_EXACT=k_bytes <= 2,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
@@ -251,7 +253,7 @@ if HAVE_GLUON:
         V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr,
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
-        IS_KDA: gl.constexpr, MMA: gl.constexpr, X_EXACT: gl.constexpr,
+        IS_KDA: gl.constexpr, MMA: gl.constexpr, X_EXACT: gl.constexpr, K_EXACT: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -266,9 +268,10 @@ if HAVE_GLUON:
         # LE  (KDA) [BL, K] the records' log decays and weighted keys, every position of a column
         #     in one thread (in-thread scans)
         # MM  (MMA) the tile's products with the drafts' vectors on tensor cores, [BV, TP = 8]
-        #     (16 rows per warp), DA / DB its operands: row chunks of the tile, [K chunk, TP]
-        #     slices of the vectors, stored transposed (SX) so that a fragment's lanes read
-        #     consecutive words; the tile swizzled (SC) for the same reason
+        #     (16 rows per warp; GDN's records' products, [BL = 16, TP], the same on every
+        #     warp), DA / DB its operands: column chunks of the tile (or records), [K chunk, TP]
+        #     views of the vectors; tile and vectors swizzled (SC, SX) so that a fragment's
+        #     8 rows fall in different banks
         KL: gl.constexpr = 32 // TL
         L3: gl.constexpr = gl.BlockedLayout([1, TP // TL, 4], [1, TL, KL], [NW, 1, 1], [2, 1, 0])
         LD: gl.constexpr = gl.SliceLayout(0, L3)
@@ -285,7 +288,7 @@ if HAVE_GLUON:
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=1)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=1)
         SC: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0]) if MMA else SM
-        SX: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        SX: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
         S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         NVB: gl.constexpr = V // BV
         HG: gl.constexpr = HV // HK
@@ -372,10 +375,10 @@ if HAVE_GLUON:
         if X_EXACT:
             # (MMA, GDN, 16-bit inputs) the raw keys and queries are TF32-exact: the tile's
             # products take them as they are, transposed, and scale the columns after
-            s_XkT = gl.allocate_shared_memory(gl.float32, [K, TP], SX)
-            s_XkT.store(gl.permute(b_kD, (1, 0)))
-            s_XqT = gl.allocate_shared_memory(gl.float32, [K, TP], SX)
-            s_XqT.store(gl.permute(b_qD, (1, 0)))
+            s_Xk = gl.allocate_shared_memory(gl.float32, [TP, K], SX)
+            s_Xk.store(b_kD)
+            s_Xq = gl.allocate_shared_memory(gl.float32, [TP, K], SX)
+            s_Xq.store(b_qD)
         # the drafts' normalised keys, scaled queries (as verify's _load_qk), log decays
         b_nk = gl.zeros([TP], gl.float32, gl.SliceLayout(1, LD)) + 1.0
         b_nq = b_nk
@@ -455,8 +458,32 @@ if HAVE_GLUON:
             _barrier()
             s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+            if X_EXACT:
+                # on tensor cores with the raw vectors (every warp the whole [BL, TP]: 16 rows),
+                # then the weights, the vectors' scales and the cursor's select
+                LZ: gl.constexpr = gl.BlockedLayout([1, TP], [32, 1], [NW, 1], [1, 0])
+                b_Zk = gl.zeros([BL, TP], gl.float32, MM)
+                b_Zq = gl.zeros([BL, TP], gl.float32, MM)
+                for k0 in gl.static_range(0, K, MMA):
+                    b_kr = s_K.slice(k0, MMA, dim=1).load(DA).to(gl.float32)
+                    b_xk = s_Xk.slice(k0, MMA, dim=1).permute((1, 0)).load(DB)
+                    b_xq = s_Xq.slice(k0, MMA, dim=1).permute((1, 0)).load(DB)
+                    b_z = gl.zeros([BL, TP], gl.float32, MM)
+                    if K_EXACT:
+                        b_Zk += mma_v2(b_kr, b_xk, b_z, input_precision="tf32")
+                        b_Zq += mma_v2(b_kr, b_xq, b_z, input_precision="tf32")
+                    else:
+                        r1, r2, r3 = tf32_pieces(b_kr)
+                        b_Zk += mma_split_a(r1, r2, r3, b_xk, b_z)
+                        b_Zq += mma_split_a(r1, r2, r3, b_xq, b_z)
+                o_jZ = gl.arange(0, BL, layout=gl.SliceLayout(1, LZ))
+                b_cZ = gl.where(o_jZ < h, s_c.load(gl.SliceLayout(1, LZ)), 0.0)[:, None]
+                b_nkZ = gl.convert_layout(b_nk, gl.SliceLayout(0, LZ))[None, :]
+                b_nqZ = gl.convert_layout(b_nq, gl.SliceLayout(0, LZ))[None, :] * scale
+                s_Zk.store(gl.where((o_jZ < h)[:, None], b_cZ * (gl.convert_layout(b_Zk, LZ) * b_nkZ), 0.0))
+                s_Zq.store(gl.where((o_jZ < h)[:, None], b_cZ * (gl.convert_layout(b_Zq, LZ) * b_nqZ), 0.0))
             o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
-            for j0 in gl.static_range(0, BL, NW):
+            for j0 in gl.static_range(0, BL if not X_EXACT else 0, NW):
                 b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
                 b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
                 m_jO = ((j0 + o_jO) < h)[:, None]
@@ -468,10 +495,10 @@ if HAVE_GLUON:
             if not X_EXACT:
                 # the vectors as the FMA path takes them (normalised; KDA's decayed), split in
                 # pieces below
-                s_XkT = gl.allocate_shared_memory(gl.float32, [K, TP], SX)
-                s_XkT.store(gl.permute(b_kD, (1, 0)))
-                s_XqT = gl.allocate_shared_memory(gl.float32, [K, TP], SX)
-                s_XqT.store(gl.permute(b_qD, (1, 0)))
+                s_Xk = gl.allocate_shared_memory(gl.float32, [TP, K], SX)
+                s_Xk.store(b_kD)
+                s_Xq = gl.allocate_shared_memory(gl.float32, [TP, K], SX)
+                s_Xq.store(b_qD)
         cp.wait_group(0)
         _barrier()
         if MMA:
@@ -482,8 +509,8 @@ if HAVE_GLUON:
             b_Yq = gl.zeros([BV, TP], gl.float32, MM)
             for k0 in gl.static_range(0, K, MMA):
                 a1, a2, a3 = tf32_pieces(s_C.slice(k0, MMA, dim=1).load(DA))
-                b_xk = s_XkT.slice(k0, MMA, dim=0).load(DB)
-                b_xq = s_XqT.slice(k0, MMA, dim=0).load(DB)
+                b_xk = s_Xk.slice(k0, MMA, dim=1).permute((1, 0)).load(DB)
+                b_xq = s_Xq.slice(k0, MMA, dim=1).permute((1, 0)).load(DB)
                 b_z = gl.zeros([BV, TP], gl.float32, MM)
                 if X_EXACT:
                     b_Yk += mma_split_a(a1, a2, a3, b_xk, b_z)
