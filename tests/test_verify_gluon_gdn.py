@@ -33,8 +33,6 @@ SHAPES = {"small": dict(HV=4, Hk=2, V=32, K=128),
           "kimi-linear-48b": dict(HV=32, Hk=32, V=128, K=128)}
 GLUON = {"gluon": True}
 TRITON = {"gluon": False}
-# the tile's products on tensor cores (T above 4)
-MMA = {"gluon": True, "mma": 32}
 # cursors 0, L-1, L and spread (window 16): flushes and plain rounds in the first launch
 CURSORS = (0, 15, 16, 4, 9, 12, 1, 16)
 
@@ -79,26 +77,19 @@ def _rel(a, b):
 # GPU: the float64 reference
 
 
-def _rounds_against_reference(family, name, T, configs=None, io=torch.float32):
+def _rounds_against_reference(family, name, T):
     # 32 verify rounds (random draft counts and acceptance, a padding row, an unused slot, NaN
     # past every cursor), a decode step after every third; fp32 records within 1.5x of the
     # conventional kernel's error, bf16 records at bf16 level
     shape = SHAPES[name]
-    if configs is None:
-        configs = [GLUON] + ([{"gluon": True, "BV": 16, "num_warps": 1}] if name == "small" else [])
+    configs = [GLUON] + ([{"gluon": True, "BV": 16, "num_warps": 1}] if name == "small" else [])
     for config in configs:
         _uses_gluon(shape, T, 16, config, family)
         for rec in (torch.float32, torch.bfloat16):
-            run, err = _drive(family, 32, **shape, L=16, T=T, cursors=CURSORS, seed=T, rec=rec, config=config,
-                              io=io)
+            run, err = _drive(family, 32, **shape, L=16, T=T, cursors=CURSORS, seed=T, rec=rec, config=config)
             assert {f for _, f in run.seen} == {True, False}, run.seen
-            if rec == torch.float32 and io == torch.float32:
+            if rec == torch.float32:
                 _check_accuracy(run, err)
-            elif rec == torch.float32:
-                # bf16 outputs: their rounding is the yardstick's too; the fp32 state is not
-                assert run.problems == [], run.problems[:5]
-                assert err["out"] <= 1.5 * err["conv_out"] and err["state"] <= 1.5 * err["conv_state"], err
-                assert err["conv_state"] < 1e-5, err
             else:
                 assert run.problems == [], run.problems[:5]
                 assert err["out"] < 1e-2 and err["state"] < 1e-2, (name, config, err)
@@ -123,18 +114,6 @@ def test_gpu_gluon_kda_rounds_against_reference(name, T):
 
 @gpu
 @needs_gluon
-@pytest.mark.parametrize("io", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", [5, 8])
-@pytest.mark.parametrize("family, name", [("gdn", "small"), ("gdn", "qwen3.5-4b"), ("gdn", "qwen3.5-122b"),
-                                          ("kda", "kimi-linear-48b")])
-def test_gpu_gluon_mma_rounds_against_reference(family, name, T, io):
-    # the tile's products on tensor cores: fp32 inputs split in pieces (the state within 1.5x of
-    # the conventional kernel's error), 16-bit inputs taken raw (GDN) and scaled after
-    _rounds_against_reference(family, name, T, [MMA], io)
-
-
-@gpu
-@needs_gluon
 @pytest.mark.parametrize("L, T, cursors", [(32, 4, (0, 31, 32, 17, 5)), (32, 8, (0, 31, 32, 24, 9)),
                                            (5, 2, (5, 4, 0))],
                          ids=["window32-T4", "window32-T8", "window5-T2"])
@@ -151,13 +130,13 @@ def test_gpu_gluon_windows(L, T, cursors):
 # GPU: the Triton kernel, round by round
 
 
-def _matches_triton(family, name, rec, T, config=GLUON):
+def _matches_triton(family, name, rec, T):
     # the same state and inputs through both kernels: outputs and every state tensor agree
     # (integers exactly, floats to rounding: the weights are associated differently), padding
     # rows and drafts past a row's count exactly zero; both then commit the same acceptance
     # and the Gluon state restarts from the Triton one
     shape, L = SHAPES[name], 16
-    _uses_gluon(shape, T, L, config, family)
+    _uses_gluon(shape, T, L, GLUON, family)
     run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, rec=rec, seed=100 + T)
     st_t = run.st
     st_g = {n: t.clone() for n, t in st_t.items()}
@@ -177,7 +156,7 @@ def _matches_triton(family, name, rec, T, config=GLUON):
         h0 = st_t["cursor"].cpu()[ids.clamp(min=0)]
         flushed |= set((h0 + nd.cpu() > L)[ids >= 0].tolist())
         o_t = _verify(run, st_t, x, ids_d, nd, L, TRITON, arr_t)
-        o_g = _verify(run, st_g, x, ids_d, nd, L, config, arr_g)
+        o_g = _verify(run, st_g, x, ids_d, nd, L, GLUON, arr_g)
         dead = ((torch.arange(T)[None, :] >= nd.cpu()[:, None]) | (ids < 0)[:, None]).cuda()
         assert bool((o_g[dead] == 0).all()) and bool(torch.isfinite(o_g[~dead]).all()), r
         assert _rel(o_g[~dead], o_t[~dead]) < tol, (r, _rel(o_g[~dead], o_t[~dead]))
@@ -216,32 +195,20 @@ def test_gpu_gluon_kda_matches_triton(name, rec, T):
     _matches_triton("kda", name, rec, T)
 
 
-@gpu
-@needs_gluon
-@pytest.mark.parametrize("T", [6, 8])
-@pytest.mark.parametrize("rec", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family, name", [("gdn", "small"), ("gdn", "qwen3.5-122b"), ("kda", "kimi-linear-48b")])
-def test_gpu_gluon_mma_matches_triton(family, name, rec, T):
-    _matches_triton(family, name, rec, T, MMA)
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: poisoned drafts
 
 
 @gpu
 @needs_gluon
-@pytest.mark.parametrize("config", [GLUON, MMA], ids=["fma", "mma"])
 @pytest.mark.parametrize("T", [2, 4, 8])
 @pytest.mark.parametrize("family, name", [("gdn", "qwen3.5-4b"), ("kda", "kimi-linear-48b")], ids=["gdn", "kda"])
-def test_gpu_gluon_poisoned_drafts(family, name, T, config):
+def test_gpu_gluon_poisoned_drafts(family, name, T):
     # NaN in every input of the drafts past each row's count: outputs and state bit for bit
     # those of clean inputs; NaN in draft t0 < n of one row: that row's earlier outputs bit for
     # bit the clean ones, every other row's outputs untouched
-    if config is MMA and T <= 4:
-        pytest.skip("tensor-core products from T = 5")
     shape, L = SHAPES[name], 16
-    _uses_gluon(shape, T, L, config, family)
+    _uses_gluon(shape, T, L, GLUON, family)
     run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, seed=7)
     g = torch.Generator().manual_seed(1)
     ids = run._rows()
@@ -254,7 +221,7 @@ def test_gpu_gluon_poisoned_drafts(family, name, T, config):
 
     def once(xx):
         st = {n: t.clone() for n, t in run.st.items()}
-        return _verify(run, st, xx, ids_d, nd, L, config, arr), st
+        return _verify(run, st, xx, ids_d, nd, L, GLUON, arr), st
 
     o_ref, st_ref = once(x)
     past = (torch.arange(T)[None, :] >= nd.cpu()[:, None]).cuda()
@@ -282,17 +249,14 @@ def test_gpu_gluon_poisoned_drafts(family, name, T, config):
 
 @gpu
 @needs_gluon
-@pytest.mark.parametrize("config", [GLUON, MMA], ids=["fma", "mma"])
 @pytest.mark.parametrize("T", [2, 8])
 @pytest.mark.parametrize("family, name", [("gdn", "qwen3.5-122b"), ("kda", "kimi-linear-48b")], ids=["gdn", "kda"])
-def test_gpu_gluon_cuda_graph_matches_eager(family, name, T, config):
+def test_gpu_gluon_cuda_graph_matches_eager(family, name, T):
     # verify + commit captured once and replayed over 12 rounds of new inputs, draft counts and
     # acceptance (copied into the captured buffers): outputs and state bit for bit those of the
     # same calls made eagerly
-    if config is MMA and T <= 4:
-        pytest.skip("tensor-core products from T = 5")
     shape, L = SHAPES[name], 16
-    _uses_gluon(shape, T, L, config, family)
+    _uses_gluon(shape, T, L, GLUON, family)
     run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, rec=torch.bfloat16, seed=11, io=torch.bfloat16)
     st_e = {n: t.clone() for n, t in run.st.items()}
     st_g = {n: t.clone() for n, t in run.st.items()}
@@ -309,7 +273,7 @@ def test_gpu_gluon_cuda_graph_matches_eager(family, name, T, config):
     def step(st, x, nd, acc, o, arr):
         run.ops.replay_verify(x["q"], x["k"], x["v"], x["a"], x["b"], run.A_log, run.dt_bias, None, st["ckpt"],
                               st["buf_ld"], st["buf_w"], st["buf_k"], st["cursor"], st["pending"], st["epoch"],
-                              ids_d, L, num_drafts=nd, out=o, config=config, arrive=arr, validate=False)
+                              ids_d, L, num_drafts=nd, out=o, config=GLUON, arrive=arr, validate=False)
         commit(st["cursor"], st["pending"], ids_d, acc)
 
     warm = {n: t.clone() for n, t in run.st.items()}
@@ -372,7 +336,7 @@ def test_verify_config_gluon_key():
     # validation
     for config, match in (({"gluon": 1}, "gluon=1 must be a bool"), ({"maxnreg": -1}, "maxnreg=-1"),
                           ({"maxnreg": True}, "maxnreg=True"), ({"gluon": True, "BV": 48}, "BV=48"),
-                          ({"Gluon": True}, "unknown keys"), ({"mma": 8}, "mma=8"), ({"mma": True}, "mma=True")):
+                          ({"Gluon": True}, "unknown keys")):
         with pytest.raises(ValueError, match=match):
             verify_config("gdn", 128, 128, 4, config, gpu=True)
 

@@ -5,7 +5,8 @@ kernel: 168 under 3.9, 221 under 3.6) and in what compiles at all; with a Triton
 installed under a folder, `PYTHONPATH=<folder> python benchmarks/tools/regcount.py ...`.
 
     python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|mamba2-verify|gdn|kda|gdn-mat|gdn-gluon|kda-gluon|
-                                         gdn-verify|kda-verify|mamba2-gluon-lp|gdn-gluon-lp|kda-gluon-lp] [key=value ...]
+                                         gdn-verify|kda-verify|gdn-gluon-verify|kda-gluon-verify|mamba2-gluon-lp|
+                                         gdn-gluon-lp|kda-gluon-lp] [key=value ...]
 
 (mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
 for fp32 key records, bf16 by default; the Gluon kernels: `values=fp32` for fp32 value records;
@@ -273,12 +274,12 @@ def delta_verify(cfg, family="gdn"):
 def delta_gluon_verify(cfg, family="gdn"):
     """The GDN/KDA Gluon verify kernel (ops/gdn/gluon_verify.py) at Qwen3.5-4B's shape (`HV=`, `HK=`
     other head counts; Kimi Linear's for KDA), `T` drafts, window 16, bf16 records and token
-    inputs (`inputs=fp32`, `rec=fp32`), `mma=` the tensor-core K chunk (0: FMA dots)."""
+    inputs (`inputs=fp32`, `rec=fp32`), the default register cap (128 above T = 4; `maxnreg=`)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from replayssm.ops.gdn import gluon_verify as m
 
-    c = dict(BV=64, num_warps=4, T=8, HV=32, HK=16 if family == "gdn" else 32, rec="bf16", inputs="bf16", mma=0)
+    c = dict(BV=64, num_warps=4, T=8, HV=32, HK=16 if family == "gdn" else 32, rec="bf16", inputs="bf16")
     c.update(cfg)
     c.setdefault("maxnreg", 128 if c["T"] > 4 else 0)
     ptr = {n: "*" + c["inputs"] for n in ("q", "k", "v", "a", "b", "o")}
@@ -287,8 +288,7 @@ def delta_gluon_verify(cfg, family="gdn"):
                slot_ids="*i64", num_drafts="*i32")
     rb = 4 if c["rec"] == "fp32" else 2
     vals = m.gluon_verify_constexprs(c["T"], c["HV"], c["HK"], 128, 128, 16, 16 + c["T"], c["BV"], c["num_warps"],
-                                     w_bytes=rb, k_bytes=rb, family=family, mma=c["mma"],
-                                     x_bytes=4 if c["inputs"] == "fp32" else 2)
+                                     w_bytes=rb, k_bytes=rb, family=family)
     kernel = jit_function(m._gluon_verify_kernel)
     sig, const = signature(kernel, ptr, vals, floats=("scale",))
     return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource, c["maxnreg"]),

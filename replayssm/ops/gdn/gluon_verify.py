@@ -64,9 +64,6 @@ if HAVE_GLUON:
 
     from ..utils.gluon import (_add, _async_load, _barrier, _record_weights, _softplus, _tile_to_shared,
                                 _verify_arrive)
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-    from ..utils.gluon_mma import mma_split_a, mma_split_ab, tf32_pieces
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -90,18 +87,12 @@ def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: i
 
 def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
-                            w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", mma: int = 0,
-                            x_bytes: int = 2) -> dict:
+                            w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn") -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
-    "kda"; `mma`: the tile's products with the drafts' vectors on tensor cores in K chunks of
-    this many columns (0: FMA dots; only where T pads to 8, else ignored); `x_bytes`: the element
-    size of the queries and keys (16-bit inputs are TF32-exact: GDN's products then take them
-    raw and scale after)."""
+    "kda"."""
     TP = max(2, triton.next_power_of_2(T))
-    mma = mma if TP == 8 else 0
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
-                MMA=mma, X_EXACT=bool(mma) and x_bytes <= 2 and family == "gdn", K_EXACT=k_bytes <= 2,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
@@ -253,7 +244,7 @@ if HAVE_GLUON:
         V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr,
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
-        IS_KDA: gl.constexpr, MMA: gl.constexpr, X_EXACT: gl.constexpr, K_EXACT: gl.constexpr,
+        IS_KDA: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -267,11 +258,6 @@ if HAVE_GLUON:
         #     per lane (the decay scan)
         # LE  (KDA) [BL, K] the records' log decays and weighted keys, every position of a column
         #     in one thread (in-thread scans)
-        # MM  (MMA) the tile's products with the drafts' vectors on tensor cores, [BV, TP = 8]
-        #     (16 rows per warp; GDN's records' products, [BL = 16, TP], the same on every
-        #     warp), DA / DB its operands: column chunks of the tile (or records), [K chunk, TP]
-        #     views of the vectors; tile and vectors swizzled (SC, SX) so that a fragment's
-        #     8 rows fall in different banks
         KL: gl.constexpr = 32 // TL
         L3: gl.constexpr = gl.BlockedLayout([1, TP // TL, 4], [1, TL, KL], [NW, 1, 1], [2, 1, 0])
         LD: gl.constexpr = gl.SliceLayout(0, L3)
@@ -284,11 +270,6 @@ if HAVE_GLUON:
         LA1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         LE: gl.constexpr = gl.BlockedLayout([BL, 1], [1, 32], [1, NW], [0, 1])
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=1)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=1)
-        SC: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0]) if MMA else SM
-        SX: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
         S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         NVB: gl.constexpr = V // BV
         HG: gl.constexpr = HV // HK
@@ -323,7 +304,7 @@ if HAVE_GLUON:
             # as the keys; the same buffer later holds the weighted keys
             p_ldh = buf_ld + slot * (LBCAP * HV * K) + i_hv * K
             s_LD = _records_to_shared(p_ldh + HV * K, gl.minimum(window, LBCAP) - 1, BL, K, HV * K, 4, NW)
-        s_C = _tile_to_shared(p_C, BV, K, LT, SC)
+        s_C = _tile_to_shared(p_C, BV, K, LT, SM)
         h = gl.load(cursor + slot).to(gl.int32)
         s_U = _records_to_shared(p_Uh, h, BL, BV, HV * V, VW, NW)
 
@@ -372,21 +353,10 @@ if HAVE_GLUON:
             b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=o_l + 1 < h, other=0.0)
             b_ld0 = gl.load(p_ldh)
 
-        if X_EXACT:
-            # (MMA, GDN, 16-bit inputs) the raw keys and queries are TF32-exact: the tile's
-            # products take them as they are, transposed, and scale the columns after
-            s_Xk = gl.allocate_shared_memory(gl.float32, [TP, K], SX)
-            s_Xk.store(b_kD)
-            s_Xq = gl.allocate_shared_memory(gl.float32, [TP, K], SX)
-            s_Xq.store(b_qD)
         # the drafts' normalised keys, scaled queries (as verify's _load_qk), log decays
-        b_nk = gl.zeros([TP], gl.float32, gl.SliceLayout(1, LD)) + 1.0
-        b_nq = b_nk
         if USE_QK_L2NORM:
-            b_nk = gl.rsqrt(gl.sum(b_kD * b_kD, axis=1) + 1e-6)
-            b_nq = gl.rsqrt(gl.sum(b_qD * b_qD, axis=1) + 1e-6)
-            b_kD = b_kD * b_nk[:, None]
-            b_qD = b_qD * b_nq[:, None]
+            b_kD = b_kD * gl.rsqrt(gl.sum(b_kD * b_kD, axis=1) + 1e-6)[:, None]
+            b_qD = b_qD * gl.rsqrt(gl.sum(b_qD * b_qD, axis=1) + 1e-6)[:, None]
         b_qD = b_qD * scale
         if not IS_KDA:
             b_ldc = -gl.exp(b_Alog) * _softplus(b_ar.to(gl.float32) + b_dtb)          # [TP] LC
@@ -458,88 +428,29 @@ if HAVE_GLUON:
             _barrier()
             s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-            if X_EXACT:
-                # on tensor cores with the raw vectors (every warp the whole [BL, TP]: 16 rows),
-                # then the weights, the vectors' scales and the cursor's select
-                LZ: gl.constexpr = gl.BlockedLayout([1, TP], [32, 1], [NW, 1], [1, 0])
-                b_Zk = gl.zeros([BL, TP], gl.float32, MM)
-                b_Zq = gl.zeros([BL, TP], gl.float32, MM)
-                for k0 in gl.static_range(0, K, MMA):
-                    b_kr = s_K.slice(k0, MMA, dim=1).load(DA).to(gl.float32)
-                    b_xk = s_Xk.slice(k0, MMA, dim=1).permute((1, 0)).load(DB)
-                    b_xq = s_Xq.slice(k0, MMA, dim=1).permute((1, 0)).load(DB)
-                    b_z = gl.zeros([BL, TP], gl.float32, MM)
-                    if K_EXACT:
-                        b_Zk += mma_v2(b_kr, b_xk, b_z, input_precision="tf32")
-                        b_Zq += mma_v2(b_kr, b_xq, b_z, input_precision="tf32")
-                    else:
-                        r1, r2, r3 = tf32_pieces(b_kr)
-                        b_Zk += mma_split_a(r1, r2, r3, b_xk, b_z)
-                        b_Zq += mma_split_a(r1, r2, r3, b_xq, b_z)
-                o_jZ = gl.arange(0, BL, layout=gl.SliceLayout(1, LZ))
-                b_cZ = gl.where(o_jZ < h, s_c.load(gl.SliceLayout(1, LZ)), 0.0)[:, None]
-                b_nkZ = gl.convert_layout(b_nk, gl.SliceLayout(0, LZ))[None, :]
-                b_nqZ = gl.convert_layout(b_nq, gl.SliceLayout(0, LZ))[None, :] * scale
-                s_Zk.store(gl.where((o_jZ < h)[:, None], b_cZ * (gl.convert_layout(b_Zk, LZ) * b_nkZ), 0.0))
-                s_Zq.store(gl.where((o_jZ < h)[:, None], b_cZ * (gl.convert_layout(b_Zq, LZ) * b_nqZ), 0.0))
             o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
-            for j0 in gl.static_range(0, BL if not X_EXACT else 0, NW):
+            for j0 in gl.static_range(0, BL, NW):
                 b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
                 b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
                 m_jO = ((j0 + o_jO) < h)[:, None]
                 s_Zk.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_kD[None, :, :], axis=2), 0.0))
                 s_Zq.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_qD[None, :, :], axis=2), 0.0))
 
-        # 3. C x for the 2T vectors
-        if MMA:
-            if not X_EXACT:
-                # the vectors as the FMA path takes them (normalised; KDA's decayed), split in
-                # pieces below
-                s_Xk = gl.allocate_shared_memory(gl.float32, [TP, K], SX)
-                s_Xk.store(b_kD)
-                s_Xq = gl.allocate_shared_memory(gl.float32, [TP, K], SX)
-                s_Xq.store(b_qD)
+        # 3. C x for the 2T vectors, RC rows at a time, each chunk of the tile read once
         cp.wait_group(0)
         _barrier()
-        if MMA:
-            # on tensor cores, MMA columns of the tile at a time: the tile's pieces times the
-            # vectors (their pieces too unless exact), each chunk's chain from zero added to an
-            # fp32 sum (utils/gluon_mma.py)
-            b_Yk = gl.zeros([BV, TP], gl.float32, MM)
-            b_Yq = gl.zeros([BV, TP], gl.float32, MM)
-            for k0 in gl.static_range(0, K, MMA):
-                a1, a2, a3 = tf32_pieces(s_C.slice(k0, MMA, dim=1).load(DA))
-                b_xk = s_Xk.slice(k0, MMA, dim=1).permute((1, 0)).load(DB)
-                b_xq = s_Xq.slice(k0, MMA, dim=1).permute((1, 0)).load(DB)
-                b_z = gl.zeros([BV, TP], gl.float32, MM)
-                if X_EXACT:
-                    b_Yk += mma_split_a(a1, a2, a3, b_xk, b_z)
-                    b_Yq += mma_split_a(a1, a2, a3, b_xq, b_z)
-                else:
-                    xk1, xk2, xk3 = tf32_pieces(b_xk)
-                    b_Yk += mma_split_ab(a1, a2, a3, xk1, xk2, xk3, b_z)
-                    xq1, xq2, xq3 = tf32_pieces(b_xq)
-                    b_Yq += mma_split_ab(a1, a2, a3, xq1, xq2, xq3, b_z)
-            if X_EXACT:
-                # the normalisation and scale the raw vectors did not carry
-                b_Sk = b_g * (gl.convert_layout(b_Yk, LS) * gl.convert_layout(b_nk, LC)[None, :])
-                b_Sq = b_g * (gl.convert_layout(b_Yq, LS) * gl.convert_layout(b_nq, LC)[None, :] * scale)
-            else:
-                b_Sk = b_g * gl.convert_layout(b_Yk, LS)
-                b_Sq = b_g * gl.convert_layout(b_Yq, LS)
-        else:
-            # on FMA units, RC rows at a time, each chunk of the tile read once
-            s_Yk = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
-            s_Yq = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
-            for r0 in gl.static_range(0, BV, RC):
-                b_Cm = s_C.slice(r0, RC, dim=0).load(LR)[:, None, :]
-                s_Yk.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_kD[None, :, :], axis=2))
-                s_Yq.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_qD[None, :, :], axis=2))
-            _barrier()
-            # S_h x = g C x + sum_{j<h} c_j (k_j . x) u_j, per row and draft (on a flush too:
-            # the drafts follow the folded checkpoint, which is this)
-            b_Sk = b_g * s_Yk.load(LS)
-            b_Sq = b_g * s_Yq.load(LS)
+        s_Yk = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
+        s_Yq = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
+        for r0 in gl.static_range(0, BV, RC):
+            b_Cm = s_C.slice(r0, RC, dim=0).load(LR)[:, None, :]
+            s_Yk.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_kD[None, :, :], axis=2))
+            s_Yq.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_qD[None, :, :], axis=2))
+        _barrier()
+
+        # S_h x = g C x + sum_{j<h} c_j (k_j . x) u_j, per row and draft (on a flush too: the
+        # drafts follow the folded checkpoint, which is this)
+        b_Sk = b_g * s_Yk.load(LS)
+        b_Sq = b_g * s_Yq.load(LS)
         s_U1 = _rows_view(s_U, BL, BV)
         s_Zk1 = _rows_view(s_Zk, BL, TP)
         s_Zq1 = _rows_view(s_Zq, BL, TP)
@@ -641,11 +552,10 @@ if HAVE_GLUON:
 
 def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
                         pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
-                        BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn", mma: int = 0) -> None:
+                        BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn") -> None:
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; inputs
     validated, and the caller checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0:
-    none); `mma`: tensor-core products in K chunks of this size (0: FMA dots; see
-    `gluon_verify_constexprs`)."""
+    none)."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if Bt == 0:
@@ -659,6 +569,5 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
-                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family,
-                                  mma, max(q.element_size(), k.element_size())),
+                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -321,7 +321,7 @@ def _replay_verify_kernel(
 # Launcher, launch configs, custom ops, public function.
 # ---------------------------------------------------------------------------------------------
 
-_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS", "gluon", "maxnreg", "mma")
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS", "gluon", "maxnreg")
 
 
 def _check_config(cfg: dict, BK: int) -> dict:
@@ -334,8 +334,6 @@ def _check_config(cfg: dict, BK: int) -> dict:
         raise ValueError(f"config num_stages={ns!r} must be a positive int")
     if isinstance(reg, bool) or not isinstance(reg, int) or reg < 0:
         raise ValueError(f"config maxnreg={reg!r} must be a non-negative int (0: no cap)")
-    if cfg["mma"] not in (0, 16, 32, 64, 128):
-        raise ValueError(f"config mma={cfg['mma']!r} must be 0 (FMA dots) or a K chunk of 16, 32, 64 or 128")
     check_slices(cfg["KS"], BK)
     return cfg
 
@@ -372,21 +370,21 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     if want and gpu:
         bv = next((c for c in (64, 32, 16) if V % c == 0), 16)
         cfg = _check_config(dict({"BV": bv, "num_warps": bv // 16, "num_stages": 1, "KS": ks,
-                                  "maxnreg": 128 if T > 4 else 0, "mma": 0}, **user), BK)
+                                  "maxnreg": 128 if T > 4 else 0}, **user), BK)
         L = 16 if window is None else window
         why = gluon_verify_unsupported(family, HV or 1, Hk or 1, V, K, T, L, L + T if Lb is None else Lb,
                                        cfg["BV"], cfg["num_warps"])
         if why is None:
             return dict(cfg, gluon=True)
     BV = min(32, triton.next_power_of_2(V))
-    cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 1, "num_stages": 1, "KS": ks, "maxnreg": 0, "mma": 0}
+    cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 1, "num_stages": 1, "KS": ks, "maxnreg": 0}
     return dict(_check_config(dict(cfg, **user), BK), gluon=False)
 
 
 def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, window: int, o,
                   use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int,
-                  gluon: bool = False, maxnreg: int = 0, mma: int = 0) -> None:
+                  gluon: bool = False, maxnreg: int = 0) -> None:
     """Launch the Gluon kernel (`gluon`, where it applies: a GPU, the shape and config that
     `gluon_verify_unsupported` accepts) or `_replay_verify_kernel`; inputs already validated."""
     Bt, T, Hk, K = q.shape
@@ -398,7 +396,7 @@ def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
             gluon_verify_unsupported(family, HV, Hk, V, K, T, window, Lb, BV, num_warps) is None:
         launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending,
                             epoch, arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, maxnreg,
-                            family, mma)
+                            family)
         return
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
@@ -433,15 +431,15 @@ def _register_verify_op(family: str):
            buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor, arrive: Tensor,
            slot_ids: Tensor, num_drafts: Optional[Tensor], window: int, o: Tensor,
            use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int,
-           gluon: bool = False, maxnreg: int = 0, mma: int = 0) -> None:
+           gluon: bool = False, maxnreg: int = 0) -> None:
         launch_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, pending, epoch, arrive, slot_ids, num_drafts, window, o,
-                      use_qk_l2norm, BV, num_warps, num_stages, KS, gluon, maxnreg, mma)
+                      use_qk_l2norm, BV, num_warps, num_stages, KS, gluon, maxnreg)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
           arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages, KS,
-          gluon=False, maxnreg=0, mma=0) -> None:
+          gluon=False, maxnreg=0) -> None:
         return None
 
     return op
@@ -527,7 +525,7 @@ def run_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
     _VERIFY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ckpt, buf_ld, buf_w, buf_k, cursor,
         pending, epoch, arrive, slot_ids, num_drafts, int(window), out, bool(use_qk_l2norm),
-        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"], cfg["gluon"], cfg["maxnreg"], cfg["mma"])
+        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"], cfg["gluon"], cfg["maxnreg"])
     return out
 
 
