@@ -87,8 +87,9 @@ def test_lowp_config_split_keys():
     assert cfg["gluon"] is True and cfg["gluon_BV"] == 64 and cfg["split"] is False
     assert cfg["flush_programs"] is None and cfg["gluon_maxnreg"] == 0
     assert default_gluon_bv(80) == 16 and default_gluon_bv(96) == 32 and default_gluon_bv(128) == 64
+    assert cfg["gluon_recmask"] is None
     for bad in ({"gluon": 1}, {"split": "yes"}, {"gluon_BV": 48}, {"gluon_BV": True}, {"gluon_maxnreg": 300},
-                {"flush_programs": 0}, {"flush_programs": 2.0}, {"glon": True}):
+                {"flush_programs": 0}, {"flush_programs": 2.0}, {"gluon_recmask": 1}, {"glon": True}):
         with pytest.raises(ValueError, match=next(iter(bad)) if "glon" not in bad else "unknown"):
             lowp_config(64, bad)
     assert flush_programs({"flush_programs": 7}, 100, "cpu") == 7
@@ -233,6 +234,16 @@ def test_split_matches_single_launch_gpu(shape, design):
     print(shape, design, gaps)
     assert gaps["flushes"] >= 8 and gaps["steady"] >= 200, gaps
     assert gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+
+
+@gpu
+@pytest.mark.parametrize("lp", FORMATS)
+def test_split_gpu_recmask(lp):
+    """The Gluon kernel's record loads predicated on the cursor (`gluon_recmask`, off by default
+    for Mamba-2): the same state and steady outputs as the single launch."""
+    gaps = _run_split(("fp32", lp, "stochastic"), GPU_SHAPES["super"], 8, 16, 40,
+                      {"gluon": True, "gluon_recmask": True}, False)
+    assert gaps["flushes"] >= 8 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
 
 
 @pytest.mark.gpu

@@ -80,12 +80,14 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     (ops/<family>/gluon_lowp.py): `gluon` (default True: where the Gluon kernel covers the read
     format and shape, the flush rows on the Triton kernel, then the other rows on the Gluon
     kernel), `gluon_BV` (its rows per program, `gluon_BV / 16` warps; `default_gluon_bv`),
-    `gluon_maxnreg` (its register cap, 0 none), `split` (the two launches even without Gluon,
+    `gluon_maxnreg` (its register cap, 0 none), `gluon_recmask` (whether its record loads wait for
+    the cursor and skip positions past it; None: the family's default, Mamba-2 no, GDN/KDA yes),
+    `split` (the two launches even without Gluon,
     the second the Triton kernel: the split's test on the interpreter), `flush_programs` (the
     flush launch's programs, None: 8 per SM, 8 off CUDA, at most one per (row, head, V-block)).
     The split's keys are returned where given, all of them (defaults filled) with `split=True`."""
-    split_keys = {"gluon": True, "gluon_BV": default_gluon_bv(V), "gluon_maxnreg": 0, "split": False,
-                  "flush_programs": None}
+    split_keys = {"gluon": True, "gluon_BV": default_gluon_bv(V), "gluon_maxnreg": 0, "gluon_recmask": None,
+                  "split": False, "flush_programs": None}
     cfg = dict({"BV": default_bv(V), "num_warps": 4}, **split_keys)
     if config:
         unknown = set(config) - set(cfg)
@@ -106,6 +108,8 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     nreg = cfg["gluon_maxnreg"]
     if isinstance(nreg, bool) or not isinstance(nreg, int) or not (nreg == 0 or 24 <= nreg <= 255):
         raise ValueError(f"config: gluon_maxnreg must be 0 (none) or in 24..255, got {nreg!r}")
+    if cfg["gluon_recmask"] is not None and not isinstance(cfg["gluon_recmask"], bool):
+        raise ValueError(f"config: gluon_recmask must be None or a bool, got {cfg['gluon_recmask']!r}")
     fp = cfg["flush_programs"]
     if fp is not None and (isinstance(fp, bool) or not isinstance(fp, int) or not 1 <= fp <= 65535):
         raise ValueError(f"config: flush_programs must be None or an int in 1..65535, got {fp!r}")
