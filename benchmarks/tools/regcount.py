@@ -343,5 +343,6 @@ if __name__ == "__main__":
            "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon, "mamba2-verify": mamba2_verify,
            "gdn-gluon": gdn_gluon, "kda-gluon": kda_gluon, "gdn-verify": delta_verify,
            "kda-verify": lambda c: delta_verify(c, "kda"), "mamba2-gluon-lp": mamba2_gluon_lp,
-           "gdn-gluon-lp": delta_gluon_lp, "gdn-gluon-verify": delta_gluon_verify,
-           "kda-gluon-verify": lambda c: delta_gluon_verify(c, "kda"), "kda-gluon-lp": lambda c: delta_gluon_lp(c, "kda")}[fam](cfg))
+           "gdn-gluon-lp": delta_gluon_lp, "kda-gluon-lp": lambda c: delta_gluon_lp(c, "kda"),
+           "gdn-gluon-verify": delta_gluon_verify,
+           "kda-gluon-verify": lambda c: delta_gluon_verify(c, "kda")}[fam](cfg))
