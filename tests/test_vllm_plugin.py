@@ -82,6 +82,14 @@ def test_entry_point_is_declared():
     assert 'replayssm = "replayssm.integrations.vllm:register"' in text
 
 
+def test_vllm_extra_pins_the_checked_version():
+    # `pip install replayssm[vllm]` brings the one vLLM release the plugin was checked against
+    tomllib = pytest.importorskip("tomllib")
+    text = open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")).read()
+    extras = tomllib.loads(text)["project"]["optional-dependencies"]
+    assert extras["vllm"] == [f"vllm=={v}" for v in _compat.CHECKED_VERSIONS]
+
+
 # ------------------------------------------------------------------------------ declaration
 
 @pytest.mark.parametrize("family,T,rec", [("mamba2", 1, torch.bfloat16), ("gdn", 4, torch.float32)])
