@@ -239,11 +239,12 @@ if HAVE_GLUON:
 
 def launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
                     buf_v, buf_beta, cursor, epoch, arrive, slot_ids, o, window, BV, use_qk_l2norm=True,
-                    family="gdn", maxnreg=0, recmask=True):
+                    family="gdn", maxnreg=0, recmask=None):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) for `family` "gdn"
     or "kda" on the LP parts of `lowp.lp_views` under format code `LP`; `buf_v`, `buf_beta` the
     raw records beside an LP copy, None for the shared design. The caller checked
-    `use_gluon_lp` and ran the flush rows first (precision.py, `ROWS=1`)."""
+    `use_gluon_lp` and ran the flush rows first (precision.py, `ROWS=1`). `recmask`: the record
+    loads wait for the cursor and skip positions past it (None: on, GDN's and KDA's default)."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     LBCAP = buf_w.shape[1]
@@ -255,5 +256,5 @@ def launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, lp_data, lp_scale, lp_
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, WINDOW=int(window), BV=BV, BL=gluon_record_tile(window, LBCAP),
-        LP=int(LP), USE_QK_L2NORM=bool(use_qk_l2norm), NW=nw, RECMASK=bool(recmask), IS_KDA=family == "kda",
+        LP=int(LP), USE_QK_L2NORM=bool(use_qk_l2norm), NW=nw, RECMASK=recmask is None or bool(recmask), IS_KDA=family == "kda",
         RAW=buf_v is not None, num_warps=nw, **({"maxnreg": maxnreg} if maxnreg else {}))

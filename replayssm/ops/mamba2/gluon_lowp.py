@@ -190,10 +190,11 @@ if HAVE_GLUON:
 
 
 def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
-                    cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=False):
+                    cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=None):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) on the LP parts of
     `lowp.lp_views` under format code `LP`; the caller checked `gluon_lp_unsupported` and runs
-    the flush rows first (precision.py, `ROWS=1`)."""
+    the flush rows first (precision.py, `ROWS=1`). `recmask`: the record loads wait for the
+    cursor and skip positions past it (None: off, Mamba-2's default)."""
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]

@@ -82,8 +82,8 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     kernel), `gluon_BV` (its rows per program, `gluon_BV / 16` warps; `default_gluon_bv`),
     `gluon_maxnreg` (its register cap, 0 none), `gluon_recmask` (whether its record loads wait for
     the cursor and skip positions past it; None: the family's default, Mamba-2 no, GDN/KDA yes),
-    `split` (the two launches even without Gluon,
-    the second the Triton kernel: the split's test on the interpreter), `flush_programs` (the
+    `split` (the two launches even without Gluon, the second the Triton kernel: the split's test
+    on the interpreter), `flush_programs` (the
     flush launch's programs, None: 8 per SM, 8 off CUDA, at most one per (row, head, V-block)).
     The split's keys are returned where given, all of them (defaults filled) with `split=True`."""
     split_keys = {"gluon": True, "gluon_BV": default_gluon_bv(V), "gluon_maxnreg": 0, "gluon_recmask": None,
