@@ -248,11 +248,13 @@ def test_pad_unpad_round_trip():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("mode", ["strided", "staged"])
 @pytest.mark.parametrize("family", ["mamba2", "gdn"])
-def test_staged_kernels_match_reference(family):
-    """The kernel executor in mode "staged" (today's kernels on contiguous scratch rows,
-    gathered from and written back to the page views), decode then speculative verify,
-    against the reference executor on a copy of the same pages."""
+def test_kernel_executors_match_reference(family, mode):
+    """The kernel executor, decode (through a flush) then speculative verify, against the
+    reference executor on a copy of the same pages: mode "strided" runs the kernels on the page
+    views with their slot strides, "staged" on contiguous scratch rows gathered from and
+    written back to the pages."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs CUDA or the Triton interpreter")
     g = torch.Generator().manual_seed(4)
@@ -264,9 +266,9 @@ def test_staged_kernels_match_reference(family):
     S = torch.randn(2, HV, V, K, generator=g) * 0.3
     for st in (a, b):
         st.ckpt[torch.tensor([3, 5])] = S
-    ka, rb = KernelExecutor(a, params, mode="staged", max_batch=4), ReferenceExecutor(b, params)
+    ka, rb = KernelExecutor(a, params, mode=mode, max_batch=4), ReferenceExecutor(b, params)
     idx = torch.tensor([5, 0, 3], dtype=torch.int32)
-    for step in range(3):
+    for step in range(5):
         toks = tokens(family, 3, g)
         ya, yb = torch.empty(3, HV, V), torch.empty(3, HV, V)
         batch.run_decode(ka, a, idx, toks, ya)
@@ -283,6 +285,9 @@ def test_staged_kernels_match_reference(family):
     for name in ("cursor", "pending"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.allclose(a.ckpt, b.ckpt, rtol=1e-4, atol=1e-5)
+    assert int(a.cursor[0]) == 0 and float(a.ckpt[0].abs().sum()) == 0          # null block untouched
+    if mode == "strided":
+        assert torch.equal(a.conv, b.conv)                                   # the page's other tensors too
 
 
 @pytest.mark.interpret

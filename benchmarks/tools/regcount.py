@@ -56,9 +56,11 @@ def jit_function(kernel):
 
 def compile_kernel(fn, signature, constexprs, num_warps, source=ASTSource, maxnreg=0):
     # the JIT specialises 16-byte aligned pointers and integers divisible by 16 (strides, the
-    # window): without these hints the offline compile cannot vectorise the loads
+    # window, the state's slot paddings, which the Gluon launchers require to be): without
+    # these hints the offline compile cannot vectorise the loads
+    hinted = ("pad_ckpt", "pad_ld", "pad_w", "pad_k", "window")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if signature[n].startswith("*") or (signature[n] == "i32" and (n.startswith("stride") or n == "window"))}
+             if signature[n].startswith("*") or (signature[n] == "i32" and (n.startswith("stride") or n in hinted))}
     src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps}
     if os.environ.get("REGCOUNT_MAXNREG") or maxnreg:

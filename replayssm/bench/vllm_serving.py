@@ -14,7 +14,8 @@ the plugin's over stock's at the same batch and speculation. `--speculative ngra
 drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes; its prompts repeat a short
 pattern so that lookups find drafts, and the rows carry vLLM's draft acceptance where its
 metrics report it. JSON rows: `model`, `batch`, `scheme`, `speculative`, `tokens_per_s`,
-`ratio_vs_stock`, plus the timings.
+`ratio_vs_stock`, `state_mode` (the plugin's executors: "strided" on vLLM's pages, "staged"
+through scratch rows), plus the timings.
 
     python -m replayssm.bench.vllm_serving --batches 64,256,512 --out benchmarks/results/vllm_h200.json
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -125,6 +127,10 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
            "--speculative", speculative, "--drafts", str(args.drafts), "--gpu-memory", str(args.gpu_memory)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    # how the plugin's layers reached vLLM's blocks (its log lines: "... KernelExecutor (strided)")
+    modes = sorted(set(re.findall(r"KernelExecutor \((\w+)\)", r.stdout + r.stderr)))
+    for row in rows:
+        row["state_mode"] = ",".join(modes) if scheme == "replayssm" else None
     if r.returncode != 0 or not rows:
         tail = (r.stdout + r.stderr)[-1500:]
         print(f"{scheme} / {speculative}: engine failed (rc {r.returncode}):\n{tail}")

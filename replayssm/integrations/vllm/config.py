@@ -7,9 +7,10 @@ process runs it, so the engine core and its workers agree).
   keeps Mamba-2 records in the model dtype (they are copies of the layer's inputs, exact) and
   GDN records in fp32 (GDN's `u` is computed, and bf16 would round it).
 - `REPLAYSSM_VLLM_STATE` (`auto` by default, `strided`, `staged`): how the kernels reach the
-  state in vLLM's blocks. `strided`: directly, which needs kernels that take a slot stride;
-  `staged`: the batch's rows are gathered into contiguous scratch tensors and written back
-  (correct with today's kernels, slower than stock); `auto` probes the kernels once.
+  state in vLLM's blocks. `strided`: directly (the windowed kernels take a slot stride; window
+  above 1); `staged`: the batch's rows are gathered into contiguous scratch tensors and written
+  back (three times the state traffic, the fallback); `auto`: strided where the kernels' own
+  checks accept the views (probed once per layer), else staged.
 """
 from __future__ import annotations
 

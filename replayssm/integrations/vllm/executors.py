@@ -6,12 +6,13 @@ family's raw inputs (Mamba-2 `x`, `dt`, `B`, `C`; GDN `q`, `k`, `v`, `a`, `b`), 
 into `out`. Commit, flush and seeding are `state.commit` / `flush` / `seed` for both.
 
 `KernelExecutor` calls `replayssm.ops.<family>.replay_decode` / `replay_verify` with
-`validate=False` (no host sync: capturable in vLLM's CUDA graphs). The kernels address a
-slot's rows as `tensor + slot * rowsize` (contiguous `[N, ...]` tensors), while vLLM's views
-are strided by the page; mode "strided" passes the views as they are (for kernels that take a
-slot stride), mode "staged" gathers the batch's rows into contiguous scratch `[B_max, ...]`,
-runs the kernels on rows `0..B-1` and writes the rows back. `probe_strided` asks the kernels'
-own boundary checks whether they accept the views.
+`validate=False` (no host sync: capturable in vLLM's CUDA graphs). vLLM's views are strided by
+the page; the windowed decode and verify kernels take a slot stride per state tensor
+(`ops.utils.launch.slot_pads`), so mode "strided" passes the views as they are. Mode "staged"
+gathers the batch's rows into contiguous scratch `[B_max, ...]`, runs the kernels on rows
+`0..B-1` and writes the rows back (three times the state traffic: kept as the fallback for
+views the kernels refuse). `probe_strided` asks the kernels' own boundary checks whether they
+accept the views.
 """
 from __future__ import annotations
 
@@ -183,8 +184,7 @@ def make_executor(state: BlockState, params: dict, *, mode: str, max_batch: int,
     if mode == "auto":
         ok = probe_inputs is not None and probe_strided(state, params, probe_inputs, probe_out)
         mode = "strided" if ok else "staged"
-    elif mode == "strided" and not all(t.is_contiguous() for t in (state.ckpt, state.ld, state.w, state.k)):
-        # the kernels address rows as `slot * rowsize`; vLLM's page-strided views would be misread
-        raise ValueError("REPLAYSSM_VLLM_STATE=strided needs contiguous state tensors, and vLLM's blocks are "
-                         "strided by the page: use 'auto' or 'staged'")
+    elif mode == "strided" and state.spec.window == 1:
+        # window 1 is the eager step, whose kernels take no slot stride
+        raise ValueError("REPLAYSSM_VLLM_STATE=strided needs a window above 1: use 'auto' or 'staged'")
     return KernelExecutor(state, params, mode=mode, max_batch=max_batch)

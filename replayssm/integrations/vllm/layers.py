@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 
@@ -29,6 +30,9 @@ from .config import Settings
 from .executors import make_executor
 from . import state as S
 from .state import BlockState, StateSpec
+
+# a child of vLLM's logger, so that its handlers print the plugin's lines with vLLM's own
+_LOG = logging.getLogger("vllm.replayssm")
 
 _STATE_ATTR = "_replayssm_state"
 
@@ -182,6 +186,8 @@ def bound_state(ns, layer, settings: Settings, family: str, dtype, device):
     ex = make_executor(st, params, mode=mode, max_batch=bind["max_batch"], probe_inputs=probe["inputs"],
                        probe_out=probe["out"])
     setattr(layer, _STATE_ATTR, (key, st, ex))
+    _LOG.info("replayssm: %s keeps %s state in vLLM's blocks, window %d, %s executor%s", layer.prefix, family,
+              spec.window, type(ex).__name__, f" ({ex.mode})" if hasattr(ex, "mode") else "")
     return st, ex
 
 

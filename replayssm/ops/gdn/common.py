@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.checks import (check_devices, check_slot_ids, check_slot_values, check_tensor, check_window,
+from ..utils.checks import (check_devices, check_slot_ids, check_slot_rows, check_slot_values, check_tensor, check_window,
                             may_sync)
 
 __all__ = ["check_token_inputs", "check_state", "check_slot_ids", "check_slot_values", "check_devices",
@@ -144,8 +144,10 @@ def check_token_inputs(family: str, q, k, v, a, b, A_log, dt_bias, out) -> tuple
 
 
 def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-                HV: int, Hk: int, V: int, K: int, window) -> tuple:
-    """Shapes and dtypes of the pool tensors; returns `(N, Lb)`."""
+                HV: int, Hk: int, V: int, K: int, window, slot_strided: bool = False) -> tuple:
+    """Shapes and dtypes of the pool tensors; returns `(N, Lb)`. `slot_strided`: the kernel
+    takes a slot stride (`utils.launch.slot_pads`), so `ckpt`, the buffers and `cursor` need
+    only contiguous rows (`epoch` and `arrive` stay contiguous)."""
     if not isinstance(ckpt, Tensor) or ckpt.dim() != 4:
         raise ValueError(f"ckpt must be an [N, HV, V, K] tensor, got shape {getattr(ckpt, 'shape', None)}")
     N = ckpt.shape[0]
@@ -162,8 +164,11 @@ def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
     check_tensor("cursor", cursor, (N,), (torch.int32,))
     check_tensor("epoch", epoch, (N,), (torch.int64,))
     check_tensor("arrive", arrive, (N,), (torch.int32,))
-    for name, t in (("ckpt", ckpt), ("buf_ld", buf_ld), ("buf_w", buf_w), ("buf_k", buf_k),
-                    ("cursor", cursor), ("epoch", epoch), ("arrive", arrive)):
+    strided = dict(ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k)
+    if slot_strided:
+        check_slot_rows(**strided)
+    for name, t in ((() if slot_strided else tuple(strided.items()) + (("cursor", cursor),))
+                    + (("epoch", epoch), ("arrive", arrive))):
         check_tensor(name, t, contiguous=True)
     check_window(window, Lb)
     return N, Lb

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..utils.cursor import hand_off
-from ..utils.launch import arrive_counter
+from ..utils.launch import arrive_counter, gluon_aligned, require_contiguous_slots, slot_pads
 from ..utils.tiles import tile_dot, tile_offsets
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _rne_bf16, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state, check_token_inputs)
@@ -100,6 +100,7 @@ def _mat_tile(c, p_C, p_K, p_k, o_v, m_v, m_j, r_k, b_gC, b_A, b_A1, b_A2, K: tl
 def _replay_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
     ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+    pad_ckpt, pad_ld, pad_w, pad_k, pad_cur,
     scale, window,
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
     stride_a_b, stride_a_h, stride_b_b, stride_b_h,
@@ -128,6 +129,13 @@ def _replay_decode_kernel(
     if i_s < 0:
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
+    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+    ckpt += i_s * pad_ckpt
+    buf_ld += i_s * pad_ld
+    buf_w += i_s * pad_w
+    buf_k += i_s * pad_k
+    cursor += i_s * pad_cur
     h = tl.load(cursor + i_s).to(tl.int64)
 
     # Positions j < h hold records; lane j of the shifted decays holds position j + 1 (the
@@ -289,6 +297,7 @@ def _mat_fold(b_A, b_A1, b_A2, b_Kc, MP: tl.constexpr, EXACT_BF16: tl.constexpr)
 def _replay_decode_mat_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
     ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+    pad_ckpt, pad_ld, pad_w, pad_k, pad_cur,
     scale, window,
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
     stride_a_b, stride_a_h, stride_b_b, stride_b_h,
@@ -320,6 +329,13 @@ def _replay_decode_mat_kernel(
     if i_s < 0:
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
+    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+    ckpt += i_s * pad_ckpt
+    buf_ld += i_s * pad_ld
+    buf_w += i_s * pad_w
+    buf_k += i_s * pad_k
+    cursor += i_s * pad_cur
     h = tl.load(cursor + i_s).to(tl.int64)
 
     # record positions j < h; lane j of the shifted decays holds ld_{j+1} (ld_h: this token)
@@ -430,7 +446,8 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
     extra = {"maxnreg": maxnreg} if maxnreg and not _interpreting() else {}
-    if gluon and not _interpreting() and gluon_unsupported(family, HV, Hk, V, K, window, Lb, BV, num_warps) is None:
+    if gluon and not _interpreting() and gluon_unsupported(family, HV, Hk, V, K, window, Lb, BV, num_warps) is None \
+            and gluon_aligned(ckpt, buf_ld, buf_w, buf_k):
         launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                      arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask, maxnreg, family)
         return
@@ -438,6 +455,7 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         _replay_decode_mat_kernel[(HV * NV, Bt)](
             q, k, v, a, b, A_log, dt_bias, o,
             ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+            *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor).values(),
             scale, window,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -448,6 +466,7 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     _replay_decode_kernel[(HV * NV, Bt)](
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor).values(),
         scale, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -498,7 +517,7 @@ def prepare_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, b
             arrive = arrive_counter(ckpt.device, ckpt.shape[0]) if isinstance(ckpt, Tensor) \
                 and ckpt.dim() == 4 else None
         N, Lb = check_state(family, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-                            HV, Hk, V, K, window)
+                            HV, Hk, V, K, window, slot_strided=window != 1)
         check_slot_ids(slot_ids, Bt)
         check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ckpt=ckpt,
                       buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch,
@@ -564,6 +583,7 @@ def run_replay(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
         family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
         slot_ids, window, out, config, arrive, validate)
     if window == 1:
+        require_contiguous_slots("the eager step (window 1)", ckpt, buf_ld, buf_w, buf_k, cursor)
         return run_eager(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                          cursor, epoch, arrive, slot_ids, out, use_qk_l2norm, config)
     _REPLAY_OPS[family](

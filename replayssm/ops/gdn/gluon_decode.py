@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils.launch import slot_pads
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -73,6 +74,7 @@ if HAVE_GLUON:
     def _gluon_gdn_kernel(
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        pad_ckpt, pad_ld, pad_w, pad_k, pad_cur,
         scale, window,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
         stride_a_b, stride_a_h, stride_b_b, stride_b_h,
@@ -114,6 +116,13 @@ if HAVE_GLUON:
         if slot < 0:
             gl.store(p_o, gl.zeros([BV], gl.float32, LY).to(o.dtype.element_ty))
             return
+        # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+        # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+        ckpt += slot * pad_ckpt
+        buf_ld += slot * pad_ld
+        buf_w += slot * pad_w
+        buf_k += slot * pad_k
+        cursor += slot * pad_cur
 
         # the tile, to shared memory
         p_C = ckpt + (slot * HV + i_hv) * (V * K) + v0 * K
@@ -278,6 +287,7 @@ def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_
     HV, V = v.shape[1], v.shape[2]
     _gluon_gdn_kernel[(HV * (V // BV), Bt)](
         q, k, v, a, b, A_log, dt_bias, o, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor).values(),
         scale, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),

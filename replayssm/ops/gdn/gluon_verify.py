@@ -53,6 +53,7 @@ from typing import Optional
 import triton
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils.launch import slot_pads
 
 # verify.MAX_DRAFT (verify.py imports this module)
 _MAX_T = 8
@@ -236,6 +237,7 @@ if HAVE_GLUON:
     def _gluon_verify_kernel(
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+        pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
         scale, window,
         stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
         stride_v_b, stride_v_t, stride_v_h, stride_a_b, stride_a_t, stride_a_h,
@@ -290,6 +292,14 @@ if HAVE_GLUON:
         if slot < 0:
             gl.store(p_o, gl.zeros([BV, TP], gl.float32, LS).to(o.dtype.element_ty), mask=m_o)
             return
+        # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+        # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+        ckpt += slot * pad_ckpt
+        buf_ld += slot * pad_ld
+        buf_w += slot * pad_w
+        buf_k += slot * pad_k
+        cursor += slot * pad_cur
+        pending += slot * pad_pend
 
         # 1. to shared memory: the key records over the window (not waiting for the cursor: the
         # products with them are formed while the tile arrives; positions at or past the cursor
@@ -564,6 +574,7 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
         num_drafts if num_drafts is not None else slot_ids,
+        *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
         scale, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..utils.checks import check_tensor, may_sync
 from ..utils.cursor import verify_hand_off
-from ..utils.launch import arrive_counter
+from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
 from ..utils.tiles import check_slices, tile_offsets
 from .common import (_FLOATS, _for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
@@ -165,6 +165,7 @@ def _write_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, i_s, n, o_k, m_k,
 def _replay_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
     ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+    pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
     scale, window,
     stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
     stride_v_b, stride_v_t, stride_v_h, stride_a_b, stride_a_t, stride_a_h,
@@ -193,6 +194,14 @@ def _replay_verify_kernel(
             tl.store(p_o + t * (HV * V) + o_v, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty),
                      mask=m_v)
         return
+    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+    ckpt += i_s * pad_ckpt
+    buf_ld += i_s * pad_ld
+    buf_w += i_s * pad_w
+    buf_k += i_s * pad_k
+    cursor += i_s * pad_cur
+    pending += i_s * pad_pend
     h = tl.load(cursor + i_s).to(tl.int64)
     if HAS_NDRAFT:
         # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
@@ -393,7 +402,8 @@ def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     if Bt == 0:
         return
     if gluon and q.is_cuda and not _interpreting() and \
-            gluon_verify_unsupported(family, HV, Hk, V, K, T, window, Lb, BV, num_warps) is None:
+            gluon_verify_unsupported(family, HV, Hk, V, K, T, window, Lb, BV, num_warps) is None and \
+            gluon_aligned(ckpt, buf_ld, buf_w, buf_k):
         launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending,
                             epoch, arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, maxnreg,
                             family)
@@ -404,6 +414,7 @@ def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
         num_drafts if num_drafts is not None else slot_ids,
+        *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
         scale, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
@@ -504,8 +515,8 @@ def run_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
             arrive = arrive_counter(ckpt.device, ckpt.shape[0]) if isinstance(ckpt, Tensor) \
                 and ckpt.dim() == 4 else None
         N, Lb = check_state(family, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-                            HV, Hk, V, K, window)
-        check_tensor("pending", pending, (N,), (torch.int32,), contiguous=True)
+                            HV, Hk, V, K, window, slot_strided=True)
+        check_tensor("pending", pending, (N,), (torch.int32,))
         if Lb < window + T:
             raise ValueError(f"buffer capacity Lb={Lb} must be at least window + T = {window} + {T}")
         check_slot_ids(slot_ids, Bt)

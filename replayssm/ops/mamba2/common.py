@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.checks import check_slot_ids, check_slot_values, check_tensor
+from ..utils.checks import check_slot_ids, check_slot_rows, check_slot_values, check_tensor
 
 __all__ = ["softplus", "load_tile", "token_decay", "record_masks", "group_keys", "records_dot",
            "head_values", "head_weights", "check_tensor", "check_slots", "check_state", "check_token_inputs",
@@ -235,22 +235,27 @@ def check_token_inputs(x, dt, B, C, A, dt_bias, D, z):
 
 
 def check_state(ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, *, Bt: int, HV: int, V: int,
-                Hk: int, K: int, device, ckpt_dtypes=(torch.float32,), pending=None):
+                Hk: int, K: int, device, ckpt_dtypes=(torch.float32,), pending=None, slot_strided=False):
     """The pool's tensors a kernel reads and writes (docs/state-layout.md): shapes, dtypes, device,
-    contiguity; `arrive` and `pending` when given. Returns `(N, Lb)`."""
+    contiguity; `arrive` and `pending` when given. Returns `(N, Lb)`. `slot_strided`: the
+    kernel takes a slot stride (`utils.launch.slot_pads`), so the state tensors other than
+    `epoch` and `arrive` need only contiguous rows."""
     if not isinstance(ckpt, torch.Tensor) or ckpt.dim() != 4:
         raise ValueError(f"ckpt: expected [N, HV, V, K], got {getattr(ckpt, 'shape', type(ckpt).__name__)}")
     N = ckpt.shape[0]
     if not isinstance(buf_ld, torch.Tensor) or buf_ld.dim() != 3:
         raise ValueError(f"buf_ld: expected [N, Lb, HV], got {getattr(buf_ld, 'shape', type(buf_ld).__name__)}")
     Lb = buf_ld.shape[1]
-    check_tensor("ckpt", ckpt, (N, HV, V, K), ckpt_dtypes, device, contiguous=True)
-    check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), device, contiguous=True)
-    check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, device, contiguous=True)
-    check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, device, contiguous=True)
-    check_tensor("cursor", cursor, (N,), (torch.int32,), device, contiguous=True)
+    rows = not slot_strided
+    check_tensor("ckpt", ckpt, (N, HV, V, K), ckpt_dtypes, device, contiguous=rows)
+    check_tensor("buf_ld", buf_ld, (N, Lb, HV), (torch.float32,), device, contiguous=rows)
+    check_tensor("buf_w", buf_w, (N, Lb, HV, V), RECORD_DTYPES, device, contiguous=rows)
+    check_tensor("buf_k", buf_k, (N, Lb, Hk, K), RECORD_DTYPES, device, contiguous=rows)
+    check_tensor("cursor", cursor, (N,), (torch.int32,), device, contiguous=rows)
     if pending is not None:
-        check_tensor("pending", pending, (N,), (torch.int32,), device, contiguous=True)
+        check_tensor("pending", pending, (N,), (torch.int32,), device, contiguous=rows)
+    if slot_strided:
+        check_slot_rows(ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k)
     check_tensor("epoch", epoch, (N,), (torch.int64,), device, contiguous=True)
     check_slot_ids(slot_ids, Bt, device)
     if arrive is not None:

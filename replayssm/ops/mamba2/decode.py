@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..utils.checks import check_window
 from ..utils.cursor import hand_off
-from ..utils.launch import arrive_counter
+from ..utils.launch import arrive_counter, gluon_aligned, require_contiguous_slots, slot_pads
 from ..utils.tiles import tile_dot, tile_offsets
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
                      group_keys, head_values, head_weights, load_tile, record_masks, records_dot,
@@ -53,6 +53,7 @@ __all__ = ["replay_decode"]
 def _replay_decode_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
     ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+    pad_ckpt, pad_ld, pad_w, pad_k, pad_cur,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
     HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
@@ -79,6 +80,13 @@ def _replay_decode_kernel(
     if slot < 0:
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
+    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+    ckpt += slot * pad_ckpt
+    buf_ld += slot * pad_ld
+    buf_w += slot * pad_w
+    buf_k += slot * pad_k
+    cursor += slot * pad_cur
 
     h = tl.load(cursor + slot)
     NPOS: tl.constexpr = WINDOW if WINDOW < LB else LB
@@ -166,6 +174,7 @@ def _replay_decode_kernel(
 def _replay_decode_rows_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
     ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+    pad_ckpt, pad_ld, pad_w, pad_k, pad_cur,
     stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
     stride_z_b, stride_z_h, stride_o_b, stride_o_h,
     HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr, LB: tl.constexpr,
@@ -198,6 +207,13 @@ def _replay_decode_rows_kernel(
     if slot < 0:
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
         return
+    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+    ckpt += slot * pad_ckpt
+    buf_ld += slot * pad_ld
+    buf_w += slot * pad_w
+    buf_k += slot * pad_k
+    cursor += slot * pad_cur
 
     h = tl.load(cursor + slot)
     m_j, m_j1, m_lj, m_lj1 = record_masks(o_l, h, WINDOW if WINDOW < LB else LB, RECMASK)
@@ -292,7 +308,8 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
     LB = buf_ld.shape[1]
     if Bt == 0:
         return
-    if gluon and not _interpreting() and gluon_supported(HV, V, K, Hk, window, LB, BV, num_warps):
+    if gluon and not _interpreting() and gluon_supported(HV, V, K, Hk, window, LB, BV, num_warps) \
+            and gluon_aligned(ckpt, buf_ld, buf_w, buf_k):
         launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
                      slot_ids, out, window, BV, num_warps, maxnreg, recmask)
         return
@@ -303,6 +320,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
     args = dict(x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out, ckpt=ckpt,
                 buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k,
                 cursor=cursor, epoch=epoch, arrive=arrive, slot_ids=slot_ids,
+                **slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor),
                 stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
                 stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
                 stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
@@ -374,7 +392,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
         Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
         N, Lb = check_state(ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
-                            Hk=Hk, K=K, device=dev)
+                            Hk=Hk, K=K, device=dev, slot_strided=window != 1)
         if out is not None:
             check_tensor("out", out, (Bt, HV, V), (x.dtype,), dev, inner=True)
         check_window(window, Lb)
@@ -386,6 +404,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     if arrive is None:
         arrive = arrive_counter(x.device, ckpt.shape[0])
     if window == 1:
+        require_contiguous_slots("the eager step (window 1)", ckpt, buf_ld, buf_w, buf_k, cursor)
         return eager_decode(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor,
                             epoch, arrive, slot_ids, out, config)
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,

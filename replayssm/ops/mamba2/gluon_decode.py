@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils.launch import slot_pads
 from .common import OPTIONAL_INPUTS
 
 if HAVE_GLUON:
@@ -59,6 +60,7 @@ if HAVE_GLUON:
     def _gluon_replay_kernel(
         x, dt, B, C, A, dt_bias, D, z, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        pad_ckpt, pad_ld, pad_w, pad_k, pad_cur,
         stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
         stride_z_b, stride_z_h, stride_o_b, stride_o_h,
         HV: gl.constexpr, Hk: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
@@ -101,6 +103,13 @@ if HAVE_GLUON:
         if slot < 0:
             gl.store(p_o, gl.zeros([BV], gl.float32, LY).to(out.dtype.element_ty))
             return
+        # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+        # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+        ckpt += slot * pad_ckpt
+        buf_ld += slot * pad_ld
+        buf_w += slot * pad_w
+        buf_k += slot * pad_k
+        cursor += slot * pad_cur
 
         # 1. the tile, to shared memory, in 16-byte pieces
         p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + v0 * K
@@ -220,7 +229,7 @@ def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
     _gluon_replay_kernel[(HV * (V // BV), Bt)](
         x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out,
         ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch, arrive=arrive,
-        slot_ids=slot_ids, stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
+        slot_ids=slot_ids, **slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor), stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
         stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils.launch import slot_pads
 from .common import OPTIONAL_INPUTS, given
 
 if HAVE_GLUON:
@@ -139,6 +140,7 @@ if HAVE_GLUON:
     def _gluon_verify_kernel(
         x, dt, B, C, A, dt_bias, D, z, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+        pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
         stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t,
         stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
         stride_z_b, stride_z_t, stride_z_h, stride_o_b, stride_o_t, stride_o_h,
@@ -194,6 +196,14 @@ if HAVE_GLUON:
         if slot < 0:
             gl.store(p_o, gl.zeros([TP, BV], gl.float32, OL).to(out.dtype.element_ty), mask=m_to)
             return
+        # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+        # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+        ckpt += slot * pad_ckpt
+        buf_ld += slot * pad_ld
+        buf_w += slot * pad_w
+        buf_k += slot * pad_k
+        cursor += slot * pad_cur
+        pending += slot * pad_pend
 
         # 1. the tile to shared memory (its own copy group)
         p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + v0 * K
@@ -392,6 +402,7 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
     _gluon_verify_kernel[(HV * (V // BV), Bt)](
         x, dt, B, C, A, dt_bias, D, z, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+        *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..utils.checks import check_slot_values, check_window
 from ..utils.cursor import verify_hand_off
-from ..utils.launch import arrive_counter
+from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
 from .common import (FLOAT_DTYPES, OPTIONAL_INPUTS, check_state, check_tensor, draft_decays, given, load_tile,
                      verify_row_bounds, write_shared_drafts)
 from .gluon_verify import HAVE_GLUON, gluon_verify_unsupported, launch_gluon_verify
@@ -67,6 +67,7 @@ def _row_dot(b_X, b_q):
 def _replay_verify_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
     ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+    pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t,
     stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
     stride_z_b, stride_z_t, stride_z_h, stride_o_b, stride_o_t, stride_o_h,
@@ -101,6 +102,14 @@ def _replay_verify_kernel(
         tl.store(p_o + o_t[:, None] * stride_o_t + o_v[None, :], b_0,
                  mask=(o_t < T)[:, None] & m_v[None, :])
         return
+    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+    ckpt += slot * pad_ckpt
+    buf_ld += slot * pad_ld
+    buf_w += slot * pad_w
+    buf_k += slot * pad_k
+    cursor += slot * pad_cur
+    pending += slot * pad_pend
 
     h, n, flush, hc, m_t, m_l, m_c = verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T, WINDOW, HAS_N)
 
@@ -288,7 +297,8 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
     if Bt == 0:
         return
     if (gluon and HAVE_GLUON and x.is_cuda and not _interpreting()
-            and gluon_verify_unsupported(HV, V, K, Hk, T, window, LB, BV, num_warps) is None):
+            and gluon_verify_unsupported(HV, V, K, Hk, T, window, LB, BV, num_warps) is None
+            and gluon_aligned(ckpt, buf_ld, buf_w, buf_k)):
         launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
                             arrive, slot_ids, num_drafts, out, window, BV, num_warps)
         return
@@ -301,6 +311,7 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
     kernel[(HV * nvb, Bt)](
         x, dt, B, C, A, dt_bias, D, z, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+        *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
@@ -395,7 +406,7 @@ def replay_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
         Bt, T, HV, V, Hk, K = _check_verify_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
         N, Lb = check_state(ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
-                            Hk=Hk, K=K, device=dev, pending=pending)
+                            Hk=Hk, K=K, device=dev, pending=pending, slot_strided=True)
         if num_drafts is not None:
             check_tensor("num_drafts", num_drafts, (Bt,), (torch.int32,), dev, contiguous=True)
             if num_drafts.device.type == "cpu" and Bt and not bool(((num_drafts >= 1) & (num_drafts <= T)).all()):

@@ -38,6 +38,7 @@ def _exact(name):
 def _replay_verify_tc_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
     ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+    pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t,
     stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
     stride_z_b, stride_z_t, stride_z_h, stride_o_b, stride_o_t, stride_o_h,
@@ -71,6 +72,14 @@ def _replay_verify_tc_kernel(
         tl.store(p_o + o_t[None, :] * stride_o_t + o_v[:, None], b_0,
                  mask=m_v[:, None] & (o_t < T)[None, :])
         return
+    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
+    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
+    ckpt += slot * pad_ckpt
+    buf_ld += slot * pad_ld
+    buf_w += slot * pad_w
+    buf_k += slot * pad_k
+    cursor += slot * pad_cur
+    pending += slot * pad_pend
 
     h, n, flush, hc, m_t, m_l, m_c = verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T, WINDOW, HAS_N)
 

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .launch import capturing
+from .launch import capturing, slot_strided
 
 __all__ = ["may_sync", "check_tensor", "check_devices", "check_window", "check_slot_ids",
            "check_slot_values", "SLOT_DTYPES"]
@@ -86,3 +86,11 @@ def check_slot_values(slot_ids: Tensor, N: int) -> None:
     if bool((c > 1).any()):
         raise ValueError(f"slot_ids repeats slot(s) {[int(x) for x in u[c > 1]]} (more than once "
                          "in one call)")
+
+
+def check_slot_rows(**tensors) -> None:
+    """Each `[N, ...]` tensor laid out as slot rows (`utils.launch.slot_strided`): its rows
+    contiguous and at least a row apart, so the kernels' slot stride can address them."""
+    for name, t in tensors.items():
+        if not slot_strided(t):
+            raise ValueError(f"{name} (strides {t.stride()}) must have contiguous rows at least a row apart")

@@ -1,6 +1,8 @@
 """Pieces the kernels of every family share."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -83,3 +85,51 @@ def eager_reach(HV: int, V: int, K: int) -> int:
     while 2 * b * row <= _EAGER_STATE_BYTES:
         b *= 2
     return b if b * row <= _EAGER_STATE_BYTES else 0
+
+
+# The state tensors a kernel addresses per slot, in the order of `slot_pads`'s keys.
+PAD_NAMES = ("pad_ckpt", "pad_ld", "pad_w", "pad_k", "pad_cur")
+
+
+def slot_strided(t: Tensor) -> bool:
+    """Whether `t` (`[N, ...]`) is laid out as slot rows the kernels can address with a slot
+    stride: each row contiguous, rows apart by at least a row (vLLM's pages put a request's
+    tensors side by side, so a slot's row of one tensor is strided by the whole page)."""
+    if t.dim() == 1:
+        return True
+    inner = t.stride()[1:] == torch.empty(t.shape[1:], device="meta").stride()
+    return inner and t.stride(0) >= math.prod(t.shape[1:])
+
+
+def slot_pads(ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, cursor: Tensor,
+              pending: Tensor = None) -> dict:
+    """The kernels' slot paddings: per state tensor, its slot stride less its row size, in
+    elements (0 for the pool's contiguous tensors). The kernels index rows as
+    `base + slot * rowsize`; shifting each base by `slot * pad` first lands them on
+    `slot * stride` without touching the addressing that follows."""
+    def pad(t):
+        return t.stride(0) - math.prod(t.shape[1:])
+    out = dict(pad_ckpt=pad(ckpt), pad_ld=pad(buf_ld), pad_w=pad(buf_w), pad_k=pad(buf_k), pad_cur=pad(cursor))
+    if pending is not None:
+        out["pad_pend"] = pad(pending)
+    return out
+
+
+def require_contiguous_slots(what: str, *tensors: Tensor) -> None:
+    """Paths that take no slot stride (the eager step, the precision kernels) refuse
+    slot-strided state: a host-side look at the strides, no sync."""
+    for t in tensors:
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{what} needs contiguous state tensors (strides {t.stride()}); slot-strided "
+                             "state (vLLM's pages) is taken by the windowed decode and verify kernels only")
+
+
+def gluon_aligned(ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor) -> bool:
+    """Whether the Gluon kernels can take this state: they copy its rows in 16-byte pieces
+    (cp.async), which compile only where Triton's launch-time specialisation proves the
+    alignment, i.e. each tensor's start 16-byte aligned and its slot padding divisible by 16
+    elements (always so for the pool's contiguous tensors; vLLM's pages where their sizes
+    are round). Elsewhere the launchers run the Triton kernels, which vectorise as far as the
+    alignment allows."""
+    state = (ckpt, buf_ld, buf_w, buf_k)
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) - math.prod(t.shape[1:])) % 16 == 0 for t in state)
