@@ -1,7 +1,8 @@
 """The windowed decode and verify kernels on slot-strided state (ops/utils/launch.py
 `slot_pads`): each state tensor a view whose rows lie one page apart, the page holding one
 row of every tensor side by side, as vLLM lays out a request's state. The outputs and every
-byte of state equal those of the same call on contiguous tensors, on each kernel path (the
+byte of state equal those of the same call on contiguous tensors (on the GPU the floats to
+rounding: `_same`), on each kernel path (the
 Triton decode kernels, Mamba-2's rows kernel, GDN's materialising kernel, the FMA and
 tensor-core verify kernels; on a GPU the Gluon ones too); the page's bytes outside the
 tensors are untouched. The eager step (window 1) takes no slot stride and refuses such views.
@@ -110,6 +111,16 @@ GLUON_CASES = [
 ]
 
 
+def _same(a, b, name):
+    """Bit-equal under the interpreter. On the GPU the compiler picks load widths and register
+    layouts from the alignment it can prove, which the page's slot strides change, and with
+    them the order of the reductions: the floats then agree to rounding, the integers exactly."""
+    if GPU and a.is_floating_point():
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (name, (a - b).abs().max())
+    else:
+        assert torch.equal(a, b), (name, (a.double() - b.double()).abs().max())
+
+
 def _check(family, op, T, config, shape=SHAPE, rec=torch.float32):
     g = torch.Generator().manual_seed(7)
     HV, Hk, V, K = shape["HV"], shape["Hk"], shape["V"], shape["K"]
@@ -126,9 +137,9 @@ def _check(family, op, T, config, shape=SHAPE, rec=torch.float32):
         inp = _inputs(family, HV, Hk, V, K, (4,) if op == "decode" else (4, T), g)
         y0 = _call(family, op, inp, prm, flat, ids, T, config)
         y1 = _call(family, op, inp, prm, paged, ids, T, config)
-        assert torch.equal(y0, y1), (y0 - y1).abs().max()
+        _same(y0, y1, "out")
         for n in STATE + ("epoch",):
-            assert torch.equal(flat[n], paged[n]), n
+            _same(flat[n], paged[n], n)
         if op == "verify":                                               # accept one draft per row
             for st in (flat, paged):
                 live = ids[ids >= 0].long()

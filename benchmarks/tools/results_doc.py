@@ -276,6 +276,24 @@ def vllm_ssu_table(rows: list) -> list:
     return _table(["shape", "batch", "vLLM us", "conventional us", "replay us (path)", "replay vs vLLM"], out)
 
 
+def vllm_table(rows: list) -> list:
+    by = {(r["speculative"], r["batch"], r["scheme"]): r for r in rows}
+    fp32 = any(r["scheme"] == "stock-fp32" for r in rows)
+    head = ["speculative", "batch", "stock tokens/s"] + (["stock, fp32 state"] if fp32 else []) + [
+        "replayssm tokens/s", "vs stock"] + (["vs stock, fp32 state"] if fp32 else []) + ["draft acceptance"]
+    body = []
+    for (spec, batch, scheme), r in by.items():
+        if scheme != "replayssm":
+            continue
+        bases = [by.get((spec, batch, "stock"), {})] + ([by.get((spec, batch, "stock-fp32"), {})] if fp32 else [])
+        drafts, acc = r.get("spec_decode_num_draft_tokens_delta"), r.get("spec_decode_num_accepted_tokens_delta")
+        tps = [x.get("tokens_per_s") for x in bases + [r]]
+        ratios = [r.get("ratio_vs_stock")] + ([r.get("ratio_vs_stock_fp32")] if fp32 else [])
+        body.append([spec, batch] + [f"{x:.0f}" if x else "-" for x in tps] +
+                    [f"{x:.2f}x" if x else "-" for x in ratios] + [f"{acc / drafts:.1%}" if drafts else "-"])
+    return _table(head, body)
+
+
 def file_section(name: str, data: dict) -> list:
     out = [f"### `{name}`", ""]
     note = f" ({data['git_commit_note']})" if data.get("git_commit_note") else ""
@@ -307,6 +325,8 @@ def file_section(name: str, data: dict) -> list:
         out += precision_table(data["rows"])
     elif kind == "vllm_ssu":
         out += vllm_ssu_table(data["rows"])
+    elif kind == "vllm":
+        out += vllm_table(data["rows"])
     elif kind == "precision_study":
         out += precision_study_table(data["rows"])
     else:

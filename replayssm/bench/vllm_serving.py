@@ -7,6 +7,13 @@ layers), optionally cut to its first `--layers` layers of the hybrid pattern. No
 process, since the plugin registers when vLLM starts (`REPLAYSSM_VLLM=1` for `replayssm`, 0
 for `stock`); within it every batch size is timed on the same engine.
 
+Schemes (`--schemes`): `stock` (vLLM's defaults: its SSM state in the model's bf16),
+`stock-fp32` (stock with `mamba_ssm_cache_dtype="float32"`, the state precision of the
+plugin's checkpoint) and `replayssm` (the plugin, `REPLAYSSM_VLLM=1`). `--profile DIR` has
+vLLM's torch profiler record iterations 8-23 of the first batch's decode per engine (its
+CUDA-time tables and traces under `DIR/<scheme>_<speculative>`); those rows carry
+`profiled: true`, their timings perturbed by the profiler.
+
 Per batch `B`: `B` prompts of `--prompt` tokens; one `generate` with `max_tokens=1` (the
 prefill and first token) and one with `1 + --decode` tokens, both with `ignore_eos`; the
 decode throughput is `B * decode / (t_long - t_short)` (`tokens_per_s`), `ratio_vs_stock`
@@ -14,7 +21,7 @@ the plugin's over stock's at the same batch and speculation. `--speculative ngra
 drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes; its prompts repeat a short
 pattern so that lookups find drafts, and the rows carry vLLM's draft acceptance where its
 metrics report it. JSON rows: `model`, `batch`, `scheme`, `speculative`, `tokens_per_s`,
-`ratio_vs_stock`, `state_mode` (the plugin's executors: "strided" on vLLM's pages, "staged"
+`ratio_vs_stock`, `ratio_vs_stock_fp32` (when that scheme ran), `state_mode` (the plugin's executors: "strided" on vLLM's pages, "staged"
 through scratch rows), plus the timings.
 
     python -m replayssm.bench.vllm_serving --batches 64,256,512 --out benchmarks/results/vllm_h200.json
@@ -36,7 +43,7 @@ from pathlib import Path
 from .common import positive_ints
 
 MODELS = ("nemotron3_nano_4b",)
-SCHEMES = ("stock", "replayssm")
+SCHEMES = ("stock", "stock-fp32", "replayssm")
 
 
 def model_dir(name: str, layers: int, out: Path) -> Path:
@@ -97,10 +104,16 @@ def worker(args) -> int:
         spec = {"method": "ngram", "num_speculative_tokens": args.drafts, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}
     cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
+    extra = {"mamba_ssm_cache_dtype": "float32"} if args.scheme == "stock-fp32" else {}
+    if args.profile:
+        extra["profiler_config"] = dict(
+            profiler="torch", torch_profiler_dir=os.path.abspath(os.path.join(args.profile, f"{args.scheme}_{args.speculative}")),
+            torch_profiler_with_stack=False, ignore_frontend=True, delay_iterations=8, max_iterations=16)
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
               max_num_seqs=max(args.batches), max_model_len=args.prompt + args.decode + 8,
-              gpu_memory_utilization=args.gpu_memory, speculative_config=spec, disable_log_stats=spec is None)
-    for batch in args.batches:
+              gpu_memory_utilization=args.gpu_memory, speculative_config=spec, disable_log_stats=spec is None,
+              **extra)
+    for i, batch in enumerate(args.batches):
         ps = prompts(batch, args.prompt, cfg["vocab_size"], repeat=spec is not None)
         short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True, detokenize=False)
@@ -109,20 +122,31 @@ def worker(args) -> int:
         llm.generate(ps, short, use_tqdm=False)
         t1 = time.perf_counter()
         before = _acceptance(llm)
+        profiled = bool(args.profile) and i == 0
+        if profiled:
+            llm.start_profile()
         outs = llm.generate(ps, full, use_tqdm=False)
+        if profiled:
+            llm.stop_profile()
         t2 = time.perf_counter()
         after = _acceptance(llm)
         made = sum(len(o.outputs[0].token_ids) for o in outs) - batch     # past the first token
         row = {"batch": batch, "prefill_s": t1 - t0, "generate_s": t2 - t1, "decode_tokens": made,
-               "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9)}
+               "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
         row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
         print("RESULT " + json.dumps(row), flush=True)
     return 0
 
 
+def _ratio(row: dict, base: dict):
+    a, b = row.get("tokens_per_s"), base.get("tokens_per_s")
+    return a / b if a and b else None
+
+
 def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     env = dict(os.environ, REPLAYSSM_VLLM="1" if scheme == "replayssm" else "0")
-    cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--model-dir", str(folder),
+    cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--scheme", scheme,
+           "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
            "--speculative", speculative, "--drafts", str(args.drafts), "--gpu-memory", str(args.gpu_memory)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -149,11 +173,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative", default="none,ngram",
                     help="comma-separated of none, ngram (runs of each; 'none,ngram': both)")
     ap.add_argument("--drafts", type=int, default=3, help="n-gram draft tokens per step")
+    ap.add_argument("--schemes", default="stock,replayssm",
+                    help=f"comma-separated of {', '.join(SCHEMES)} (stock always runs: the ratios' base)")
+    ap.add_argument("--profile", default=None, help="folder for vLLM's torch-profiler output (first batch)")
     ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     ap.add_argument("--out", default="vllm.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--scheme", default="stock", help=argparse.SUPPRESS)
     return ap
 
 
@@ -166,6 +194,11 @@ def main(argv=None) -> int:
     for s in specs:
         if s not in ("none", "ngram"):
             ap.error(f"--speculative: unknown {s!r}; choose from none, ngram")
+    schemes = args.schemes.split(",")
+    for s in schemes:
+        if s not in SCHEMES:
+            ap.error(f"--schemes: unknown {s!r}; choose from {', '.join(SCHEMES)}")
+    schemes = ["stock"] + [s for s in SCHEMES[1:] if s in schemes]
     from ..integrations.vllm import _compat
     if _compat.vllm_version() is None:
         raise SystemExit(f"{ap.prog}: error: vLLM is not installed here (the benchmark runs vLLM 0.25.0 on a GPU)")
@@ -175,24 +208,27 @@ def main(argv=None) -> int:
     from .common import header, write_results
     doc = header("vllm")
     doc.update(vllm=_compat.vllm_version(), model=args.model, layers=args.layers or "all", prompt=args.prompt,
-               decode=args.decode, drafts=args.drafts, rows=[])
+               decode=args.decode, drafts=args.drafts, schemes=schemes, rows=[])
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_dir(args.model, args.layers, Path(tmp))
         for spec in specs:
-            got = {s: _run_engine(args, s, spec, folder) for s in SCHEMES}
-            for s in SCHEMES:
-                for r, base in zip(got[s], got["stock"]):
-                    ratio = (r["tokens_per_s"] / base["tokens_per_s"]
-                             if r.get("tokens_per_s") and base.get("tokens_per_s") else None)
-                    doc["rows"].append(dict(r, model=args.model, scheme=s, speculative=spec, ratio_vs_stock=ratio))
+            got = {s: _run_engine(args, s, spec, folder) for s in schemes}
+            for s in schemes:
+                for j, r in enumerate(got[s]):
+                    row = dict(r, model=args.model, scheme=s, speculative=spec,
+                               ratio_vs_stock=_ratio(r, got["stock"][j]))
+                    if "stock-fp32" in got:
+                        row["ratio_vs_stock_fp32"] = _ratio(r, got["stock-fp32"][j])
+                    doc["rows"].append(row)
             write_results(args.out, doc)
     print(f"\nvLLM {doc['vllm']} decode throughput, {args.model} ({doc['layers']} layers), "
           f"{args.prompt} prompt + {args.decode} decode tokens per request")
-    print("speculative scheme      batch   tokens/s  vs stock")
+    print("speculative scheme      batch   tokens/s  vs stock  vs stock-fp32")
     for r in doc["rows"]:
         tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:10.0f}"
-        ratio = "-" if r["ratio_vs_stock"] is None else f"{r['ratio_vs_stock']:.2f}x"
-        print(f"{r['speculative']:11} {r['scheme']:10} {r['batch']:5d} {tps:>10} {ratio:>9}")
+        ratios = [r.get(k) for k in ("ratio_vs_stock", "ratio_vs_stock_fp32")]
+        ratios = ["-" if x is None else f"{x:.2f}x" for x in ratios]
+        print(f"{r['speculative']:11} {r['scheme']:10} {r['batch']:5d} {tps:>10} {ratios[0]:>9} {ratios[1]:>14}")
     return 0
 
 

@@ -117,6 +117,14 @@ def patch_classmethod(cls, name: str, make):
     return True
 
 
+def prefill_continues_a_state(md) -> bool:
+    """Whether a Mamba-2 step's prefill rows may start from a state (chunked prefill after a
+    first chunk): vLLM's host-side flag `prep_initial_states` (0.25.0's Mamba2AttentionMetadata,
+    computed by vLLM's builder anyway), so that steps of fresh prompts skip the records' fold
+    before the prefill. True where the flag is absent (the fold then runs, masked per row)."""
+    return bool(getattr(md, "prep_initial_states", True))
+
+
 def metadata_for(ns, prefix: str):
     """This layer's attention metadata in the current forward, or None (profile run)."""
     md = ns.get_forward_context().attn_metadata

@@ -26,6 +26,9 @@ def slot_ids(state_indices: Tensor, null_block: int = NULL_BLOCK_ID) -> Tensor:
     """vLLM's state indices `[B]` as slot ids: the null block (padding rows) and negative
     indices become -1, so that the kernels touch nothing for them."""
     idx = state_indices.to(torch.int32)
+    if null_block == 0:
+        # one comparison and one select (each layer runs this every step, in the step's graph)
+        return torch.where(idx > 0, idx, -1)
     return torch.where((idx == null_block) | (idx < 0), torch.full_like(idx, -1), idx)
 
 

@@ -116,8 +116,10 @@ class KernelExecutor:
         else:
             fn = ops.replay_decode if op == "decode" else ops.replay_verify
             y = fn(A_log=p["A_log"], dt_bias=p["dt_bias"], scale=None, use_qk_l2norm=True, **inputs, **state)
-        if op == "decode" and write_back is None:
-            # the kernels leave pending alone in decode; the pool's contract zeroes it
+        if op == "decode" and write_back is None and self.state.spec.max_draft > 1:
+            # the kernels leave pending alone in decode; the pool's contract zeroes it. Without
+            # speculation (max_draft 1) no verify ever set it (seed and flush write 0), and a
+            # step's graph is better off without these launches
             live, idx = live_rows(slots)
             self.state.pending.index_copy_(0, idx, torch.where(live, torch.zeros_like(idx, dtype=torch.int32),
                                                                self.state.pending.index_select(0, idx)))

@@ -186,7 +186,8 @@ def bound_state(ns, layer, settings: Settings, family: str, dtype, device):
     ex = make_executor(st, params, mode=mode, max_batch=bind["max_batch"], probe_inputs=probe["inputs"],
                        probe_out=probe["out"])
     setattr(layer, _STATE_ATTR, (key, st, ex))
-    _LOG.info("replayssm: %s keeps %s state in vLLM's blocks, window %d, %s executor%s", layer.prefix, family,
+    # `replayssm bench vllm` reads the executor from this line ("KernelExecutor (strided)")
+    _LOG.info("replayssm: %s keeps %s state in vLLM's blocks, window %d, through %s%s", layer.prefix, family,
               spec.window, type(ex).__name__, f" ({ex.mode})" if hasattr(ex, "mode") else "")
     return st, ex
 
@@ -246,7 +247,8 @@ def mamba2_forward(ns, settings: Settings):
             st, ex = bound_state(ns, self, settings, "mamba2", projected_states.dtype, projected_states.device)
             nd, ndt = md.num_decodes, md.num_decode_tokens
             if md.num_prefills > 0:
-                batch.before_prefill(st, md.state_indices_tensor_p, md.has_initial_states_p, self.A)
+                if _compat.prefill_continues_a_state(md):
+                    batch.before_prefill(st, md.state_indices_tensor_p, md.has_initial_states_p, self.A)
                 only_p = dataclasses.replace(md, num_decodes=0, num_decode_tokens=0, state_indices_tensor_d=None,
                                              query_start_loc_d=None, num_accepted_tokens=None)
                 end = ndt + md.num_prefill_tokens

@@ -93,4 +93,5 @@ def check_slot_rows(**tensors) -> None:
     contiguous and at least a row apart, so the kernels' slot stride can address them."""
     for name, t in tensors.items():
         if not slot_strided(t):
-            raise ValueError(f"{name} (strides {t.stride()}) must have contiguous rows at least a row apart")
+            raise ValueError(f"{name} must be contiguous within each slot's row, rows at least a row apart "
+                             f"(strides {t.stride()})")
