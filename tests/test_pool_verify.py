@@ -140,6 +140,10 @@ def test_commit_kernel_moves_cursors_only():
     commit(cursor, pending, slot_ids, accepted)
     assert cursor.tolist() == [4, 4, 8, 2, 5]
     assert pending.tolist() == [0, 0, 0, 3, 0]
+    # counters strided by a page (vLLM's blocks: [N, 2] cursor and pending side by side)
+    pages = torch.tensor([[3, 2, -5], [0, 4, -5], [7, 1, -5], [2, 3, -5], [5, 0, -5]], dtype=torch.int32, device=dev)
+    commit(pages[:, 0], pages[:, 1], slot_ids, accepted)
+    assert pages.tolist() == [[4, 0, -5], [4, 0, -5], [8, 0, -5], [2, 3, -5], [5, 0, -5]]
 
 
 def test_clear_pending_kernel_zeroes_the_rows_slots_only():
@@ -154,6 +158,9 @@ def test_clear_pending_kernel_zeroes_the_rows_slots_only():
         assert pending.tolist() == [0, 4, 1, 0, 5]
         clear_pending(pending, torch.zeros(0, dtype=dtype, device=dev))
         assert pending.tolist() == [0, 4, 1, 0, 5]
+    pages = torch.tensor([[9, 2], [9, 4], [9, 1], [9, 3]], dtype=torch.int32, device=dev)      # strided by the page
+    clear_pending(pages[:, 1], torch.tensor([3, -1, 0], dtype=torch.int32, device=dev))
+    assert pages.tolist() == [[9, 0], [9, 4], [9, 1], [9, 0]]
 
 
 @pytest.mark.gpu

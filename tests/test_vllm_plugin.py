@@ -213,8 +213,36 @@ def test_speculative_rows_match_reference_pool(family):
         # the sampler accepts a prefix of each row's tokens (at least the first)
         accepted_prev = [int(torch.randint(1, int(q) + 1, (1,), generator=g)) for q in qlen[:2]]
     oracle.commit(blocks[:2], torch.tensor(accepted_prev, dtype=torch.int32))
-    state.commit(st, batch.slot_ids(blocks[:2]), torch.tensor(accepted_prev, dtype=torch.int32))
+    ex.commit(batch.slot_ids(blocks[:2]), torch.tensor(accepted_prev, dtype=torch.int32))
     _assert_states(st, oracle, [1, 4], A)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_uniform_speculative_rows_verify_in_place(family):
+    """Steps whose rows all carry T tokens (vLLM's uniform decode batches, a padding row
+    included) verify the packed tokens as they lie, with no gather or scatter: outputs and
+    cursors as the oracle pool's."""
+    g = torch.Generator().manual_seed(12)
+    T = 3
+    st, ex, oracle, params = _pair(family, T, g)
+    A = params.get("A")
+    _prefill(st, oracle, [2, 6], g, A)
+    blocks = torch.tensor([2, 6, 0], dtype=torch.int32)           # one graph padding row
+    qsl = torch.arange(0, 3 * T + 1, T, dtype=torch.int32)
+    acc_prev = None
+    for step in range(5):
+        flat = tokens(family, 3 * T, g)
+        out = torch.full((3 * T, HV, V), float("nan"))
+        num_acc = None if acc_prev is None else torch.tensor(acc_prev + [1], dtype=torch.int32)
+        batch.run_decode(ex, st, blocks, flat, out, spec_tokens=T - 1, query_start_loc=qsl, num_accepted=num_acc)
+        if acc_prev is not None:
+            oracle.commit(blocks[:2], torch.tensor(acc_prev, dtype=torch.int32))
+        want = oracle.verify(blocks[:2], **{k: v[:2 * T].reshape(2, T, *v.shape[1:]) for k, v in flat.items()})
+        assert torch.allclose(out[:2 * T].reshape(2, T, HV, V), want, rtol=1e-5, atol=1e-6), step
+        acc_prev = [int(torch.randint(1, T + 1, (1,), generator=g)) for _ in range(2)]
+    oracle.commit(blocks[:2], torch.tensor(acc_prev, dtype=torch.int32))
+    ex.commit(batch.slot_ids(blocks[:2]), torch.tensor(acc_prev, dtype=torch.int32))
+    _assert_states(st, oracle, [2, 6], A)
 
 
 def test_flush_before_a_continuing_prefill():
@@ -289,6 +317,16 @@ def test_kernel_executors_match_reference(family, mode):
                          num_accepted=acc.to(dev))
         batch.run_decode(rb, b, idx, flat, yb, spec_tokens=T - 1, query_start_loc=qsl, num_accepted=acc)
         assert torch.allclose(ya.cpu(), yb, rtol=1e-4, atol=1e-5), (step, (ya.cpu() - yb).abs().max())
+    qsl = torch.arange(0, 3 * T + 1, T, dtype=torch.int32)                  # every row T tokens: in place
+    for step in range(2):
+        flat = tokens(family, 3 * T, g)
+        ya, yb = torch.empty(3 * T, HV, V, device=dev), torch.empty(3 * T, HV, V)
+        acc = torch.tensor([1, 1, 2], dtype=torch.int32)
+        batch.run_decode(ka, a, idx.to(dev), on(flat), ya, spec_tokens=T - 1, query_start_loc=qsl.to(dev),
+                         num_accepted=acc.to(dev))
+        batch.run_decode(rb, b, idx, flat, yb, spec_tokens=T - 1, query_start_loc=qsl, num_accepted=acc)
+        live = torch.tensor([0, 1, 4, 5])                                    # the padding row's are not read
+        assert torch.allclose(ya.cpu()[live], yb[live], rtol=1e-4, atol=1e-5), (step, (ya.cpu() - yb).abs().max())
     for name in ("cursor", "pending"):
         assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), name
     assert torch.allclose(a.ckpt.cpu(), b.ckpt, rtol=1e-4, atol=1e-5)

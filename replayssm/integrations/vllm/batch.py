@@ -68,6 +68,8 @@ def run_decode(executor, state: S.BlockState, state_indices: Tensor, inputs: dic
     `spec_tokens` 0: one token per row (`ntok = B`), `executor.decode`. Else (vLLM's
     `num_speculative_tokens`): `query_start_loc` `[B + 1]` of the rows' tokens, `num_accepted`
     `[B]` (None: 1, the count vLLM's own kernels assume without one); commit, then verify.
+    A step whose decode tokens number `B * T` has every row at `T` tokens (vLLM hands only the
+    decode rows' tokens, at most `T` a row): verified in place, no padding.
     """
     slots = slot_ids(state_indices)
     if spec_tokens == 0:
@@ -75,12 +77,21 @@ def run_decode(executor, state: S.BlockState, state_indices: Tensor, inputs: dic
     T = 1 + spec_tokens
     if query_start_loc is None:
         raise ValueError("speculative decode rows need query_start_loc")
-    acc = (torch.ones_like(slots) if num_accepted is None else num_accepted[:slots.shape[0]])
-    S.commit(state, slots, acc)
-    padded, n = pad_tokens(inputs, query_start_loc[:slots.shape[0] + 1], T)
-    y = torch.empty((slots.shape[0], T, *out.shape[1:]), dtype=out.dtype, device=out.device)
+    B = slots.shape[0]
+    acc = (torch.ones_like(slots) if num_accepted is None else num_accepted[:B])
+    executor.commit(slots, acc)
+    ntok = next(iter(inputs.values())).shape[0]
+    if ntok == B * T:
+        # every row holds T tokens (each holds at most T; vLLM's uniform decode batches, padding
+        # rows included): the packed tokens are [B, T, ...] as they lie, and so are the outputs,
+        # so no gather, scatter or counts (a dozen launches a layer and step)
+        executor.verify(slots, {k: v.view(B, T, *v.shape[1:]) for k, v in inputs.items()}, None,
+                        out.view(B, T, *out.shape[1:]))
+        return out
+    padded, n = pad_tokens(inputs, query_start_loc[:B + 1], T)
+    y = torch.empty((B, T, *out.shape[1:]), dtype=out.dtype, device=out.device)
     executor.verify(slots, padded, n, y)
-    return unpad_outputs(y, query_start_loc[:slots.shape[0] + 1], out)
+    return unpad_outputs(y, query_start_loc[:B + 1], out)
 
 
 def before_prefill(state: S.BlockState, state_indices: Tensor, has_initial: Optional[Tensor],

@@ -3,7 +3,8 @@
 Both executors take the same calls, with slot ids `[B]` (negative: padding row) and the
 family's raw inputs (Mamba-2 `x`, `dt`, `B`, `C`; GDN `q`, `k`, `v`, `a`, `b`), `[B, ...]` for
 `decode` and `[B, T, ...]` for `verify`, and write the outputs `[B, HV, V]` / `[B, T, HV, V]`
-into `out`. Commit, flush and seeding are `state.commit` / `flush` / `seed` for both.
+into `out`; `commit` moves the cursors by the accepted counts (`state.commit`; the kernel
+executor in one launch). Flush and seeding are `state.flush` / `seed` for both.
 
 `KernelExecutor` calls `replayssm.ops.<family>.replay_decode` / `replay_verify` with
 `validate=False` (no host sync: capturable in vLLM's CUDA graphs). vLLM's views are strided by
@@ -21,8 +22,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ...ops.utils.commit import clear_pending, commit
 from ...reference import GDNParams, Mamba2Params
 from .state import BlockState, live_rows
+from .state import commit as commit_views
 
 _STAGED = ("ckpt", "ld", "w", "k", "cursor", "pending", "epoch")
 # staging buffers by (device, rows, each staged tensor's row shape and dtype): one set serves
@@ -117,12 +120,10 @@ class KernelExecutor:
             fn = ops.replay_decode if op == "decode" else ops.replay_verify
             y = fn(A_log=p["A_log"], dt_bias=p["dt_bias"], scale=None, use_qk_l2norm=True, **inputs, **state)
         if op == "decode" and write_back is None and self.state.spec.max_draft > 1:
-            # the kernels leave pending alone in decode; the pool's contract zeroes it. Without
-            # speculation (max_draft 1) no verify ever set it (seed and flush write 0), and a
-            # step's graph is better off without these launches
-            live, idx = live_rows(slots)
-            self.state.pending.index_copy_(0, idx, torch.where(live, torch.zeros_like(idx, dtype=torch.int32),
-                                                               self.state.pending.index_select(0, idx)))
+            # the kernels leave pending alone in decode; the pool's contract zeroes it (one
+            # launch on the page views). Without speculation (max_draft 1) no verify ever set it
+            # (seed and flush write 0), and a step's graph is better off without the launch
+            clear_pending(self.state.pending, slots)
         if write_back is not None:
             if op == "decode":
                 self.scratch["pending"][:slots.shape[0]].zero_()
@@ -132,8 +133,12 @@ class KernelExecutor:
     def decode(self, slots: Tensor, inputs: dict, out: Tensor) -> Tensor:
         return self._call("decode", slots, inputs, out)
 
-    def verify(self, slots: Tensor, inputs: dict, num_drafts: Tensor, out: Tensor) -> Tensor:
+    def verify(self, slots: Tensor, inputs: dict, num_drafts: Optional[Tensor], out: Tensor) -> Tensor:
         return self._call("verify", slots, inputs, out, num_drafts=num_drafts)
+
+    def commit(self, slots: Tensor, accepted: Tensor) -> None:
+        """`state.commit` in one launch (the pool's commit kernel, on the page views)."""
+        commit(self.state.cursor, self.state.pending, slots, accepted)
 
 
 def probe_strided(state: BlockState, params: dict, inputs: dict, out: Tensor) -> bool:
@@ -172,9 +177,12 @@ class ReferenceExecutor:
         y = self.pool.decode(slots, **{k: v.float() for k, v in inputs.items()})
         return out.copy_(y)
 
-    def verify(self, slots: Tensor, inputs: dict, num_drafts: Tensor, out: Tensor) -> Tensor:
+    def verify(self, slots: Tensor, inputs: dict, num_drafts: Optional[Tensor], out: Tensor) -> Tensor:
         y = self.pool.verify(slots, num_drafts=num_drafts, **{k: v.float() for k, v in inputs.items()})
         return out.copy_(y)
+
+    def commit(self, slots: Tensor, accepted: Tensor) -> None:
+        commit_views(self.state, slots, accepted)
 
 
 def make_executor(state: BlockState, params: dict, *, mode: str, max_batch: int,
