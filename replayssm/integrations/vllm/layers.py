@@ -354,6 +354,17 @@ def gdn_forward(ns, settings: Settings):
     return make
 
 
+def _any_row(flags) -> bool:
+    """Whether any prefill row continues a state (GDN's metadata has no host-side flag, unlike
+    Mamba-2's): one host read, which a prefill step makes anyway (its `qsl.cpu()` below), so
+    that steps of fresh prompts skip the records' fold; inside a graph capture, assume so."""
+    if flags is None:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True
+    return bool(flags.any())
+
+
 def _gdn_prefill(ns, orig, layer, md, st, mixed_qkv, b, a, core_attn_out, spec):
     """vLLM's own forward on the prefill rows only (with speculation, the rows without drafts,
     which vLLM's metadata already counts as prefills)."""
@@ -368,7 +379,8 @@ def _gdn_prefill(ns, orig, layer, md, st, mixed_qkv, b, a, core_attn_out, spec):
         acc = _accepted(layer, None, md.spec_sequence_masks.numel())
         if acc is not None:
             S.commit(st, batch.slot_ids(md.prefill_state_indices), acc[~md.spec_sequence_masks])
-    batch.before_prefill(st, md.prefill_state_indices, md.prefill_has_initial_state)
+    if _any_row(md.prefill_has_initial_state):
+        batch.before_prefill(st, md.prefill_state_indices, md.prefill_has_initial_state)
     qsl = md.prefill_query_start_loc
     nums, bptr, tptr = ns.compute_conv_metadata(qsl.cpu(), device=qsl.device)
     only_p = dataclasses.replace(
