@@ -4,6 +4,7 @@
 #   before, in earlier calls of the same warm machine: steps A and B of shared/vllm/run_device.sh
 #   (c1 -> /tmp/site/vllm; c3 for Qwen3-Next's MoE layer)
 #   then:  bash benchmarks/tools/vllm_check.sh C2_DIR [pytest args, e.g. -k "nemotron_h_tiny and eager"]
+#   or:    bash benchmarks/tools/vllm_check.sh C2_DIR bench [replayssm bench vllm args]   (the serving benchmark)
 # C2_DIR: the c2 folder of prep_carry.sh (vllm_src.tar.xz, site312.tar.xz, models/). Each LLM start
 # costs 1.5-2 minutes: select a few tests per call (-k), or run them side by side (VLLM_CHECK_PROCS,
 # below), to stay inside one command's limit.
@@ -23,6 +24,10 @@ import vllm
 from importlib.metadata import entry_points
 print("vllm", vllm.__version__, "plugins:", [e.value for e in entry_points(group="vllm.general_plugins")])
 PY
+if [ "${1:-}" = bench ]; then
+  shift; python3 -m replayssm.bench.vllm_serving "$@"; rc=$?
+  echo "== vllm bench rc=$rc in $(( $(date +%s)-T0 )) s"; exit $rc
+fi
 # VLLM_CHECK_PROCS=N (N > 1, pytest-xdist importable): the tests in N processes side by side, each
 # engine with 0.8/N of the GPU's memory (6 tests x 2 engines fit one 10-minute command this way)
 N=${VLLM_CHECK_PROCS:-1}; PAR=()

@@ -21,8 +21,8 @@ the plugin's over stock's at the same batch and speculation. `--speculative ngra
 drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes; its prompts repeat a short
 pattern so that lookups find drafts, and the rows carry vLLM's draft acceptance where its
 metrics report it. JSON rows: `model`, `batch`, `scheme`, `speculative`, `tokens_per_s`,
-`ratio_vs_stock`, `ratio_vs_stock_fp32` (when that scheme ran), `state_mode` (the plugin's executors: "strided" on vLLM's pages, "staged"
-through scratch rows), plus the timings.
+`ratio_vs_stock`, `ratio_vs_stock_fp32` (when that scheme ran), `state_mode` (the plugin's
+executors: "strided" on vLLM's pages, "staged" through scratch rows), plus the timings.
 
     python -m replayssm.bench.vllm_serving --batches 64,256,512 --out benchmarks/results/vllm_h200.json
 
@@ -107,7 +107,8 @@ def worker(args) -> int:
     extra = {"mamba_ssm_cache_dtype": "float32"} if args.scheme == "stock-fp32" else {}
     if args.profile:
         extra["profiler_config"] = dict(
-            profiler="torch", torch_profiler_dir=os.path.abspath(os.path.join(args.profile, f"{args.scheme}_{args.speculative}")),
+            profiler="torch",
+            torch_profiler_dir=os.path.abspath(os.path.join(args.profile, f"{args.scheme}_{args.speculative}")),
             torch_profiler_with_stack=False, ignore_frontend=True, delay_iterations=8, max_iterations=16)
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
               max_num_seqs=max(args.batches), max_model_len=args.prompt + args.decode + 8,

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.checks import (check_devices, check_slot_ids, check_slot_rows, check_slot_values, check_tensor, check_window,
-                            may_sync)
+from ..utils.checks import (check_devices, check_slot_ids, check_slot_rows, check_slot_values, check_tensor,
+                            check_window, may_sync)
 
 __all__ = ["check_token_inputs", "check_state", "check_slot_ids", "check_slot_values", "check_devices",
            "check_cursor_values"]

@@ -229,7 +229,8 @@ def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, curs
     _gluon_replay_kernel[(HV * (V // BV), Bt)](
         x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out,
         ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch, arrive=arrive,
-        slot_ids=slot_ids, **slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor), stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
+        slot_ids=slot_ids, **slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor),
+        stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
         stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),

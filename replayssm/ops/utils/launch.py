@@ -87,10 +87,6 @@ def eager_reach(HV: int, V: int, K: int) -> int:
     return b if b * row <= _EAGER_STATE_BYTES else 0
 
 
-# The state tensors a kernel addresses per slot, in the order of `slot_pads`'s keys.
-PAD_NAMES = ("pad_ckpt", "pad_ld", "pad_w", "pad_k", "pad_cur")
-
-
 def slot_strided(t: Tensor) -> bool:
     """Whether `t` (`[N, ...]`) is laid out as slot rows the kernels can address with a slot
     stride: each row contiguous, rows apart by at least a row (vLLM's pages put a request's
@@ -116,8 +112,8 @@ def slot_pads(ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, cursor
 
 
 def require_contiguous_slots(what: str, *tensors: Tensor) -> None:
-    """Paths that take no slot stride (the eager step, the precision kernels) refuse
-    slot-strided state: a host-side look at the strides, no sync."""
+    """For paths that take no slot stride (the eager step): refuse slot-strided state, with a
+    host-side look at the strides (no sync), even when the caller skips validation."""
     for t in tensors:
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{what} needs contiguous state tensors (strides {t.stride()}); slot-strided "
