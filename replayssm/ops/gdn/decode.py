@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..utils.cursor import hand_off
+from ..utils.cursor import hand_off, slot_bases
 from ..utils.launch import arrive_counter, gluon_aligned, require_contiguous_slots, slot_pads
 from ..utils.tiles import tile_dot, tile_offsets
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _rne_bf16, _scale, check_cursor_values,
@@ -129,13 +129,9 @@ def _replay_decode_kernel(
     if i_s < 0:
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
-    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
-    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
-    ckpt += i_s * pad_ckpt
-    buf_ld += i_s * pad_ld
-    buf_w += i_s * pad_w
-    buf_k += i_s * pad_k
-    cursor += i_s * pad_cur
+    # slot-strided state (vLLM's pages): the bases moved by the slot's padding
+    ckpt, buf_ld, buf_w, buf_k, cursor = slot_bases(i_s, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld,
+                                                    pad_w, pad_k, pad_cur)
     h = tl.load(cursor + i_s).to(tl.int64)
 
     # Positions j < h hold records; lane j of the shifted decays holds position j + 1 (the
@@ -329,13 +325,9 @@ def _replay_decode_mat_kernel(
     if i_s < 0:
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
-    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
-    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
-    ckpt += i_s * pad_ckpt
-    buf_ld += i_s * pad_ld
-    buf_w += i_s * pad_w
-    buf_k += i_s * pad_k
-    cursor += i_s * pad_cur
+    # slot-strided state (vLLM's pages): the bases moved by the slot's padding
+    ckpt, buf_ld, buf_w, buf_k, cursor = slot_bases(i_s, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld,
+                                                    pad_w, pad_k, pad_cur)
     h = tl.load(cursor + i_s).to(tl.int64)
 
     # record positions j < h; lane j of the shifted decays holds ld_{j+1} (ld_h: this token)

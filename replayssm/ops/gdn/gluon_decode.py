@@ -28,7 +28,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import (_add, _arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
-                                _softplus, _tile_to_shared)
+                                _slot_bases, _softplus, _tile_to_shared)
 
 __all__ = ["gluon_unsupported", "launch_gluon"]
 
@@ -116,13 +116,9 @@ if HAVE_GLUON:
         if slot < 0:
             gl.store(p_o, gl.zeros([BV], gl.float32, LY).to(o.dtype.element_ty))
             return
-        # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
-        # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
-        ckpt += slot * pad_ckpt
-        buf_ld += slot * pad_ld
-        buf_w += slot * pad_w
-        buf_k += slot * pad_k
-        cursor += slot * pad_cur
+        # slot-strided state (vLLM's pages): the bases moved by the slot's padding
+        ckpt, buf_ld, buf_w, buf_k, cursor = _slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld,
+                                                         pad_w, pad_k, pad_cur)
 
         # the tile, to shared memory
         p_C = ckpt + (slot * HV + i_hv) * (V * K) + v0 * K

@@ -63,8 +63,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import (_add, _async_load, _barrier, _record_weights, _softplus, _tile_to_shared,
-                                _verify_arrive)
+    from ..utils.gluon import (_add, _async_load, _barrier, _record_weights, _slot_bases, _softplus,
+                                _tile_to_shared, _verify_arrive)
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -292,13 +292,9 @@ if HAVE_GLUON:
         if slot < 0:
             gl.store(p_o, gl.zeros([BV, TP], gl.float32, LS).to(o.dtype.element_ty), mask=m_o)
             return
-        # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
-        # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
-        ckpt += slot * pad_ckpt
-        buf_ld += slot * pad_ld
-        buf_w += slot * pad_w
-        buf_k += slot * pad_k
-        cursor += slot * pad_cur
+        # slot-strided state (vLLM's pages): the bases moved by the slot's padding
+        ckpt, buf_ld, buf_w, buf_k, cursor = _slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld,
+                                                         pad_w, pad_k, pad_cur)
         pending += slot * pad_pend
 
         # 1. to shared memory: the key records over the window (not waiting for the cursor: the

@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..utils.checks import check_tensor, may_sync
-from ..utils.cursor import verify_hand_off
+from ..utils.cursor import slot_bases, verify_hand_off
 from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
 from ..utils.tiles import check_slices, tile_offsets
 from .common import (_FLOATS, _for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
@@ -194,13 +194,9 @@ def _replay_verify_kernel(
             tl.store(p_o + t * (HV * V) + o_v, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty),
                      mask=m_v)
         return
-    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
-    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
-    ckpt += i_s * pad_ckpt
-    buf_ld += i_s * pad_ld
-    buf_w += i_s * pad_w
-    buf_k += i_s * pad_k
-    cursor += i_s * pad_cur
+    # slot-strided state (vLLM's pages): the bases moved by the slot's padding
+    ckpt, buf_ld, buf_w, buf_k, cursor = slot_bases(i_s, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld,
+                                                    pad_w, pad_k, pad_cur)
     pending += i_s * pad_pend
     h = tl.load(cursor + i_s).to(tl.int64)
     if HAS_NDRAFT:

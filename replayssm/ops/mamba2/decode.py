@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..utils.checks import check_window
-from ..utils.cursor import hand_off
+from ..utils.cursor import hand_off, slot_bases
 from ..utils.launch import arrive_counter, gluon_aligned, require_contiguous_slots, slot_pads
 from ..utils.tiles import tile_dot, tile_offsets
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
@@ -80,13 +80,9 @@ def _replay_decode_kernel(
     if slot < 0:
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_v)
         return
-    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
-    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
-    ckpt += slot * pad_ckpt
-    buf_ld += slot * pad_ld
-    buf_w += slot * pad_w
-    buf_k += slot * pad_k
-    cursor += slot * pad_cur
+    # slot-strided state (vLLM's pages): the bases moved by the slot's padding
+    ckpt, buf_ld, buf_w, buf_k, cursor = slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld,
+                                                    pad_w, pad_k, pad_cur)
 
     h = tl.load(cursor + slot)
     NPOS: tl.constexpr = WINDOW if WINDOW < LB else LB
@@ -207,13 +203,9 @@ def _replay_decode_rows_kernel(
     if slot < 0:
         tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
         return
-    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
-    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
-    ckpt += slot * pad_ckpt
-    buf_ld += slot * pad_ld
-    buf_w += slot * pad_w
-    buf_k += slot * pad_k
-    cursor += slot * pad_cur
+    # slot-strided state (vLLM's pages): the bases moved by the slot's padding
+    ckpt, buf_ld, buf_w, buf_k, cursor = slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld,
+                                                    pad_w, pad_k, pad_cur)
 
     h = tl.load(cursor + slot)
     m_j, m_j1, m_lj, m_lj1 = record_masks(o_l, h, WINDOW if WINDOW < LB else LB, RECMASK)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils.cursor import verify_hand_off
+from ..utils.cursor import slot_bases, verify_hand_off
 from ..utils.dots import dot_f32
 from .common import OPTIONAL_INPUTS, draft_decays, given, load_tile, verify_row_bounds, write_shared_drafts
 
@@ -72,13 +72,9 @@ def _replay_verify_tc_kernel(
         tl.store(p_o + o_t[None, :] * stride_o_t + o_v[:, None], b_0,
                  mask=m_v[:, None] & (o_t < T)[None, :])
         return
-    # slot-strided state (vLLM's pages): each base moves by the slot's padding beyond a
-    # contiguous row, so the `slot * rowsize` addressing below lands on `slot * stride`
-    ckpt += slot * pad_ckpt
-    buf_ld += slot * pad_ld
-    buf_w += slot * pad_w
-    buf_k += slot * pad_k
-    cursor += slot * pad_cur
+    # slot-strided state (vLLM's pages): the bases moved by the slot's padding
+    ckpt, buf_ld, buf_w, buf_k, cursor = slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld,
+                                                    pad_w, pad_k, pad_cur)
     pending += slot * pad_pend
 
     h, n, flush, hc, m_t, m_l, m_c = verify_row_bounds(cursor, slot, num_drafts, i_b, o_t, o_l, T, WINDOW, HAS_N)

@@ -10,6 +10,15 @@ import triton.language as tl
 
 
 @triton.jit
+def slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld, pad_w, pad_k, pad_cur):
+    """The state's base pointers moved by the slot's padding (`utils.launch.slot_pads`): for
+    slot-strided state (vLLM's pages) the kernels' `slot * rowsize` addressing then lands on
+    `slot * stride`; for the pool's contiguous tensors the paddings are 0."""
+    return (ckpt + slot * pad_ckpt, buf_ld + slot * pad_ld, buf_w + slot * pad_w, buf_k + slot * pad_k,
+            cursor + slot * pad_cur)
+
+
+@triton.jit
 def hand_off(arrive, cursor, epoch, i_s, h, flush, NPROG: tl.constexpr):
     """Cursor hand-off: every program of slot s reads cursor[s], and it may only change once
     all NPROG of them have. Each arrives on a per-slot counter at its end, after a barrier

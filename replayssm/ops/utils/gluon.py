@@ -42,6 +42,12 @@ def gluon_shape_supported(V: int, K: int, window: int, Lb: int, BV: int, num_war
 if HAVE_GLUON:
 
     @gluon.jit
+    def _slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld, pad_w, pad_k, pad_cur):
+        """`utils.cursor.slot_bases` for the Gluon kernels."""
+        return (ckpt + slot * pad_ckpt, buf_ld + slot * pad_ld, buf_w + slot * pad_w, buf_k + slot * pad_k,
+                cursor + slot * pad_cur)
+
+    @gluon.jit
     def _softplus(x):
         # as the Triton kernels' softplus (Gluon cannot call Triton functions): max(x, 0) +
         # log1p(exp(-|x|)), log1p by Goldberg's correction
