@@ -412,8 +412,10 @@ for i, n in enumerate(fn.arg_names):
         const[(i,)] = vals[n]
     else:
         sig[n] = "fp32" if n == "scale" else "i32"
+# the slot paddings too: the launcher takes the Gluon kernel only where they divide by 16
+hinted = ("window", "pad_ckpt", "pad_ld", "pad_w", "pad_k")
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-         if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride") or n == "window"))}
+         if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride") or n in hinted))}
 k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **({"maxnreg": 128} if T > 4 else {})))
 assert k.asm["cubin"], "no cubin"
