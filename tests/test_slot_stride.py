@@ -16,13 +16,14 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from replayssm.ops import gdn, kda, mamba2  # noqa: E402
-from replayssm.ops.utils.launch import slot_pads, slot_strided  # noqa: E402
+from replayssm.ops.utils.launch import gluon_aligned, slot_pads, slot_strided  # noqa: E402
 from replayssm.ops.utils.gluon import HAVE_GLUON  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 N, L = 5, 4
 PAD = 64                       # bytes of each page no tensor owns (vLLM pads pages too)
+ROUND = 256                    # pages a multiple of this: vLLM sizes them by attention blocks
 STATE = ("ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "pending")
 
 
@@ -30,7 +31,7 @@ def _paged(tensors: dict):
     """Copies of `tensors` (each `[N, ...]`) as views into one buffer of `N` pages, each page
     one row of every tensor in turn plus PAD bytes; returns (views, raw pages)."""
     sizes = {n: t[0].numel() * t.element_size() for n, t in tensors.items()}
-    page = sum(sizes.values()) + PAD
+    page = -(-(sum(sizes.values()) + PAD) // ROUND) * ROUND
     raw = torch.full((N * page,), 0xA5, dtype=torch.uint8, device=DEV)
     views, off = {}, 0
     for n, t in tensors.items():
@@ -121,13 +122,15 @@ def _same(a, b, name):
         assert torch.equal(a, b), (name, (a.double() - b.double()).abs().max())
 
 
-def _check(family, op, T, config, shape=SHAPE, rec=torch.float32):
+def _check(family, op, T, config, shape=SHAPE, rec=torch.float32, gluon=False):
     g = torch.Generator().manual_seed(7)
     HV, Hk, V, K = shape["HV"], shape["Hk"], shape["V"], shape["K"]
     flat = _state(family, HV, Hk, V, K, T, g, rec)
     paged, raw, page = _paged({n: flat[n] for n in STATE})
     assert all(slot_strided(paged[n]) for n in STATE) and not paged["ckpt"].is_contiguous()
     assert slot_pads(paged["ckpt"], paged["buf_ld"], paged["buf_w"], paged["buf_k"], paged["cursor"])["pad_ckpt"] > 0
+    # the Gluon cases' pages keep the alignment the Gluon kernels need, so that they run
+    assert gluon_aligned(paged["ckpt"], paged["buf_ld"], paged["buf_w"], paged["buf_k"]) or not gluon
     for st in (flat, paged):
         st["epoch"] = torch.zeros(N, dtype=torch.int64, device=DEV)
         st["arrive"] = torch.zeros(N, dtype=torch.int32, device=DEV)
@@ -145,7 +148,7 @@ def _check(family, op, T, config, shape=SHAPE, rec=torch.float32):
                 live = ids[ids >= 0].long()
                 st["cursor"][live] += st["pending"][live]
                 st["pending"][live] = 0
-    tail = raw.view(N, page)[:, page - PAD:]
+    tail = raw.view(N, page)[:, sum(t[0].numel() * t.element_size() for t in (paged[n] for n in STATE)):]
     assert bool((tail == 0xA5).all())                                   # bytes no tensor owns
 
 
@@ -159,8 +162,8 @@ def test_strided_state_equals_contiguous(family, op, T, config):
 @pytest.mark.skipif(not (GPU and HAVE_GLUON), reason="needs a CUDA device and Triton's Gluon")
 @pytest.mark.parametrize("family,op,T,config", GLUON_CASES, ids=lambda c: str(c))
 def test_gluon_strided_state_equals_contiguous(family, op, T, config):
-    shape = dict(HV=8, Hk=2, V=64, K=128)
-    _check(family, op, T, config, shape=shape)
+    shape = dict(HV=16, Hk=2, V=64, K=128)          # rows of 16-element multiples: Gluon-aligned pages
+    _check(family, op, T, config, shape=shape, gluon=True)
 
 
 @pytest.mark.parametrize("family", ["mamba2", "gdn"])
