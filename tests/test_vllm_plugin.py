@@ -184,8 +184,12 @@ def test_decode_rows_match_reference_pool(family):
     _assert_states(st, oracle, [2, 3, 5, 6], A)
 
 
+@pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
 @pytest.mark.parametrize("family", ["mamba2", "gdn"])
-def test_speculative_rows_match_reference_pool(family):
+def test_speculative_rows_match_reference_pool(family, uniform):
+    """Commit of the previous step's accepted counts, then verify of this step's tokens, on rows
+    of 1..T tokens with padding tokens at the end ("ragged": gathered into [B, T] and scattered
+    back) or on rows of T tokens each (vLLM's uniform decode batches: verified in place)."""
     g = torch.Generator().manual_seed(2)
     T = 3
     st, ex, oracle, params = _pair(family, T, g)
@@ -193,10 +197,11 @@ def test_speculative_rows_match_reference_pool(family):
     _prefill(st, oracle, [1, 4], g, A)
     blocks = torch.tensor([1, 4, 0], dtype=torch.int32)          # one graph padding row
     accepted_prev = None
-    for step, qlen in enumerate(([1, 1, 0], [3, 2, 0], [3, 3, 0], [2, 3, 0], [3, 1, 0], [1, 3, 0])):
+    ragged = ([1, 1, 0], [3, 2, 0], [3, 3, 0], [2, 3, 0], [3, 1, 0], [1, 3, 0])
+    for step, qlen in enumerate([[T] * 3] * 6 if uniform else ragged):
         qlen = torch.tensor(qlen)
         qsl = torch.cat([torch.zeros(1, dtype=torch.long), qlen.cumsum(0)]).to(torch.int32)
-        ntok = int(qsl[-1]) + 2                                   # two padding tokens at the end
+        ntok = int(qsl[-1]) + (0 if uniform else 2)              # ragged: two padding tokens at the end
         flat = tokens(family, ntok, g)
         out = torch.full((ntok, HV, V), float("nan"))
         num_acc = None if accepted_prev is None else torch.tensor(accepted_prev + [1], dtype=torch.int32)
@@ -215,34 +220,6 @@ def test_speculative_rows_match_reference_pool(family):
     oracle.commit(blocks[:2], torch.tensor(accepted_prev, dtype=torch.int32))
     ex.commit(batch.slot_ids(blocks[:2]), torch.tensor(accepted_prev, dtype=torch.int32))
     _assert_states(st, oracle, [1, 4], A)
-
-
-@pytest.mark.parametrize("family", ["mamba2", "gdn"])
-def test_uniform_speculative_rows_verify_in_place(family):
-    """Steps whose rows all carry T tokens (vLLM's uniform decode batches, a padding row
-    included) verify the packed tokens as they lie, with no gather or scatter: outputs and
-    cursors as the oracle pool's."""
-    g = torch.Generator().manual_seed(12)
-    T = 3
-    st, ex, oracle, params = _pair(family, T, g)
-    A = params.get("A")
-    _prefill(st, oracle, [2, 6], g, A)
-    blocks = torch.tensor([2, 6, 0], dtype=torch.int32)           # one graph padding row
-    qsl = torch.arange(0, 3 * T + 1, T, dtype=torch.int32)
-    acc_prev = None
-    for step in range(5):
-        flat = tokens(family, 3 * T, g)
-        out = torch.full((3 * T, HV, V), float("nan"))
-        num_acc = None if acc_prev is None else torch.tensor(acc_prev + [1], dtype=torch.int32)
-        batch.run_decode(ex, st, blocks, flat, out, spec_tokens=T - 1, query_start_loc=qsl, num_accepted=num_acc)
-        if acc_prev is not None:
-            oracle.commit(blocks[:2], torch.tensor(acc_prev, dtype=torch.int32))
-        want = oracle.verify(blocks[:2], **{k: v[:2 * T].reshape(2, T, *v.shape[1:]) for k, v in flat.items()})
-        assert torch.allclose(out[:2 * T].reshape(2, T, HV, V), want, rtol=1e-5, atol=1e-6), step
-        acc_prev = [int(torch.randint(1, T + 1, (1,), generator=g)) for _ in range(2)]
-    oracle.commit(blocks[:2], torch.tensor(acc_prev, dtype=torch.int32))
-    ex.commit(batch.slot_ids(blocks[:2]), torch.tensor(acc_prev, dtype=torch.int32))
-    _assert_states(st, oracle, [2, 6], A)
 
 
 def test_flush_before_a_continuing_prefill():
