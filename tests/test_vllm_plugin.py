@@ -453,6 +453,9 @@ def test_serving_benchmark_model_folder_and_prompts(tmp_path):
     assert len(ps) == 3 and all(len(p["prompt_token_ids"]) == 20 for p in ps)
     assert ps[0]["prompt_token_ids"][:7] == ps[0]["prompt_token_ids"][7:14]
     assert vs.prompts(2, 9, 50, repeat=False)[0]["prompt_token_ids"] != vs.prompts(2, 9, 50, repeat=True)[0]["prompt_token_ids"]
+    # CUDA graphs at the timed batches and, with drafts, at their verify steps' token counts
+    assert vs.capture_sizes([64, 256, 512], 3) == [64, 256, 512, 1024, 2048]
+    assert vs.capture_sizes([64, 256], None) == [64, 256]
 
 
 def test_serving_benchmark_refuses_unknown_choices(capsys):

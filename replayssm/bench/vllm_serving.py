@@ -14,6 +14,10 @@ vLLM's torch profiler record iterations 8-23 of the first batch's decode per eng
 CUDA-time tables and traces under `DIR/<scheme>_<speculative>`); those rows carry
 `profiled: true`, their timings perturbed by the profiler.
 
+CUDA graphs (`--capture`): by default captured at the timed batches and, with drafts, at
+their verify steps' token counts (`capture_sizes`), in every scheme alike; `default` keeps
+vLLM's list, which stops at 512 tokens (the first committed n-gram rows ran so: eager).
+
 Per batch `B`: `B` prompts of `--prompt` tokens; one `generate` with `max_tokens=1` (the
 prefill and first token) and one with `1 + --decode` tokens, both with `ignore_eos`; the
 decode throughput is `B * decode / (t_long - t_short)` (`tokens_per_s`), `ratio_vs_stock`
@@ -81,6 +85,14 @@ def prompts(batch: int, length: int, vocab: int, repeat: bool, seed: int = 0) ->
     return out
 
 
+def capture_sizes(batches, drafts) -> list:
+    """CUDA-graph sizes (tokens) for `--capture batches`: each batch, and with `drafts` each
+    batch's verify step of `1 + drafts` tokens a row. vLLM's default stops at 512 tokens, which
+    leaves speculative steps at batch 256 and 512 (1024, 2048 tokens with 3 drafts) eager in
+    both schemes, measuring Python rather than the GPU."""
+    return sorted(set(batches) | {b * (1 + (drafts or 0)) for b in batches})
+
+
 def _acceptance(llm) -> dict:
     """Draft acceptance from vLLM's metrics, where it reports them (empty otherwise)."""
     try:
@@ -105,6 +117,8 @@ def worker(args) -> int:
                 "prompt_lookup_min": 1}
     cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
     extra = {"mamba_ssm_cache_dtype": "float32"} if args.scheme == "stock-fp32" else {}
+    if args.capture == "batches":
+        extra["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(args.batches, spec and args.drafts)}
     if args.profile:
         extra["profiler_config"] = dict(
             profiler="torch",
@@ -147,7 +161,7 @@ def _ratio(row: dict, base: dict):
 def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     env = dict(os.environ, REPLAYSSM_VLLM="1" if scheme == "replayssm" else "0")
     cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--scheme", scheme,
-           "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
+           "--capture", args.capture, "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
            "--speculative", speculative, "--drafts", str(args.drafts), "--gpu-memory", str(args.gpu_memory)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -177,6 +191,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--schemes", default="stock,replayssm",
                     help=f"comma-separated of {', '.join(SCHEMES)} (stock always runs: the ratios' base)")
     ap.add_argument("--profile", default=None, help="folder for vLLM's torch-profiler output (first batch)")
+    ap.add_argument("--capture", default="batches", choices=("batches", "default"),
+                    help="CUDA-graph sizes: the timed batches and their verify steps' tokens (both schemes), "
+                         "or vLLM's default list (up to 512 tokens)")
     ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     ap.add_argument("--out", default="vllm.json")
@@ -209,7 +226,7 @@ def main(argv=None) -> int:
     from .common import header, write_results
     doc = header("vllm")
     doc.update(vllm=_compat.vllm_version(), model=args.model, layers=args.layers or "all", prompt=args.prompt,
-               decode=args.decode, drafts=args.drafts, schemes=schemes, rows=[])
+               decode=args.decode, drafts=args.drafts, schemes=schemes, capture=args.capture, rows=[])
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_dir(args.model, args.layers, Path(tmp))
         for spec in specs:
