@@ -70,7 +70,7 @@ def _params(family, HV, K, g):
         return dict(A=(-torch.rand(HV, generator=g) - 0.5).to(DEV), dt_bias=(torch.randn(HV, generator=g) * 0.1).to(DEV),
                     D=torch.randn(HV, generator=g).to(DEV), z=None)
     dt_bias = torch.randn(HV, K, generator=g) if family == "kda" else torch.randn(HV, generator=g)
-    return dict(A_log=(torch.randn(HV, generator=g) * 0.3).to(DEV), dt_bias=(dt_bias * 0.1).to(DEV))
+    return dict(A_log=(torch.randn(HV, generator=g) * 0.3).to(DEV), dt_bias=(dt_bias * 0.1).to(DEV), scale=None)
 
 
 _OPS = {"mamba2": mamba2, "gdn": gdn, "kda": kda}
@@ -79,13 +79,8 @@ _OPS = {"mamba2": mamba2, "gdn": gdn, "kda": kda}
 def _call(family, op, inp, prm, st, ids, T, config):
     ops = _OPS[family]
     epoch, arrive = st["epoch"], st["arrive"]
-    if family == "mamba2":
-        args = dict(**inp, **prm, ckpt=st["ckpt"], buf_ld=st["buf_ld"], buf_w=st["buf_w"], buf_k=st["buf_k"],
-                    cursor=st["cursor"], epoch=epoch, slot_ids=ids, window=L, config=config, arrive=arrive)
-    else:
-        args = dict(**inp, **prm, scale=None, ckpt=st["ckpt"], buf_ld=st["buf_ld"], buf_w=st["buf_w"],
-                    buf_k=st["buf_k"], cursor=st["cursor"], epoch=epoch, slot_ids=ids, window=L, config=config,
-                    arrive=arrive)
+    args = dict(**inp, **prm, ckpt=st["ckpt"], buf_ld=st["buf_ld"], buf_w=st["buf_w"], buf_k=st["buf_k"],
+                cursor=st["cursor"], epoch=epoch, slot_ids=ids, window=L, config=config, arrive=arrive)
     if op == "decode":
         return ops.replay_decode(**args)
     nd = torch.tensor([T, 1, T, max(1, T - 1)][:ids.numel()], dtype=torch.int32, device=DEV)
@@ -181,7 +176,4 @@ def test_eager_step_refuses_slot_strided_state(family):
     kw = dict(ckpt=st["ckpt"], buf_ld=st["buf_ld"], buf_w=st["buf_w"], buf_k=st["buf_k"], cursor=st["cursor"],
               epoch=st["epoch"], slot_ids=ids, window=1, arrive=st["arrive"], validate=False)
     with pytest.raises(ValueError, match="eager step"):
-        if family == "mamba2":
-            ops.replay_decode(**inp, **prm, **kw)
-        else:
-            ops.replay_decode(**inp, **prm, scale=None, **kw)
+        ops.replay_decode(**inp, **prm, **kw)

@@ -22,14 +22,13 @@ from . import state as S
 NULL_BLOCK_ID = 0
 
 
-def slot_ids(state_indices: Tensor, null_block: int = NULL_BLOCK_ID) -> Tensor:
+def slot_ids(state_indices: Tensor) -> Tensor:
     """vLLM's state indices `[B]` as slot ids: the null block (padding rows) and negative
     indices become -1, so that the kernels touch nothing for them."""
     idx = state_indices.to(torch.int32)
-    if null_block == 0:
-        # one comparison and one select (each layer runs this every step, in the step's graph)
-        return torch.where(idx > 0, idx, -1)
-    return torch.where((idx == null_block) | (idx < 0), torch.full_like(idx, -1), idx)
+    # the null block is 0, so one comparison and one select cover it and negative ids (each
+    # layer runs this every step, in the step's graph)
+    return torch.where(idx > NULL_BLOCK_ID, idx, -1)
 
 
 def pad_tokens(inputs: dict, query_start_loc: Tensor, T: int):

@@ -164,11 +164,13 @@ def check_state(family: str, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
     check_tensor("cursor", cursor, (N,), (torch.int32,))
     check_tensor("epoch", epoch, (N,), (torch.int64,))
     check_tensor("arrive", arrive, (N,), (torch.int32,))
-    strided = dict(ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k)
+    rows = dict(ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k)
+    contiguous = dict(epoch=epoch, arrive=arrive)
     if slot_strided:
-        check_slot_rows(**strided)
-    for name, t in ((() if slot_strided else tuple(strided.items()) + (("cursor", cursor),))
-                    + (("epoch", epoch), ("arrive", arrive))):
+        check_slot_rows(**rows)
+    else:
+        contiguous.update(rows, cursor=cursor)
+    for name, t in contiguous.items():
         check_tensor(name, t, contiguous=True)
     check_window(window, Lb)
     return N, Lb
