@@ -476,17 +476,23 @@ def test_gpu_accuracy_real_shapes(which):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("recmask, window", [(False, 16), (True, 16), (True, 32), (False, 20)])
-def test_gpu_gluon_kernel_real_shapes(recmask, window):
+@pytest.mark.parametrize("recmask, window, launch", [
+    (False, 16, {}), (True, 16, {}), (True, 32, {}), (False, 20, {}),
+    # KDA's flush folding 2 and 4 records an iteration (BC), in programs of 64 and 128 rows
+    (True, 16, {"BC": 2}), (True, 16, {"BC": 4, "BV": 128, "num_warps": 8}), (True, 20, {"BC": 4})],
+    ids=["w16", "w16-recmask", "w32-recmask", "w20", "w16-BC2", "w16-BC4-BV128", "w20-BC4"])
+def test_gpu_gluon_kernel_real_shapes(recmask, window, launch):
     # the Gluon kernel (GDN, and KDA through IS_KDA): both real shapes of the family, fp32 and
     # bf16 records, padding rows, unused slots, spare capacity, 64 windows (16 above window 16:
     # record tiles of 32 positions)
+    if launch.get("BC") and FAMILY != "kda":
+        pytest.skip("BC on the Gluon kernel is KDA's flush grouping")
     for shape in real_shapes(FAMILY):
         res = simulate(FAMILY, **real_shapes(FAMILY)[shape], window=window, windows=64 if window <= 16 else 16,
                            live_slots=6, pad_rows=2,
                            unused_slots=1, extra_capacity=2,
                            record_dtypes=(torch.float32, torch.bfloat16), device="cuda",
-                           config={"gluon": True, "BV": 64, "num_warps": 4, "recmask": recmask})
+                           config={"gluon": True, "BV": 64, "num_warps": 4, "recmask": recmask, **launch})
         _check_accuracy(res, FLOOR)
         assert res["replay_out"]["bfloat16"] < 1e-2, res
 

@@ -149,7 +149,8 @@ def gdn_gluon(cfg):
     c.update(cfg)
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
     ptr.update({n: "*fp32" for n in ("A_log", "dt_bias")})
-    vals = dict(HV=c.pop("HV", 32), HK=c.pop("HK", 16), V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=False)
+    vals = dict(HV=c.pop("HV", 32), HK=c.pop("HK", 16), V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=False,
+                FOLD_GROUP=1)
     return _gluon(m._gluon_gdn_kernel, "gdn gluon", ptr, vals, c)
 
 
@@ -161,7 +162,7 @@ def kda_gluon(cfg):
     c.update(cfg)
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
     ptr.update({n: "*fp32" for n in ("A_log", "dt_bias")})
-    vals = dict(HV=32, HK=32, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=True)
+    vals = dict(HV=32, HK=32, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=True, FOLD_GROUP=int(c.pop("BC", 1)))
     return _gluon(m._gluon_gdn_kernel, "kda gluon", ptr, vals, c)
 
 

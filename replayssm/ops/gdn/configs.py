@@ -232,8 +232,9 @@ def _resolve_config(table: dict, family: str, V: int, K: int, config: Optional[d
         bc = cfg["BC"]
         if isinstance(bc, bool) or not isinstance(bc, int) or bc < 0 or (bc and bc & (bc - 1)):
             raise ValueError(f"config BC={bc!r} must be 0 (one tile of the window) or a power of two")
-        if bc and family == "kda":
-            raise ValueError(f"config BC={bc!r}: record chunks are implemented for GDN only")
+        if bc and family == "kda" and not cfg["gluon"]:
+            raise ValueError(f"config BC={bc!r}: KDA takes BC on the Gluon kernel only (records "
+                             "folded per iteration of a flush)")
         check_slices(cfg["KS"], triton.next_power_of_2(K))
         if cfg["mat"]:
             bkt, bk = cfg["BKT"], triton.next_power_of_2(K)

@@ -441,7 +441,8 @@ def launch_replay(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     if gluon and not _interpreting() and gluon_unsupported(family, HV, Hk, V, K, window, Lb, BV, num_warps) is None \
             and gluon_aligned(ckpt, buf_ld, buf_w, buf_k):
         launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
-                     arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask, maxnreg, family)
+                     arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask, maxnreg, family,
+                     fold_group=BC)
         return
     if mat:
         _replay_decode_mat_kernel[(HV * NV, Bt)](

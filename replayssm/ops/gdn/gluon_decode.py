@@ -71,6 +71,35 @@ if HAVE_GLUON:
         return o_kK, o_kD, p_qt, p_kt, b_qK, b_kK, b_v, b_braw, b_Alog, b_araw, b_dtb
 
     @gluon.jit
+    def _kda_fold(s_C, s_u, b_kn, b_ld, p_C, p_Kg, p_Uh, p_ldh, h, o_tk, SK: gl.constexpr,
+                          SW: gl.constexpr, SD: gl.constexpr, BV: gl.constexpr, K: gl.constexpr,
+                          RC: gl.constexpr, U: gl.constexpr, LT: gl.constexpr):
+        # KDA's flush: C <- C Diag(G(0)) + sum_{j<h} u_j (k_j * G(j+1))^T + u_t k^T, by row chunks
+        # of the tile, newest record first so that the suffix log decay accumulates along the
+        # loop (the records re-read per chunk: L1/L2 hits). Not unrolled over the tile (the
+        # registers of this rare path are every program's), but U records an iteration, their
+        # loads (masked past record 0) issued together: one record an iteration waited out a
+        # load round trip per record and chunk, which made a flush step 2.2x a conventional one
+        b_ldT = gl.convert_layout(b_ld, gl.SliceLayout(0, LT))
+        p_kj = p_Kg + o_tk
+        p_ldT = p_ldh + o_tk
+        for r0 in gl.static_range(0, BV, RC):
+            o_rc = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LT))
+            b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LT))
+            b_Cc = b_uc[:, None] * b_kn[None, :]
+            b_sr = b_ldT
+            for g in range(0, h, U):
+                for i_u in gl.static_range(U):
+                    jr = h - 1 - g - i_u
+                    m_j = jr >= 0
+                    k_j = gl.load(p_kj + jr * SK, mask=(o_tk >= 0) & m_j, other=0.0).to(gl.float32)
+                    w_j = gl.load(p_Uh + jr * SW + o_rc, mask=(o_rc >= 0) & m_j, other=0.0).to(gl.float32)
+                    b_Cc += w_j[:, None] * (gl.exp(b_sr) * k_j)[None, :]
+                    b_sr += gl.load(p_ldT + jr * SD, mask=(o_tk >= 0) & m_j, other=0.0)
+            b_Cc += s_C.slice(r0, RC, dim=0).load(LT) * gl.exp(b_sr)[None, :]
+            gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+
+    @gluon.jit
     def _gluon_gdn_kernel(
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
@@ -80,7 +109,7 @@ if HAVE_GLUON:
         stride_a_b, stride_a_h, stride_b_b, stride_b_h,
         HV: gl.constexpr, HK: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr,
         BV: gl.constexpr, BL: gl.constexpr, RC: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
-        NW: gl.constexpr, RECMASK: gl.constexpr, IS_KDA: gl.constexpr,
+        NW: gl.constexpr, RECMASK: gl.constexpr, IS_KDA: gl.constexpr, FOLD_GROUP: gl.constexpr,
     ):
         # layouts as in the Mamba-2 kernel (LT tile rows over warps, 4 columns per lane; LR the
         # tile read back for the matvecs; LK key records, 8 columns per thread; LA1 [BL] vectors,
@@ -239,26 +268,8 @@ if HAVE_GLUON:
             _barrier()
             b_kn = gl.load(p_kt + o_tk).to(gl.float32) * r_k
             if IS_KDA:
-                # C <- C Diag(G(0)) + sum_{j<h} u_j (k_j * G(j+1))^T + u_t k^T, newest record first
-                # so that the suffix log decay accumulates along the loop (re-read records: L1/L2
-                # hits); a loop over the cursor, not unrolled over the tile: the registers of this
-                # rare path are every program's
-                b_ldT = gl.convert_layout(b_ld, gl.SliceLayout(0, LT))
-                p_kj = p_Kg + o_tk
-                p_ldT = p_ldh + o_tk
-                for r0 in gl.static_range(0, BV, RC):
-                    o_rc = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LT))
-                    b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LT))
-                    b_Cc = b_uc[:, None] * b_kn[None, :]
-                    b_sr = b_ldT
-                    for i_r in range(0, h):
-                        jr = h - 1 - i_r
-                        k_j = gl.load(p_kj + jr * (HK * K)).to(gl.float32)
-                        w_j = gl.load(p_Uh + jr * (HV * V) + o_rc).to(gl.float32)
-                        b_Cc += w_j[:, None] * (gl.exp(b_sr) * k_j)[None, :]
-                        b_sr += gl.load(p_ldT + jr * (HV * K))
-                    b_Cc += s_C.slice(r0, RC, dim=0).load(LT) * gl.exp(b_sr)[None, :]
-                    gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+                _kda_fold(s_C, s_u, b_kn, b_ld, p_C, p_Kg, p_Uh, p_ldh, h, o_tk, HK * K, HV * V, HV * K, BV, K,
+                          RC, FOLD_GROUP, LT)
             else:
                 o_lP = gl.arange(0, BL, layout=LP)
                 b_coefP = gl.convert_layout(b_coef, LP)
@@ -276,9 +287,10 @@ if HAVE_GLUON:
 
 def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                  arrive, slot_ids, window, o, use_qk_l2norm, BV, num_warps, recmask=True, maxnreg=0,
-                 family="gdn"):
+                 family="gdn", fold_group=1):
     """Launch `_gluon_gdn_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; the
-    caller checked `gluon_unsupported`."""
+    caller checked `gluon_unsupported`. `fold_group`: KDA's flush folds this many records per
+    iteration of its loop (the config's `BC`)."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     _gluon_gdn_kernel[(HV * (V // BV), Bt)](
@@ -290,5 +302,6 @@ def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_
         HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=gluon_record_tile(window, buf_w.shape[1]),
         RC=4 * num_warps,
         USE_QK_L2NORM=bool(use_qk_l2norm), NW=num_warps, RECMASK=bool(recmask), IS_KDA=family == "kda",
+        FOLD_GROUP=max(1, fold_group),
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
