@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 
 from replayssm.ops import gdn, kda  # noqa: E402
+from replayssm.ops.gdn import configs  # noqa: E402
 from replayssm.reference import GDNParams, KDAParams  # noqa: E402
 from replayssm.testing import make_inputs, make_params  # noqa: E402
 from replayssm.testing.delta_harness import real_shapes, simulate  # noqa: E402
@@ -162,6 +163,25 @@ def test_table_configs_by_records_batch_and_window():
     assert mat["mat"] and not mat["gluon"] and mat["maxnreg"] == 0
     assert cfg(batch=33, records=torch.bfloat16)["gluon"]
     assert cfg(batch=9, records=torch.float32)["gluon"]
+
+
+def test_kda_table_config_and_flush_grouping():
+    # KDA's large-batch entry: the Gluon kernel in 128-row programs of 8 warps under the cap of 80
+    # registers, its flush folding 4 records an iteration (BC); BC on KDA's Triton kernel is
+    # refused (it folds one record at a time); shapes in no table fold 4 as well; above window 16
+    # (uncapped, 32-position record tiles) programs of 64 rows
+    if FAMILY != "kda":
+        pytest.skip("BC on the Gluon kernel is KDA's flush grouping")
+    big = OPS.replay_config(128, 128, batch=256)
+    assert big["gluon"] and (big["BV"], big["num_warps"], big["maxnreg"], big["BC"]) == (128, 8, 80, 4)
+    assert OPS.replay_config(128, 128, {"BC": 2}, batch=256)["BC"] == 2
+    long = configs.replay_config(128, 128, family="kda", batch=256, window=32)
+    assert (long["BV"], long["num_warps"], long["maxnreg"], long["BC"]) == (64, 4, 0, 4)
+    with pytest.raises(ValueError, match="Gluon kernel only"):
+        OPS.replay_config(128, 128, {"BC": 4, "gluon": False}, batch=256)
+    with pytest.raises(ValueError, match="Gluon kernel only"):
+        OPS.replay_config(128, 128, {"BC": 4}, batch=8)
+    assert configs.derived("kda", 16, 64, 128)["replay"][-1][1]["BC"] == 4
 
 
 def test_gluon_register_cap_by_head_ratio():
@@ -479,8 +499,9 @@ def test_gpu_accuracy_real_shapes(which):
 @pytest.mark.parametrize("recmask, window, launch", [
     (False, 16, {}), (True, 16, {}), (True, 32, {}), (False, 20, {}),
     # KDA's flush folding 2 and 4 records an iteration (BC), in programs of 64 and 128 rows
-    (True, 16, {"BC": 2}), (True, 16, {"BC": 4, "BV": 128, "num_warps": 8}), (True, 20, {"BC": 4})],
-    ids=["w16", "w16-recmask", "w32-recmask", "w20", "w16-BC2", "w16-BC4-BV128", "w20-BC4"])
+    (True, 16, {"BC": 2}), (True, 16, {"BC": 4, "BV": 128, "num_warps": 8}),
+    (True, 20, {"BC": 4, "BV": 128, "num_warps": 8})],
+    ids=["w16", "w16-recmask", "w32-recmask", "w20", "w16-BC2", "w16-BC4-BV128", "w20-BC4-BV128"])
 def test_gpu_gluon_kernel_real_shapes(recmask, window, launch):
     # the Gluon kernel (GDN, and KDA through IS_KDA): both real shapes of the family, fp32 and
     # bf16 records, padding rows, unused slots, spare capacity, 64 windows (16 above window 16:
