@@ -125,12 +125,8 @@ if HAVE_GLUON:
         LP: gl.constexpr = gl.BlockedLayout([BL], [32], [NW], [0])
         LY: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         # LD  KDA's log-decay records [BL, K]: every position of a column in one thread, columns
-        #     over the lanes and warps, so the suffix sums over positions are in-thread scans; with
-        #     8 warps (more threads than K) a column's positions over 2 lanes instead (one shuffle
-        #     in the scan), where one thread a column would leave half the warps repeating the
-        #     other half's weights
-        LD: gl.constexpr = gl.BlockedLayout([BL // 2, 1], [2, 16], [1, NW], [0, 1]) if NW * 32 > K \
-            else gl.BlockedLayout([BL, 1], [1, 32], [1, NW], [0, 1])
+        #     over the lanes and warps, so the suffix sums over positions are in-thread scans
+        LD: gl.constexpr = gl.BlockedLayout([BL, 1], [1, 32], [1, NW], [0, 1])
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         NVB: gl.constexpr = V // BV
