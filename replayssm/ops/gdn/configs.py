@@ -23,14 +23,15 @@ __all__ = ["replay_config", "conventional_config", "eager_config", "eager_max_ba
 _CONFIG_KEYS = ("BV", "num_warps", "num_stages", "maxnreg")
 # replay only: recmask (record loads predicated on the cursor, or issued at once over the
 # window, without waiting for it), BC (GDN: records read in chunks of BC up to the cursor; 0:
-# one tile covering the window), KS (the checkpoint tile held as KS slices of K per thread,
+# one tile covering the window; KDA, on the Gluon kernel only: records folded per iteration of
+# a flush, 0 or 1 one at a time), KS (the checkpoint tile held as KS slices of K per thread,
 # see ops/utils/tiles.py; 1: a plain [BV, K] tile), mat (GDN: `_replay_decode_mat_kernel`, the
 # state tile rebuilt per chunk of BKT key columns by one tensor-core product; recmask, BC and
 # KS then do not apply), matprec (its product: "tf32x3", or for bf16 records "bf16x2": exact
 # keys, the weighted u in two bf16 terms, about 16 bits, or "bf16": one term, the weighted u
 # rounded to bf16 once more), gluon (GDN and KDA, GPU only: the Gluon kernel of gluon_decode.py, the
 # record-contracting program with the checkpoint tile copied asynchronously into shared memory
-# while the records are read; recmask and maxnreg apply, the other replay keys do not; where
+# while the records are read; recmask and maxnreg apply, and KDA's BC, the other replay keys do not; where
 # `gluon_unsupported` gives a reason (K other than 128, BV other than 16 * num_warps, windows
 # above 32) and on the CPU interpreter the Triton kernels run with the other keys)
 _REPLAY_KEYS = ("recmask", "BC", "KS", "mat", "BKT", "matprec", "gluon")
