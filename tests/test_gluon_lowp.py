@@ -236,6 +236,7 @@ def test_split_matches_single_launch_gpu(shape, design):
     assert gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("lp", FORMATS)
 def test_split_gpu_recmask(lp):
