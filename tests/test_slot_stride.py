@@ -104,6 +104,7 @@ GLUON_CASES = [
     ("mamba2", "verify", 3, {"gluon": True}),
     ("gdn", "decode", 1, {"gluon": True}),
     ("gdn", "verify", 3, {"gluon": True}),
+    ("kda", "decode", 1, {"gluon": True, "BC": 4}),                  # KDA's flush, 4 records an iteration
 ]
 
 
