@@ -122,3 +122,14 @@ def test_vllm_ssu_loads_the_kernel_module_with_its_imports_stood_in(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "(False, True, 'fast_exp', 0)"
+
+
+def test_cursor_steps_says_it_needs_a_gpu():
+    # the per-cursor timing tool (GPU only) refuses a machine without CUDA with a clear error
+    # rather than a traceback; elsewhere (the H200) it is run by hand
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(HERE / "cursor_steps.py"), "kimi-linear-48b", "--batch", "4"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    if "needs a CUDA device" not in r.stderr and r.returncode == 0:
+        pytest.skip("a CUDA device is present: the tool ran")
+    assert r.returncode != 0 and "needs a CUDA device" in r.stderr, r.stderr[-2000:]

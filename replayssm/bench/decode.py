@@ -78,14 +78,18 @@ class Case:
         return self.batch <= self.ops.eager_max_batch(self.HV, self.V, self.K, self.Hk)
 
     def replay_window(self, config=None):
+        for i in range(self.window):
+            self.replay_step(i, config)
+
+    def replay_step(self, i, config=None):
+        """Step `i` of the window on the replay state (the eager step where `eager` says so)."""
         window = 1 if self.eager(config) else self.window
         config = {k: v for k, v in (config or {}).items() if k != "eager"} or None
-        for i in range(self.window):
-            call_accepting(self.ops.replay_decode, dict(self._common(i), ckpt=self.ckpt, buf_ld=self.buf_ld,
-                                               buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
-                                               epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids,
-                                               window=window, out=self.out[i], config=config,
-                                               validate=False))
+        call_accepting(self.ops.replay_decode, dict(self._common(i), ckpt=self.ckpt, buf_ld=self.buf_ld,
+                                                    buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
+                                                    epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids,
+                                                    window=window, out=self.out[i], config=config,
+                                                    validate=False))
 
     def conventional_window(self, config=None):
         for i in range(self.window):
