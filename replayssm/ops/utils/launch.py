@@ -103,12 +103,16 @@ def slot_pads(ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, cursor
     elements (0 for the pool's contiguous tensors). The kernels index rows as
     `base + slot * rowsize`; shifting each base by `slot * pad` first lands them on
     `slot * stride` without touching the addressing that follows."""
-    def pad(t):
-        return t.stride(0) - math.prod(t.shape[1:])
-    out = dict(pad_ckpt=pad(ckpt), pad_ld=pad(buf_ld), pad_w=pad(buf_w), pad_k=pad(buf_k), pad_cur=pad(cursor))
+    out = dict(pad_ckpt=_slot_pad(ckpt), pad_ld=_slot_pad(buf_ld), pad_w=_slot_pad(buf_w), pad_k=_slot_pad(buf_k),
+               pad_cur=_slot_pad(cursor))
     if pending is not None:
-        out["pad_pend"] = pad(pending)
+        out["pad_pend"] = _slot_pad(pending)
     return out
+
+
+def _slot_pad(t: Tensor) -> int:
+    """One state tensor's slot padding: its slot stride less its row size, in elements."""
+    return t.stride(0) - math.prod(t.shape[1:])
 
 
 def require_contiguous_slots(what: str, *tensors: Tensor) -> None:
@@ -128,4 +132,4 @@ def gluon_aligned(ckpt: Tensor, buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor) ->
     are round). Elsewhere the launchers run the Triton kernels, which vectorise as far as the
     alignment allows."""
     state = (ckpt, buf_ld, buf_w, buf_k)
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) - math.prod(t.shape[1:])) % 16 == 0 for t in state)
+    return all(t.data_ptr() % 16 == 0 and _slot_pad(t) % 16 == 0 for t in state)
