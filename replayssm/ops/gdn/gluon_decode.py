@@ -72,8 +72,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _kda_fold(s_C, s_u, b_kn, b_ld, p_C, p_Kg, p_Uh, p_ldh, h, o_tk, SK: gl.constexpr,
-                          SW: gl.constexpr, SD: gl.constexpr, BV: gl.constexpr, K: gl.constexpr,
-                          RC: gl.constexpr, U: gl.constexpr, LT: gl.constexpr):
+                  SW: gl.constexpr, SD: gl.constexpr, BV: gl.constexpr, K: gl.constexpr,
+                  RC: gl.constexpr, U: gl.constexpr, LT: gl.constexpr):
         # KDA's flush: C <- C Diag(G(0)) + sum_{j<h} u_j (k_j * G(j+1))^T + u_t k^T, by row chunks
         # of the tile, newest record first so that the suffix log decay accumulates along the
         # loop (the records re-read per chunk: L1/L2 hits). Not unrolled over the tile (the
@@ -302,6 +302,7 @@ def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_
         HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=gluon_record_tile(window, buf_w.shape[1]),
         RC=4 * num_warps,
         USE_QK_L2NORM=bool(use_qk_l2norm), NW=num_warps, RECMASK=bool(recmask), IS_KDA=family == "kda",
-        FOLD_GROUP=max(1, fold_group),
+        # GDN's flush has no such loop: one specialisation whatever BC says
+        FOLD_GROUP=max(1, fold_group) if family == "kda" else 1,
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
