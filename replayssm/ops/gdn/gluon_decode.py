@@ -71,33 +71,31 @@ if HAVE_GLUON:
         return o_kK, o_kD, p_qt, p_kt, b_qK, b_kK, b_v, b_braw, b_Alog, b_araw, b_dtb
 
     @gluon.jit
-    def _kda_fold(s_C, s_u, b_kn, b_ld, p_C, p_Kg, p_Uh, p_ldh, h, o_tk, SK: gl.constexpr,
-                  SW: gl.constexpr, SD: gl.constexpr, BV: gl.constexpr, K: gl.constexpr,
-                  RC: gl.constexpr, U: gl.constexpr, LT: gl.constexpr):
+    def _kda_fold(s_C, s_u, s_Kw, b_kn, b_g0, p_C, p_Uh, h, SW: gl.constexpr, BV: gl.constexpr,
+                  K: gl.constexpr, BL: gl.constexpr, RC: gl.constexpr, U: gl.constexpr, LF: gl.constexpr):
         # KDA's flush: C <- C Diag(G(0)) + sum_{j<h} u_j (k_j * G(j+1))^T + u_t k^T, by row chunks
-        # of the tile, newest record first so that the suffix log decay accumulates along the
-        # loop (the records re-read per chunk: L1/L2 hits). Not unrolled over the tile (the
-        # registers of this rare path are every program's), but U records an iteration, their
-        # loads (masked past record 0) issued together: one record an iteration waited out a
-        # load round trip per record and chunk, which made a flush step 2.2x a conventional one
-        b_ldT = gl.convert_layout(b_ld, gl.SliceLayout(0, LT))
-        p_kj = p_Kg + o_tk
-        p_ldT = p_ldh + o_tk
+        # of the tile. The decayed keys k_j * G(j+1) are the ones this step's outputs used, kept
+        # in shared memory (`s_Kw`): walking the records per chunk with their decays re-scanned
+        # (a load of key and log decay and an exponential per record, chunk and column) made a
+        # flush step 2.2x a conventional one. Each thread holds 4 consecutive rows of a chunk (LF),
+        # so a record's values are one vector load; U records a loop iteration, loads issued
+        # together (the loop stays rolled: the registers of this rare path are every program's)
+        o_fk = gl.arange(0, K, layout=gl.SliceLayout(0, LF))
+        b_g0F = gl.convert_layout(b_g0, gl.SliceLayout(0, LF))
+        b_knF = gl.convert_layout(b_kn, gl.SliceLayout(0, LF))
+        n_rec = gl.minimum(h, BL)
         for r0 in gl.static_range(0, BV, RC):
-            o_rc = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LT))
-            b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LT))
-            b_Cc = b_uc[:, None] * b_kn[None, :]
-            b_sr = b_ldT
-            for g in range(0, h, U):
+            o_rc = r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, LF))
+            b_uc = s_u.slice(r0, RC, dim=0).load(gl.SliceLayout(1, LF))
+            b_Cc = s_C.slice(r0, RC, dim=0).load(LF) * b_g0F[None, :] + b_uc[:, None] * b_knF[None, :]
+            for g in range(0, n_rec, U):
                 for i_u in gl.static_range(U):
-                    jr = h - 1 - g - i_u
-                    m_j = jr >= 0
-                    k_j = gl.load(p_kj + jr * SK, mask=(o_tk >= 0) & m_j, other=0.0).to(gl.float32)
-                    w_j = gl.load(p_Uh + jr * SW + o_rc, mask=(o_rc >= 0) & m_j, other=0.0).to(gl.float32)
-                    b_Cc += w_j[:, None] * (gl.exp(b_sr) * k_j)[None, :]
-                    b_sr += gl.load(p_ldT + jr * SD, mask=(o_tk >= 0) & m_j, other=0.0)
-            b_Cc += s_C.slice(r0, RC, dim=0).load(LT) * gl.exp(b_sr)[None, :]
-            gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+                    j = g + i_u
+                    w_j = gl.load(p_Uh + j * SW + o_rc, mask=(o_rc >= 0) & (j < n_rec), other=0.0).to(gl.float32)
+                    # rows past the cursor hold zeros; j < BL as BL is a multiple of U
+                    kw_j = s_Kw.index(j).load(gl.SliceLayout(0, LF))
+                    b_Cc += w_j[:, None] * kw_j[None, :]
+            gl.store(p_C + o_rc[:, None] * K + o_fk[None, :], b_Cc)
 
     @gluon.jit
     def _gluon_gdn_kernel(
@@ -262,14 +260,18 @@ if HAVE_GLUON:
         is_flush = h + 1 >= window
         if is_flush:
             # C <- G(0) C + sum_{j<h} G(j+1) u_j k_j^T + u_t k^T, row chunks of the tile in shared
-            # memory, one rank-1 update per record, no conversions in the loop
+            # memory, one rank-1 update per record, no conversions in the loop (KDA: the decayed
+            # keys, `[BL, K]`, staged in shared memory that the layout conversions' scratch frees)
             s_u = gl.allocate_shared_memory(gl.float32, [BV], S1)
             s_u.store(b_u)
             _barrier()
             b_kn = gl.load(p_kt + o_tk).to(gl.float32) * r_k
             if IS_KDA:
-                _kda_fold(s_C, s_u, b_kn, b_ld, p_C, p_Kg, p_Uh, p_ldh, h, o_tk, HK * K, HV * V, HV * K, BV, K,
-                          RC, FOLD_GROUP, LT)
+                LF: gl.constexpr = gl.BlockedLayout([4, 4], [1, 32], [NW, 1], [1, 0])
+                s_Kw = gl.allocate_shared_memory(gl.float32, [BL, K], SM, b_Kw)
+                s_Kw = s_Kw._reinterpret(gl.float32, [BL, K], S1)     # rows indexed at run time
+                _barrier()
+                _kda_fold(s_C, s_u, s_Kw, b_kn, b_g0, p_C, p_Uh, h, HV * V, BV, K, BL, 4 * NW, FOLD_GROUP, LF)
             else:
                 o_lP = gl.arange(0, BL, layout=LP)
                 b_coefP = gl.convert_layout(b_coef, LP)
@@ -302,7 +304,8 @@ def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_
         HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=gluon_record_tile(window, buf_w.shape[1]),
         RC=4 * num_warps,
         USE_QK_L2NORM=bool(use_qk_l2norm), NW=num_warps, RECMASK=bool(recmask), IS_KDA=family == "kda",
-        # GDN's flush has no such loop: one specialisation whatever BC says
-        FOLD_GROUP=max(1, fold_group) if family == "kda" else 1,
+        # GDN's flush has no such loop: one specialisation whatever BC says; no more than the
+        # record tile's positions (the fold indexes that many rows of the decayed keys)
+        FOLD_GROUP=min(max(1, fold_group), gluon_record_tile(window, buf_w.shape[1])) if family == "kda" else 1,
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
