@@ -7,7 +7,7 @@ For each JSON file named in the index's tables (in the index's order, under its 
 headings): the file's own provenance (command, GPU, date, code version) and a compact table of
 its rows, with the columns that matter for its benchmark (`decode`, and its `--variants` runs,
 `eager_sweep`, `tune`, `records`, `verify`, `model`, `precision`, `precision_study`,
-`vllm_ssu`). `--check` writes nothing and exits 1 when a page differs from what would be
+`vllm_ssu`, `cursor_steps`). `--check` writes nothing and exits 1 when a page differs from what would be
 written or a page under docs/results/ is no longer generated (benchmarks/tools/test_tools.py
 runs the same comparison). Reads JSON only: it imports nothing of the package.
 """
@@ -276,6 +276,22 @@ def vllm_ssu_table(rows: list) -> list:
     return _table(["shape", "batch", "vLLM us", "conventional us", "replay us (path)", "replay vs vLLM"], out)
 
 
+def cursor_steps_table(data: dict) -> list:
+    """benchmarks/tools/cursor_steps.py: per config (and code, where a file holds two trees), the
+    staggered window's mean step and the step with every row held at each cursor, in
+    microseconds, and the flush step over the conventional one."""
+    hs = sorted({int(k[1:-3]) for r in data["rows"] for k in r if re.fullmatch(r"h\d+_us", k)})
+    out = []
+    for r in data["rows"]:
+        conv = r.get("conventional_us", data["conventional_us"])
+        flush = r.get(f"h{data['window'] - 1}_us")
+        out.append([r.get("code", "-"), _config(r["config"]), _us(conv), _us(r["staggered_us"]),
+                    f"{conv / r['staggered_us']:.2f}x"] + [_us(r.get(f"h{h}_us")) for h in hs]
+                   + ["-" if flush is None else f"{flush / conv:.2f}x"])
+    return _table(["code", "config", "conventional us", "staggered us", "staggered vs conventional"]
+                  + [f"h={h} us" for h in hs] + ["flush / conventional"], out)
+
+
 def vllm_table(rows: list) -> list:
     by = {(r["speculative"], r["batch"], r["scheme"]): r for r in rows}
     fp32 = any(r["scheme"] == "stock-fp32" for r in rows)
@@ -329,6 +345,8 @@ def file_section(name: str, data: dict) -> list:
         out += vllm_table(data["rows"])
     elif kind == "precision_study":
         out += precision_study_table(data["rows"])
+    elif kind == "cursor_steps":
+        out += cursor_steps_table(data)
     else:
         out.append(f"{len(data['rows'])} rows of benchmark `{kind}` (no table for it here).")
     return out + [""]

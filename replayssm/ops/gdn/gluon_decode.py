@@ -28,7 +28,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import (_add, _arrive_early, _barrier, _fold_records, _move_cursor, _record_weights,
-                                _slot_bases, _softplus, _tile_to_shared)
+                                _rows_view, _slot_bases, _softplus, _tile_to_shared)
 
 __all__ = ["gluon_unsupported", "launch_gluon"]
 
@@ -268,8 +268,7 @@ if HAVE_GLUON:
             b_kn = gl.load(p_kt + o_tk).to(gl.float32) * r_k
             if IS_KDA:
                 LF: gl.constexpr = gl.BlockedLayout([4, 4], [1, 32], [NW, 1], [1, 0])
-                s_Kw = gl.allocate_shared_memory(gl.float32, [BL, K], SM, b_Kw)
-                s_Kw = s_Kw._reinterpret(gl.float32, [BL, K], S1)     # rows indexed at run time
+                s_Kw = _rows_view(gl.allocate_shared_memory(gl.float32, [BL, K], SM, b_Kw), BL, K)
                 _barrier()
                 _kda_fold(s_C, s_u, s_Kw, b_kn, b_g0, p_C, p_Uh, h, HV * V, BV, K, BL, 4 * NW, FOLD_GROUP, LF)
             else:

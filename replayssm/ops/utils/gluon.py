@@ -41,6 +41,17 @@ def gluon_shape_supported(V: int, K: int, window: int, Lb: int, BV: int, num_war
 
 if HAVE_GLUON:
 
+    # a `[R, C]` shared buffer seen with a rank-1 layout, so that `.index(r)` gives row r at a
+    # run-time r: `_reinterpret` in Triton 3.6, `reinterpret` later (the old name then missing)
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+        @gluon.jit
+        def _rows_view(s, R: gl.constexpr, C: gl.constexpr):
+            return s.reinterpret(gl.float32, [R, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        @gluon.jit
+        def _rows_view(s, R: gl.constexpr, C: gl.constexpr):
+            return s._reinterpret(gl.float32, [R, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
     @gluon.jit
     def _slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld, pad_w, pad_k, pad_cur):
         """`utils.cursor.slot_bases` for the Gluon kernels."""
