@@ -63,7 +63,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import (_add, _async_load, _barrier, _record_weights, _slot_bases, _softplus,
+    from ..utils.gluon import (_add, _async_load, _barrier, _record_weights, _rows_view, _slot_bases, _softplus,
                                 _tile_to_shared, _verify_arrive)
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
@@ -179,20 +179,6 @@ if HAVE_GLUON:
         _async_load(s_R, p_R + (o_r[:, None] * STRIDE + o_n[None, :]), mask=(o_r < h)[:, None] & (o_n >= 0)[None, :])
         cp.commit_group()
         return s_R
-
-    # a shared buffer seen with another shape or layout: `_reinterpret` in Triton 3.6 (the H200
-    # machine's), `reinterpret` later
-    if hasattr(gl.shared_memory_descriptor, "_reinterpret"):
-        @gluon.jit
-        def _rows_view(s_X, R: gl.constexpr, N: gl.constexpr):
-            """The unswizzled `[R, N]` buffer `s_X` with a layout of one dimension, so that
-            `index(i)` gives its row i (an `[N]` buffer; a 2-D layout would stay 2-D)."""
-            return s_X._reinterpret(s_X.dtype, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        @gluon.jit
-        def _rows_view(s_X, R: gl.constexpr, N: gl.constexpr):
-            """As above, with the later name."""
-            return s_X.reinterpret(s_X.dtype, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     @gluon.jit
     def _kda_draft_grams(q, k, a, A_log, dt_bias, p_ldh, i_b, i_hv, i_hk, hc, n, sole, scale,

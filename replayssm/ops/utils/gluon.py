@@ -41,16 +41,20 @@ def gluon_shape_supported(V: int, K: int, window: int, Lb: int, BV: int, num_war
 
 if HAVE_GLUON:
 
-    # a `[R, C]` shared buffer seen with a rank-1 layout, so that `.index(r)` gives row r at a
-    # run-time r: `_reinterpret` in Triton 3.6, `reinterpret` later (the old name then missing)
-    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+    # a shared buffer seen with another shape or layout: `_reinterpret` in Triton 3.6 (the H200
+    # machine's), `reinterpret` later
+    if hasattr(gl.shared_memory_descriptor, "_reinterpret"):
         @gluon.jit
-        def _rows_view(s, R: gl.constexpr, C: gl.constexpr):
-            return s.reinterpret(gl.float32, [R, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        def _rows_view(s_X, R: gl.constexpr, N: gl.constexpr):
+            """The unswizzled `[R, N]` buffer `s_X` with a layout of one dimension, so that
+            `index(i)` gives its row i at a run-time i (an `[N]` buffer; a 2-D layout would stay
+            2-D)."""
+            return s_X._reinterpret(s_X.dtype, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         @gluon.jit
-        def _rows_view(s, R: gl.constexpr, C: gl.constexpr):
-            return s._reinterpret(gl.float32, [R, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        def _rows_view(s_X, R: gl.constexpr, N: gl.constexpr):
+            """As above, with the later name."""
+            return s_X.reinterpret(s_X.dtype, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     @gluon.jit
     def _slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld, pad_w, pad_k, pad_cur):
