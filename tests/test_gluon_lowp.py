@@ -87,14 +87,39 @@ def test_lowp_config_split_keys():
     assert cfg["gluon"] is True and cfg["gluon_BV"] == 64 and cfg["split"] is False
     assert cfg["flush_programs"] is None and cfg["gluon_maxnreg"] == 0
     assert default_gluon_bv(80) == 16 and default_gluon_bv(96) == 32 and default_gluon_bv(128) == 64
-    assert cfg["gluon_recmask"] is None
+    assert cfg["gluon_recmask"] is None and cfg["gluon_kq"] is False
     for bad in ({"gluon": 1}, {"split": "yes"}, {"gluon_BV": 48}, {"gluon_BV": True}, {"gluon_maxnreg": 300},
-                {"flush_programs": 0}, {"flush_programs": 2.0}, {"gluon_recmask": 1}, {"glon": True}):
+                {"flush_programs": 0}, {"flush_programs": 2.0}, {"gluon_recmask": 1}, {"gluon_kq": None},
+                {"glon": True}):
         with pytest.raises(ValueError, match=next(iter(bad)) if "glon" not in bad else "unknown"):
             lowp_config(64, bad)
     assert flush_programs({"flush_programs": 7}, 100, "cpu") == 7
     assert flush_programs({"flush_programs": 700}, 100, "cpu") == 100
     assert flush_programs({"flush_programs": None}, 100, "cpu") == 8
+
+
+@pytest.mark.parametrize("rec", [torch.float32, torch.bfloat16])
+def test_group_key_products_match_torch(rec):
+    """`gluon_kq`'s first launch (Triton, so the interpreter runs it): each row's key records up to
+    its cursor dotted with its query, per group; zeros from the cursor on and for a padding row,
+    whatever the records past the cursor hold (they are filled with NaN here)."""
+    from replayssm.ops.mamba2.gluon_lowp import group_key_products
+    g = torch.Generator().manual_seed(3)
+    N, Lb, Hk, K, BL = 5, 9, 2, 16, 16
+    buf_k = torch.randn(N, Lb, Hk, K, generator=g).to(rec)
+    cursor = torch.tensor([0, 3, 8, 5, 1], dtype=torch.int32)
+    for s, h in enumerate(cursor.tolist()):
+        buf_k[s, h:] = float("nan")
+    slot_ids = torch.tensor([4, 2, -1, 1, 0])
+    C = torch.randn(5, Hk, K, generator=g)
+    kq = group_key_products(C.to(DEV), buf_k.to(DEV), cursor.to(DEV), slot_ids.to(DEV), BL).cpu()
+    kq = kq.reshape(5, Hk, BL)
+    for b, s in enumerate(slot_ids.tolist()):
+        want = torch.zeros(Hk, BL)
+        if s >= 0:
+            h = int(cursor[s])
+            want[:, :h] = torch.einsum("jgk,gk->gj", buf_k[s, :h].float(), C[b])
+        assert torch.allclose(kq[b], want, rtol=1e-5, atol=1e-6), (b, kq[b], want)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,6 +275,18 @@ def test_split_gpu_recmask(lp):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("lp", FORMATS)
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_split_gpu_key_products(shape, lp):
+    """The group's key products formed once per row and group before the Gluon kernel
+    (`gluon_kq`): the same state and steady outputs as the single launch."""
+    gaps = _run_split(("fp32", lp, "stochastic"), GPU_SHAPES[shape], 8, 16, 40,
+                      {"gluon": True, "gluon_kq": True}, False)
+    assert gaps["flushes"] >= 8 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lp", FORMATS)
 def test_split_gpu_long_window_few_flush_programs(lp):
     """Window 20 (record tiles of 32 positions), 24 slots, two flush programs looping over every
     flush item of a step, Gluon blocks of 32 rows (2 warps)."""
@@ -260,8 +297,9 @@ def test_split_gpu_long_window_few_flush_programs(lp):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("design", [DESIGNS[0], DESIGNS[3], DESIGNS[8]], ids=[DESIGN_IDS[i] for i in (0, 3, 8)])
-def test_split_cuda_graph_equals_eager(design):
+@pytest.mark.parametrize("design,kq", [(DESIGNS[0], False), (DESIGNS[3], False), (DESIGNS[8], False), (DESIGNS[0], True)],
+                         ids=[DESIGN_IDS[i] for i in (0, 3, 8)] + [DESIGN_IDS[0] + "-kq"])
+def test_split_cuda_graph_equals_eager(design, kq):
     """The two launches captured in a CUDA graph and replayed for a window of steps (rows at
     staggered cursors, so some flush each step): the state and outputs bit for bit the eager
     split's."""
@@ -276,7 +314,7 @@ def test_split_cuda_graph_equals_eager(design):
                                                  generator=g).items()} for _ in range(window)]
     x_in = {k: v.clone() for k, v in xs[0].items()}
     y_g = torch.empty_like(x_in["x"])
-    cfg = {"gluon": True}
+    cfg = {"gluon": True, "gluon_kq": kq}
     _step(params, _clone(pool), design, ids, x_in, window, cfg)          # compiles, allocates counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):                      # records the launches, runs nothing

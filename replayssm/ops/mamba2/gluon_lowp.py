@@ -24,12 +24,15 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import triton
+import triton.language as tl
+
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views
+from ..utils.launch import scratch_f32
 from .common import OPTIONAL_INPUTS
 
 if HAVE_GLUON:
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -38,7 +41,7 @@ if HAVE_GLUON:
     from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_tile_to_shared,
                                     lp_vector)
 
-__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
+__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp", "group_key_products"]
 
 
 def gluon_lp_unsupported(lp_code: int, V: int, K: int, window: int, Lb: int, BV: int) -> Optional[str]:
@@ -59,18 +62,52 @@ def use_gluon_lp(cfg: dict, lp_code: int, x, V: int, K: int, window: int, Lb: in
         and gluon_lp_unsupported(lp_code, V, K, window, Lb, cfg["gluon_BV"]) is None
 
 
+@triton.jit
+def _group_key_products_kernel(C, buf_k, cursor, slot_ids, kq, stride_C_b, stride_C_g,
+                               Hk: tl.constexpr, K: tl.constexpr, LB: tl.constexpr, BL: tl.constexpr):
+    # one (row, group): kq[b, g, j] = k_j . q for the records j < h (zero from h on), the same
+    # products every program of the group's heads would form from the group's key records
+    i_b = tl.program_id(0).to(tl.int64)
+    i_g = tl.program_id(1)
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    o_l = tl.arange(0, BL)
+    p_kq = kq + (i_b * Hk + i_g) * BL + o_l
+    if slot < 0:
+        tl.store(p_kq, tl.zeros([BL], tl.float32))
+        return
+    h = tl.load(cursor + slot)
+    o_k = tl.arange(0, K)
+    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k).to(tl.float32)
+    m_l = (o_l < h) & (o_l < LB)
+    b_K = tl.load(buf_k + ((slot * LB + o_l[:, None]) * Hk + i_g) * K + o_k[None, :], mask=m_l[:, None],
+                  other=0.0).to(tl.float32)
+    tl.store(p_kq, tl.sum(b_K * b_q[None, :], axis=1))
+
+
+def group_key_products(C, buf_k, cursor, slot_ids, BL: int):
+    """`[Bt, Hk, BL]` fp32: row b's key records (`buf_k` `[N, Lb, Hk, K]`, slot `slot_ids[b]`) up
+    to its cursor dotted with its query `C[b]` (`[Bt, Hk, K]`), zero from the cursor on and for
+    padding rows; in a scratch buffer shared by the step's layers (`utils.launch.scratch_f32`)."""
+    Bt, Hk, K = C.shape
+    kq = scratch_f32(C.device, Bt * Hk * BL)
+    _group_key_products_kernel[(Bt, Hk)](C, buf_k, cursor, slot_ids, kq, C.stride(0), C.stride(1),
+                                         Hk=Hk, K=K, LB=buf_k.shape[1], BL=BL, num_warps=4)
+    return kq
+
+
 if HAVE_GLUON:
 
     @triton.heuristics(OPTIONAL_INPUTS)
     @gluon.jit
     def _gluon_lp_kernel(
         x, dt, B, C, A, dt_bias, D, z, out,
-        lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, kq,
         stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
         stride_z_b, stride_z_h, stride_o_b, stride_o_h,
         HV: gl.constexpr, Hk: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, LP: gl.constexpr,
         HAS_D: gl.constexpr, HAS_Z: gl.constexpr, NW: gl.constexpr, RECMASK: gl.constexpr,
+        KQ: gl.constexpr,
     ):
         # the fp32 kernel's layouts (gluon_decode.py) for everything but the tile: LW value
         # records [BL, BV], LK key records [BL, K], LY outputs [BV], LA1 [BL] one position per lane
@@ -129,18 +166,23 @@ if HAVE_GLUON:
             b_scb = 0
         b_qv = lp_vector(b_qK, p_Ct, K, LP, NW)
 
-        o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
-        m_lK = (o_lK < h)[:, None]
-        m_lKl = m_lK if RECMASK else (o_lK < NPOS)[:, None]
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
-        b_Kr = gl.load(p_Kg + o_lK[:, None] * (Hk * K) + o_kK[None, :], mask=m_lKl, other=0.0)
+        o_l = gl.arange(0, BL, layout=LA1)
+        if KQ:
+            # the group's key products, formed by the launch before (group_key_products): the
+            # group's 4 KB of key records per program were a sixth of an fp16 step's L2 traffic
+            b_kq = gl.load(kq + (i_b * Hk + i_g) * BL + o_l)
+        else:
+            o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
+            m_lK = (o_lK < h)[:, None]
+            m_lKl = m_lK if RECMASK else (o_lK < NPOS)[:, None]
+            b_Kr = gl.load(p_Kg + o_lK[:, None] * (Hk * K) + o_kK[None, :], mask=m_lKl, other=0.0)
         o_lW = gl.arange(0, BL, layout=gl.SliceLayout(1, LW))
         o_rW = gl.arange(0, BV, layout=gl.SliceLayout(0, LW))
         m_lW = (o_lW < h)[:, None]
         m_lWl = m_lW if RECMASK else (o_lW < NPOS)[:, None]
         p_Wh = buf_w + slot * (LB * HV * V) + i_h * V + v0
         b_Wr = gl.load(p_Wh + o_lW[:, None] * (HV * V) + o_rW[None, :], mask=m_lWl, other=0.0)
-        o_l = gl.arange(0, BL, layout=LA1)
         p_ldh = buf_ld + slot * (LB * HV) + i_h
         b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < NPOS), other=0.0)
         b_ldj = gl.load(p_ldh + o_l * HV, mask=(o_l < h) if RECMASK else (o_l < NPOS), other=0.0)
@@ -153,8 +195,9 @@ if HAVE_GLUON:
         b_ld = b_dt * b_A
         b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)
         b_coef = gl.where(o_l < h, b_coef * (b_ldj * b_rA), 0.0)
-        b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
-        b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1)                                      # [BL]
+        if not KQ:
+            b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
+            b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1)                                  # [BL]
         b_kcq = gl.sum(b_kcK * b_qK, axis=0)
         b_cw = gl.convert_layout(b_coef, gl.SliceLayout(1, LW)) * gl.convert_layout(b_kq, gl.SliceLayout(1, LW))
         b_W = gl.where(m_lW, b_Wr.to(gl.float32), 0.0)
@@ -190,22 +233,26 @@ if HAVE_GLUON:
 
 
 def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
-                    cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=None):
+                    cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=None, kq=False):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) on the LP parts of
     `lowp.lp_views` under format code `LP`; the caller checked `gluon_lp_unsupported` and runs
     the flush rows first (precision.py, `ROWS=1`). `recmask`: the record loads wait for the
-    cursor and skip positions past it (None: off, Mamba-2's default)."""
+    cursor and skip positions past it (None: off, Mamba-2's default). `kq`: the group's key
+    products formed first by `group_key_products` (a launch of `Bt * Hk` programs), which the
+    kernel then loads instead of the key records."""
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
     nw = BV // 16
+    BL = gluon_record_tile(window, LB)
+    kqs = group_key_products(C, buf_k, cursor, slot_ids, BL) if kq else slot_ids
     _gluon_lp_kernel[(HV * (V // BV), Bt)](
         x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out,
         lp_data=lp_gluon_views(lp_data, LP), lp_scale=lp_scale, lp_tscale=lp_tscale,
         buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch, arrive=arrive, slot_ids=slot_ids,
-        stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
+        kq=kqs, stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
         stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
-        HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=int(window), BV=BV, BL=gluon_record_tile(window, LB), LP=int(LP),
-        NW=nw, num_warps=nw, RECMASK=bool(recmask), **({"maxnreg": maxnreg} if maxnreg else {}))
+        HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=int(window), BV=BV, BL=BL, LP=int(LP),
+        NW=nw, num_warps=nw, RECMASK=bool(recmask), KQ=bool(kq), **({"maxnreg": maxnreg} if maxnreg else {}))

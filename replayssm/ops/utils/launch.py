@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 _ARRIVE_CACHE: dict = {}
+_SCRATCH_CACHE: dict = {}
 
 
 def capturing() -> bool:
@@ -30,6 +31,21 @@ def arrive_counter(device, N: int) -> Tensor:
                              "a CUDA graph, or pass arrive=")
         t = torch.zeros(N, dtype=torch.int32, device=device)
         _ARRIVE_CACHE[key] = t
+    return t
+
+
+def scratch_f32(device, numel: int) -> Tensor:
+    """An fp32 scratch buffer of `numel` elements, cached per (device, numel): a launch writes it
+    and the next launch of the same step reads it, so one buffer serves every layer and step on
+    one stream (contents undefined between steps). Created on first use, which must not be inside
+    a CUDA-graph capture (warm up first)."""
+    key = (torch.device(device), int(numel))
+    t = _SCRATCH_CACHE.get(key)
+    if t is None:
+        if capturing():
+            raise ValueError("scratch buffer not allocated yet: run the step once before capturing a CUDA graph")
+        t = torch.empty(int(numel), dtype=torch.float32, device=device)
+        _SCRATCH_CACHE[key] = t
     return t
 
 

@@ -82,12 +82,14 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     kernel), `gluon_BV` (its rows per program, `gluon_BV / 16` warps; `default_gluon_bv`),
     `gluon_maxnreg` (its register cap, 0 none), `gluon_recmask` (whether its record loads wait for
     the cursor and skip positions past it; None: the family's default, Mamba-2 no, GDN/KDA yes),
+    `gluon_kq` (Mamba-2: the group's key products with the query formed once per row and group by a
+    launch before the Gluon kernel, instead of by each of its programs; GDN/KDA ignore it),
     `split` (the two launches even without Gluon, the second the Triton kernel: the split's test
     on the interpreter), `flush_programs` (the
     flush launch's programs, None: 8 per SM, 8 off CUDA, at most one per (row, head, V-block)).
     The split's keys are returned where given, all of them (defaults filled) with `split=True`."""
     split_keys = {"gluon": True, "gluon_BV": default_gluon_bv(V), "gluon_maxnreg": 0, "gluon_recmask": None,
-                  "split": False, "flush_programs": None}
+                  "gluon_kq": False, "split": False, "flush_programs": None}
     cfg = dict({"BV": default_bv(V), "num_warps": 4}, **split_keys)
     if config:
         unknown = set(config) - set(cfg)
@@ -99,7 +101,7 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
         raise ValueError(f"config: BV must be a power of two, got {BV!r}")
     if isinstance(nw, bool) or not isinstance(nw, int) or nw not in (1, 2, 4, 8, 16):
         raise ValueError(f"config: num_warps must be one of 1, 2, 4, 8, 16, got {nw!r}")
-    for key in ("gluon", "split"):
+    for key in ("gluon", "split", "gluon_kq"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"config: {key} must be a bool, got {cfg[key]!r}")
     if isinstance(cfg["gluon_BV"], bool) or cfg["gluon_BV"] not in (16, 32, 64, 128):
