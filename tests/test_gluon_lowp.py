@@ -98,27 +98,30 @@ def test_lowp_config_split_keys():
     assert flush_programs({"flush_programs": None}, 100, "cpu") == 8
 
 
+@pytest.mark.parametrize("nvec", [1, 2])
 @pytest.mark.parametrize("rec", [torch.float32, torch.bfloat16])
-def test_group_key_products_match_torch(rec):
-    """`gluon_kq`'s first launch (Triton, so the interpreter runs it): each row's key records up to
-    its cursor dotted with its query, per group; zeros from the cursor on and for a padding row,
-    whatever the records past the cursor hold (they are filled with NaN here)."""
-    from replayssm.ops.mamba2.gluon_lowp import group_key_products
+def test_key_products_match_torch(rec, nvec):
+    """`gluon_kq`'s first launch (utils/key_products.py; Triton, so the interpreter runs it): each
+    row's key records below its cursor dotted with its one (Mamba-2) or two (GDN) vectors per key
+    head; zeros from the cursor on and for a padding row, whatever the records past the cursor
+    hold (NaN here)."""
+    from replayssm.ops.utils.key_products import key_products
     g = torch.Generator().manual_seed(3)
-    N, Lb, Hk, K, BL = 5, 9, 2, 16, 16
+    N, Lb, Hk, K, BL, Bt = 5, 9, 2, 16, 16, 5
     buf_k = torch.randn(N, Lb, Hk, K, generator=g).to(rec)
     cursor = torch.tensor([0, 3, 8, 5, 1], dtype=torch.int32)
     for s, h in enumerate(cursor.tolist()):
         buf_k[s, h:] = float("nan")
     slot_ids = torch.tensor([4, 2, -1, 1, 0])
-    C = torch.randn(5, Hk, K, generator=g)
-    kq = group_key_products(C.to(DEV), buf_k.to(DEV), cursor.to(DEV), slot_ids.to(DEV), BL).cpu()
-    kq = kq.reshape(5, Hk, BL)
+    xs = [torch.randn(Bt, Hk, K, generator=g) for _ in range(nvec)]
+    kq = key_products([x.to(DEV) for x in xs], buf_k.to(DEV), cursor.to(DEV), slot_ids.to(DEV), BL)
+    kq = kq.cpu().reshape(Bt, Hk, nvec, BL)
     for b, s in enumerate(slot_ids.tolist()):
-        want = torch.zeros(Hk, BL)
+        want = torch.zeros(Hk, nvec, BL)
         if s >= 0:
             h = int(cursor[s])
-            want[:, :h] = torch.einsum("jgk,gk->gj", buf_k[s, :h].float(), C[b])
+            for i, x in enumerate(xs):
+                want[:, i, :h] = torch.einsum("jgk,gk->gj", buf_k[s, :h].float(), x[b])
         assert torch.allclose(kq[b], want, rtol=1e-5, atol=1e-6), (b, kq[b], want)
 
 

@@ -296,6 +296,16 @@ def test_split_matches_single_launch_gpu(shape, name, gluon_launches):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("name", ["gdn-fp32-fp16", "gdn-fp32-bf16", "gdn-shared-fp16-sr"])
+@pytest.mark.parametrize("shape", ["qwen3.5-4b", "qwen3.5-122b"])
+def test_split_gpu_key_products(shape, name, gluon_launches):
+    """The key head's record products formed once per row and key head before the Gluon kernel
+    (`gluon_kq`), as the test above."""
+    _gpu_split(name, shape, 8, 16, 40, {"gluon_kq": True}, gluon_launches)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("name", ["kda-fp32-bf16", "kda-shared-fp16-sr"])
 def test_split_matches_single_launch_gpu_kda(name, gluon_launches):
     """KDA through the kernel's IS_KDA (per-channel decays, G(0) folded into the vectors), Kimi

@@ -326,15 +326,15 @@ def mamba2_gluon_lp(cfg):
 def delta_gluon_lp(cfg, family="gdn"):
     """GDN's (KDA's) low-precision Gluon kernel (ops/gdn/gluon_lowp.py) at Qwen3.5-4B's (Kimi
     Linear's) shape, fp16 reads beside an fp32 checkpoint by default (`raw=1`: the raw v, beta
-    records)."""
+    records; `kq=1`: the record products loaded, `gluon_kq`)."""
     from replayssm.ops.gdn import gluon_lowp as m
 
     c = dict(BV=32, num_warps=2, lp=1, raw=1)
     c.update(cfg)
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
-    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias", "buf_v", "buf_beta")}, **_lp_ptr(c))
+    ptr.update({n: "*fp32" for n in ("A_log", "dt_bias", "buf_v", "buf_beta", "kq")}, **_lp_ptr(c))
     vals = dict(HV=32, HK=16 if family == "gdn" else 32, V=128, K=128, LBCAP=17, WINDOW=16, LP=c["lp"],
-                USE_QK_L2NORM=True, IS_KDA=family == "kda", RAW=bool(c["raw"]))
+                USE_QK_L2NORM=True, IS_KDA=family == "kda", RAW=bool(c["raw"]), KQ=bool(c.pop("kq", 0)))
     return _gluon(m._gluon_lp_kernel, f"{family} gluon lp", ptr, vals, c)
 
 

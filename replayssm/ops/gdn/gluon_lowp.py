@@ -27,6 +27,7 @@ from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views
+from ..utils.key_products import key_products
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -75,14 +76,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _gluon_lp_kernel(
         q, k, v, a, b, A_log, dt_bias, o,
-        lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, slot_ids,
+        lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, slot_ids, kq,
         scale,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
         stride_a_b, stride_a_h, stride_b_b, stride_b_h,
         HV: gl.constexpr, HK: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr,
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, LP: gl.constexpr,
         USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr, RECMASK: gl.constexpr, IS_KDA: gl.constexpr,
-        RAW: gl.constexpr,
+        RAW: gl.constexpr, KQ: gl.constexpr,
     ):
         # the fp32 kernel's layouts (gluon_decode.py) for everything but the tile: LW value
         # records [BL, BV] (8 positions per thread), LK key records [BL, K], LA1 [BL] one
@@ -130,11 +131,19 @@ if HAVE_GLUON:
             b_sca = 0
             b_scb = 0
 
-        o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
-        m_lK = (o_lK < h)[:, None]
         p_Kg = buf_k + slot * (LBCAP * HK * K) + i_hk * K
-        b_Kr = gl.load(p_Kg + o_lK[:, None] * (HK * K) + o_kK[None, :],
-                       mask=m_lK if RECMASK else (o_lK < NPOS)[:, None], other=0.0)
+        o_l = gl.arange(0, BL, layout=LA1)
+        if KQ:
+            # (GDN) the key head's products k_j . k and k_j . q with the raw key and query, formed
+            # by the launch before (utils/key_products.py) instead of from the key records here
+            p_kq = kq + (i_b * HK + i_hk) * (2 * BL) + o_l
+            b_kkr = gl.load(p_kq)
+            b_kqr = gl.load(p_kq + BL)
+        else:
+            o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
+            m_lK = (o_lK < h)[:, None]
+            b_Kr = gl.load(p_Kg + o_lK[:, None] * (HK * K) + o_kK[None, :],
+                           mask=m_lK if RECMASK else (o_lK < NPOS)[:, None], other=0.0)
         o_lW = gl.arange(0, BL, layout=gl.SliceLayout(1, LW))
         o_rW = gl.arange(0, BV, layout=gl.SliceLayout(0, LW))
         m_lW = (o_lW < h)[:, None]
@@ -142,7 +151,6 @@ if HAVE_GLUON:
         p_Uh = buf_w + o_rec
         b_Ur = gl.load(p_Uh + o_lW[:, None] * (HV * V) + o_rW[None, :],
                        mask=m_lW if RECMASK else (o_lW < NPOS)[:, None], other=0.0)
-        o_l = gl.arange(0, BL, layout=LA1)
         if IS_KDA:
             o_lD = gl.arange(0, BL, layout=gl.SliceLayout(1, LD))
             p_ldh = buf_ld + slot * (LBCAP * HV * K) + i_hv * K
@@ -168,7 +176,8 @@ if HAVE_GLUON:
         b_beta = 1.0 / (1.0 + gl.exp(-b_braw))
         b_ld = -gl.exp(b_Alog) * _softplus(b_araw + b_dtb)
 
-        b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
+        if not KQ:
+            b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
         b_ktq = gl.sum(b_kK * b_qK, axis=0) * (r_k * r_q)
         b_U = gl.where(m_lW, b_Ur.to(gl.float32), 0.0)
         if IS_KDA:
@@ -190,8 +199,12 @@ if HAVE_GLUON:
             b_g = 1.0
         else:
             b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)
-            b_kk = gl.sum(b_Kb * b_kK[None, :], axis=1) * r_k
-            b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1) * r_q
+            if KQ:
+                b_kk = b_kkr * r_k
+                b_kq = b_kqr * r_q
+            else:
+                b_kk = gl.sum(b_Kb * b_kK[None, :], axis=1) * r_k
+                b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1) * r_q
             b_cW = gl.convert_layout(b_coef, gl.SliceLayout(1, LW))
             b_rk = gl.sum(b_U * (b_cW * gl.convert_layout(b_kk, gl.SliceLayout(1, LW)))[:, None], axis=0)
             b_rq = gl.sum(b_U * (b_cW * gl.convert_layout(b_kq, gl.SliceLayout(1, LW)))[:, None], axis=0)
@@ -239,22 +252,27 @@ if HAVE_GLUON:
 
 def launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
                     buf_v, buf_beta, cursor, epoch, arrive, slot_ids, o, window, BV, use_qk_l2norm=True,
-                    family="gdn", maxnreg=0, recmask=None):
+                    family="gdn", maxnreg=0, recmask=None, kq=False):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) for `family` "gdn"
     or "kda" on the LP parts of `lowp.lp_views` under format code `LP`; `buf_v`, `buf_beta` the
     raw records beside an LP copy, None for the shared design. The caller checked
     `use_gluon_lp` and ran the flush rows first (precision.py, `ROWS=1`). `recmask`: the record
-    loads wait for the cursor and skip positions past it (None: on, GDN's and KDA's default)."""
+    loads wait for the cursor and skip positions past it (None: on, GDN's and KDA's default).
+    `kq` (GDN; KDA's record weights are per value head): the key head's record products formed
+    first (`utils.key_products`), which the kernel loads instead of the key records."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     LBCAP = buf_w.shape[1]
     nw = BV // 16
+    BL = gluon_record_tile(window, LBCAP)
+    kq = bool(kq) and family == "gdn"
+    kqs = key_products([k, q], buf_k, cursor, slot_ids, BL) if kq else slot_ids
     _gluon_lp_kernel[(HV * (V // BV), Bt)](
         q, k, v, a, b, A_log, dt_bias, o,
         lp_gluon_views(lp_data, LP), lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
-        cursor, epoch, arrive, slot_ids, scale,
+        cursor, epoch, arrive, slot_ids, kqs, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, WINDOW=int(window), BV=BV, BL=gluon_record_tile(window, LBCAP),
+        HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, WINDOW=int(window), BV=BV, BL=BL,
         LP=int(LP), USE_QK_L2NORM=bool(use_qk_l2norm), NW=nw, RECMASK=recmask is None or bool(recmask), IS_KDA=family == "kda",
-        RAW=buf_v is not None, num_warps=nw, **({"maxnreg": maxnreg} if maxnreg else {}))
+        RAW=buf_v is not None, KQ=kq, num_warps=nw, **({"maxnreg": maxnreg} if maxnreg else {}))

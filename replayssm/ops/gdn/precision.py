@@ -506,7 +506,7 @@ def lowp_decode(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
             launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, ck["lp_data"], ck["lp_scale"], ck["lp_tscale"],
                             ck["LP"], buf_ld, buf_w, buf_k, buf_v, buf_beta, cursor, epoch, arrive, slot_ids, out,
                             int(window), cfg["gluon_BV"], use_qk_l2norm, family, cfg["gluon_maxnreg"],
-                            cfg["gluon_recmask"])
+                            cfg["gluon_recmask"], cfg["gluon_kq"])
         else:
             _lowp_decode_kernel[(HV * nv, Bt)](**args, ROWS=2)
     else:

@@ -24,15 +24,13 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import triton
-import triton.language as tl
-
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views
-from ..utils.launch import scratch_f32
+from ..utils.key_products import key_products
 from .common import OPTIONAL_INPUTS
 
 if HAVE_GLUON:
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -41,7 +39,7 @@ if HAVE_GLUON:
     from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_tile_to_shared,
                                     lp_vector)
 
-__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp", "group_key_products"]
+__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
 
 
 def gluon_lp_unsupported(lp_code: int, V: int, K: int, window: int, Lb: int, BV: int) -> Optional[str]:
@@ -60,39 +58,6 @@ def use_gluon_lp(cfg: dict, lp_code: int, x, V: int, K: int, window: int, Lb: in
     interpreter, and covered (`gluon_lp_unsupported`)."""
     return bool(cfg["gluon"]) and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" \
         and gluon_lp_unsupported(lp_code, V, K, window, Lb, cfg["gluon_BV"]) is None
-
-
-@triton.jit
-def _group_key_products_kernel(C, buf_k, cursor, slot_ids, kq, stride_C_b, stride_C_g,
-                               Hk: tl.constexpr, K: tl.constexpr, LB: tl.constexpr, BL: tl.constexpr):
-    # one (row, group): kq[b, g, j] = k_j . q for the records j < h (zero from h on), the same
-    # products every program of the group's heads would form from the group's key records
-    i_b = tl.program_id(0).to(tl.int64)
-    i_g = tl.program_id(1)
-    slot = tl.load(slot_ids + i_b).to(tl.int64)
-    o_l = tl.arange(0, BL)
-    p_kq = kq + (i_b * Hk + i_g) * BL + o_l
-    if slot < 0:
-        tl.store(p_kq, tl.zeros([BL], tl.float32))
-        return
-    h = tl.load(cursor + slot)
-    o_k = tl.arange(0, K)
-    b_q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_k).to(tl.float32)
-    m_l = (o_l < h) & (o_l < LB)
-    b_K = tl.load(buf_k + ((slot * LB + o_l[:, None]) * Hk + i_g) * K + o_k[None, :], mask=m_l[:, None],
-                  other=0.0).to(tl.float32)
-    tl.store(p_kq, tl.sum(b_K * b_q[None, :], axis=1))
-
-
-def group_key_products(C, buf_k, cursor, slot_ids, BL: int):
-    """`[Bt, Hk, BL]` fp32: row b's key records (`buf_k` `[N, Lb, Hk, K]`, slot `slot_ids[b]`) up
-    to its cursor dotted with its query `C[b]` (`[Bt, Hk, K]`), zero from the cursor on and for
-    padding rows; in a scratch buffer shared by the step's layers (`utils.launch.scratch_f32`)."""
-    Bt, Hk, K = C.shape
-    kq = scratch_f32(C.device, Bt * Hk * BL)
-    _group_key_products_kernel[(Bt, Hk)](C, buf_k, cursor, slot_ids, kq, C.stride(0), C.stride(1),
-                                         Hk=Hk, K=K, LB=buf_k.shape[1], BL=BL, num_warps=4)
-    return kq
 
 
 if HAVE_GLUON:
@@ -169,8 +134,7 @@ if HAVE_GLUON:
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
         o_l = gl.arange(0, BL, layout=LA1)
         if KQ:
-            # the group's key products, formed by the launch before (group_key_products): the
-            # group's 4 KB of key records per program were a sixth of an fp16 step's L2 traffic
+            # the group's key products, formed by the launch before (utils/key_products.py)
             b_kq = gl.load(kq + (i_b * Hk + i_g) * BL + o_l)
         else:
             o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
@@ -238,14 +202,14 @@ def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale,
     `lowp.lp_views` under format code `LP`; the caller checked `gluon_lp_unsupported` and runs
     the flush rows first (precision.py, `ROWS=1`). `recmask`: the record loads wait for the
     cursor and skip positions past it (None: off, Mamba-2's default). `kq`: the group's key
-    products formed first by `group_key_products` (a launch of `Bt * Hk` programs), which the
+    products formed first (`utils.key_products`, a launch of `Bt * Hk` programs), which the
     kernel then loads instead of the key records."""
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
     nw = BV // 16
     BL = gluon_record_tile(window, LB)
-    kqs = group_key_products(C, buf_k, cursor, slot_ids, BL) if kq else slot_ids
+    kqs = key_products([C], buf_k, cursor, slot_ids, BL) if kq else slot_ids
     _gluon_lp_kernel[(HV * (V // BV), Bt)](
         x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out,
         lp_data=lp_gluon_views(lp_data, LP), lp_scale=lp_scale, lp_tscale=lp_tscale,

@@ -82,8 +82,9 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     kernel), `gluon_BV` (its rows per program, `gluon_BV / 16` warps; `default_gluon_bv`),
     `gluon_maxnreg` (its register cap, 0 none), `gluon_recmask` (whether its record loads wait for
     the cursor and skip positions past it; None: the family's default, Mamba-2 no, GDN/KDA yes),
-    `gluon_kq` (Mamba-2: the group's key products with the query formed once per row and group by a
-    launch before the Gluon kernel, instead of by each of its programs; GDN/KDA ignore it),
+    `gluon_kq` (the records' key products with the token's query (Mamba-2) or key and query (GDN)
+    formed once per row and key head by a launch before the Gluon kernel, `utils.key_products`,
+    instead of by each of its programs; KDA, whose record weights are per value head, ignores it),
     `split` (the two launches even without Gluon, the second the Triton kernel: the split's test
     on the interpreter), `flush_programs` (the
     flush launch's programs, None: 8 per SM, 8 off CUDA, at most one per (row, head, V-block)).
