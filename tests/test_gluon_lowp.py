@@ -87,9 +87,9 @@ def test_lowp_config_split_keys():
     assert cfg["gluon"] is True and cfg["gluon_BV"] == 64 and cfg["split"] is False
     assert cfg["flush_programs"] is None and cfg["gluon_maxnreg"] == 0
     assert default_gluon_bv(80) == 16 and default_gluon_bv(96) == 32 and default_gluon_bv(128) == 64
-    assert cfg["gluon_recmask"] is None and cfg["gluon_kq"] is False
+    assert cfg["gluon_recmask"] is None and cfg["gluon_kq"] is None
     for bad in ({"gluon": 1}, {"split": "yes"}, {"gluon_BV": 48}, {"gluon_BV": True}, {"gluon_maxnreg": 300},
-                {"flush_programs": 0}, {"flush_programs": 2.0}, {"gluon_recmask": 1}, {"gluon_kq": None},
+                {"flush_programs": 0}, {"flush_programs": 2.0}, {"gluon_recmask": 1}, {"gluon_kq": 1},
                 {"glon": True}):
         with pytest.raises(ValueError, match=next(iter(bad)) if "glon" not in bad else "unknown"):
             lowp_config(64, bad)
@@ -279,11 +279,12 @@ def test_split_gpu_recmask(lp):
 @gpu
 @pytest.mark.parametrize("lp", FORMATS)
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
-def test_split_gpu_key_products(shape, lp):
-    """The group's key products formed once per row and group before the Gluon kernel
-    (`gluon_kq`): the same state and steady outputs as the single launch."""
+def test_split_gpu_key_products_off(shape, lp):
+    """The Gluon kernel forming the group's key products itself (`gluon_kq: false`; by default a
+    launch before it forms them once per row and group): the same state and steady outputs as the
+    single launch."""
     gaps = _run_split(("fp32", lp, "stochastic"), GPU_SHAPES[shape], 8, 16, 40,
-                      {"gluon": True, "gluon_kq": True}, False)
+                      {"gluon": True, "gluon_kq": False}, False)
     assert gaps["flushes"] >= 8 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
 
 
@@ -300,8 +301,8 @@ def test_split_gpu_long_window_few_flush_programs(lp):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("design,kq", [(DESIGNS[0], False), (DESIGNS[3], False), (DESIGNS[8], False), (DESIGNS[0], True)],
-                         ids=[DESIGN_IDS[i] for i in (0, 3, 8)] + [DESIGN_IDS[0] + "-kq"])
+@pytest.mark.parametrize("design,kq", [(DESIGNS[0], None), (DESIGNS[3], None), (DESIGNS[8], None), (DESIGNS[0], False)],
+                         ids=[DESIGN_IDS[i] for i in (0, 3, 8)] + [DESIGN_IDS[0] + "-no-kq"])
 def test_split_cuda_graph_equals_eager(design, kq):
     """The two launches captured in a CUDA graph and replayed for a window of steps (rows at
     staggered cursors, so some flush each step): the state and outputs bit for bit the eager

@@ -252,20 +252,22 @@ if HAVE_GLUON:
 
 def launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
                     buf_v, buf_beta, cursor, epoch, arrive, slot_ids, o, window, BV, use_qk_l2norm=True,
-                    family="gdn", maxnreg=0, recmask=None, kq=False):
+                    family="gdn", maxnreg=0, recmask=None, kq=None):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) for `family` "gdn"
     or "kda" on the LP parts of `lowp.lp_views` under format code `LP`; `buf_v`, `buf_beta` the
     raw records beside an LP copy, None for the shared design. The caller checked
     `use_gluon_lp` and ran the flush rows first (precision.py, `ROWS=1`). `recmask`: the record
     loads wait for the cursor and skip positions past it (None: on, GDN's and KDA's default).
-    `kq` (GDN; KDA's record weights are per value head): the key head's record products formed
-    first (`utils.key_products`), which the kernel loads instead of the key records."""
+    `kq` (GDN; None: off; KDA's record weights are per value head): the key head's record
+    products formed first (`utils.key_products`), which the kernel loads instead of the key
+    records: measured mixed (precision_gluon_kq_h200.json: Qwen3.5-122B fp16 1.41x -> 1.44x at
+    batch 256, Qwen3.5-4B 1.38x -> 1.37x, at batch 64 1.26x -> 1.19x), so off by default."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     LBCAP = buf_w.shape[1]
     nw = BV // 16
     BL = gluon_record_tile(window, LBCAP)
-    kq = bool(kq) and family == "gdn"
+    kq = bool(kq) and family == "gdn"            # (None: off)
     kqs = key_products([k, q], buf_k, cursor, slot_ids, BL) if kq else slot_ids
     _gluon_lp_kernel[(HV * (V // BV), Bt)](
         q, k, v, a, b, A_log, dt_bias, o,

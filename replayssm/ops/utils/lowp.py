@@ -84,13 +84,14 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     the cursor and skip positions past it; None: the family's default, Mamba-2 no, GDN/KDA yes),
     `gluon_kq` (the records' key products with the token's query (Mamba-2) or key and query (GDN)
     formed once per row and key head by a launch before the Gluon kernel, `utils.key_products`,
-    instead of by each of its programs; KDA, whose record weights are per value head, ignores it),
+    instead of by each of its programs; None: the family's default, Mamba-2 yes, GDN no; KDA,
+    whose record weights are per value head, ignores it),
     `split` (the two launches even without Gluon, the second the Triton kernel: the split's test
     on the interpreter), `flush_programs` (the
     flush launch's programs, None: 8 per SM, 8 off CUDA, at most one per (row, head, V-block)).
     The split's keys are returned where given, all of them (defaults filled) with `split=True`."""
     split_keys = {"gluon": True, "gluon_BV": default_gluon_bv(V), "gluon_maxnreg": 0, "gluon_recmask": None,
-                  "gluon_kq": False, "split": False, "flush_programs": None}
+                  "gluon_kq": None, "split": False, "flush_programs": None}
     cfg = dict({"BV": default_bv(V), "num_warps": 4}, **split_keys)
     if config:
         unknown = set(config) - set(cfg)
@@ -102,7 +103,7 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
         raise ValueError(f"config: BV must be a power of two, got {BV!r}")
     if isinstance(nw, bool) or not isinstance(nw, int) or nw not in (1, 2, 4, 8, 16):
         raise ValueError(f"config: num_warps must be one of 1, 2, 4, 8, 16, got {nw!r}")
-    for key in ("gluon", "split", "gluon_kq"):
+    for key in ("gluon", "split"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"config: {key} must be a bool, got {cfg[key]!r}")
     if isinstance(cfg["gluon_BV"], bool) or cfg["gluon_BV"] not in (16, 32, 64, 128):
@@ -111,8 +112,9 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     nreg = cfg["gluon_maxnreg"]
     if isinstance(nreg, bool) or not isinstance(nreg, int) or not (nreg == 0 or 24 <= nreg <= 255):
         raise ValueError(f"config: gluon_maxnreg must be 0 (none) or in 24..255, got {nreg!r}")
-    if cfg["gluon_recmask"] is not None and not isinstance(cfg["gluon_recmask"], bool):
-        raise ValueError(f"config: gluon_recmask must be None or a bool, got {cfg['gluon_recmask']!r}")
+    for key in ("gluon_recmask", "gluon_kq"):
+        if cfg[key] is not None and not isinstance(cfg[key], bool):
+            raise ValueError(f"config: {key} must be None or a bool, got {cfg[key]!r}")
     fp = cfg["flush_programs"]
     if fp is not None and (isinstance(fp, bool) or not isinstance(fp, int) or not 1 <= fp <= 65535):
         raise ValueError(f"config: flush_programs must be None or an int in 1..65535, got {fp!r}")
