@@ -74,8 +74,8 @@ def test_verify_config_gluon_key(monkeypatch):
     with pytest.raises(ValueError, match="above the window"):
         verify_config(*S, 8, dict(gluon=True), device="cuda", window=4, Lb=12)
     for T in (1, 2, 4, 8):
-        assert verify_config(*S, T, device="cuda") == dict(BV=64, num_warps=4, num_stages=1, gluon=True)
-        assert verify_config(*N, T, device="cuda") == dict(BV=16, num_warps=1, num_stages=1, gluon=True)
+        assert verify_config(*S, T, device="cuda") == dict(BV=64, num_warps=4, num_stages=1, gluon=True, kq=False)
+        assert verify_config(*N, T, device="cuda") == dict(BV=16, num_warps=1, num_stages=1, gluon=True, kq=False)
     assert verify_config(*S, 2, dict(num_warps=2), device="cuda")["BV"] == 32
     assert verify_config(*S, 2, dict(BV=32), device="cuda")["num_warps"] == 2
     # a window above 32 or K other than 128: the Triton kernels by default
@@ -84,7 +84,7 @@ def test_verify_config_gluon_key(monkeypatch):
     # a launch pair the Gluon kernel does not take runs the Triton kernels with it (the old
     # variants), unless gluon=True asks for it
     assert verify_config(*S, 4, dict(BV=64, num_warps=2), device="cuda") == dict(BV=64, num_warps=2, num_stages=1,
-                                                                                   gluon=False)
+                                                                                   gluon=False, kq=False)
     with pytest.raises(ValueError, match="gluon=True"):
         verify_config(*S, 4, dict(BV=64, num_warps=2, gluon=True), device="cuda")
     with pytest.raises(ValueError, match="gluon=True"):
@@ -93,6 +93,9 @@ def test_verify_config_gluon_key(monkeypatch):
         verify_config(*S, 4, dict(gluon=True), window=40, Lb=44)
     with pytest.raises(ValueError, match="gluon must be a bool"):
         verify_config(*S, 4, dict(gluon=1))
+    with pytest.raises(ValueError, match="kq must be a bool"):
+        verify_config(*S, 4, dict(kq=1))
+    assert verify_config(*S, 4, dict(kq=True), device="cuda")["kq"] is True
     with pytest.raises(ValueError, match="BV"):
         verify_config(*S, 4, dict(BV=48), device="cuda")
     with pytest.raises(ValueError, match="unknown"):
@@ -105,6 +108,45 @@ def test_verify_config_gluon_key(monkeypatch):
 
 @pytest.mark.interpret
 @pytest.mark.skipif(GPU, reason="the CPU interpreter's dispatch")
+@pytest.mark.parametrize("with_counts", [True, False])
+def test_verify_key_products_match_torch(with_counts):
+    """`kq`'s first launch (utils/key_products.py, Triton: the interpreter runs it): per row and
+    group, the committed records below h' (the cursor, or 0 where `h + n > window`, the verify's
+    early flush) and the drafts' keys dotted with the drafts' queries; zeros past h', past T and
+    for a padding row, whatever the records past the cursor hold (NaN here), on slot-strided
+    state as on contiguous."""
+    from replayssm.ops.utils.key_products import verify_key_products
+    g = torch.Generator().manual_seed(5)
+    N, Hk, K, T, L = 6, 2, 16, 3, 8
+    Lb, BL, TP, PD = L + T, 16, 4, 4
+    # slot-strided records and cursors (as vLLM's pages): every slot's row padded by 5 elements
+    keys = torch.randn(N, Lb * Hk * K + 5, generator=g)
+    buf_k = keys[:, :Lb * Hk * K].view(N, Lb, Hk, K)
+    curs = torch.zeros(N, 3, dtype=torch.int32)
+    cursor = curs[:, 0]
+    h = [0, 3, 7, 8, 5, 2]
+    cursor.copy_(torch.tensor(h, dtype=torch.int32))
+    for s_, hs in enumerate(h):
+        buf_k[s_, hs:] = float("nan")
+    slot_ids = torch.tensor([1, 3, -1, 2, 4, 0])
+    counts = torch.tensor([3, 1, 2, 2, 9, 0], dtype=torch.int32)      # 9 and 0: clamped to T and 0
+    Bt = slot_ids.shape[0]
+    C = torch.randn(Bt, T, Hk, K, generator=g)
+    B = torch.randn(Bt, T, Hk, K, generator=g)
+    kq = verify_key_products(C.to(DEV), B.to(DEV), buf_k.to(DEV) if DEV.type == "cpu" else buf_k.to(DEV),
+                             cursor.to(DEV), slot_ids.to(DEV), counts.to(DEV) if with_counts else None, L, BL, TP, PD,
+                             pad_k=5, pad_cur=2)
+    kq = kq.cpu().reshape(Bt, Hk, BL + PD, TP)
+    for b, s_ in enumerate(slot_ids.tolist()):
+        want = torch.zeros(Hk, BL + PD, TP)
+        if s_ >= 0:
+            n = min(max(int(counts[b]), 0), T) if with_counts else T
+            hc = 0 if h[s_] + n > L else h[s_]
+            want[:, :hc, :T] = torch.einsum("jgk,tgk->gjt", buf_k[s_, :hc], C[b])
+            want[:, BL:BL + T, :T] = torch.einsum("rgk,tgk->grt", B[b], C[b])
+        assert torch.allclose(kq[b], want, rtol=1e-5, atol=1e-5), (b, s_)
+
+
 def test_interpreter_runs_triton_whatever_gluon_says():
     # gluon=True on the CPU: the Triton kernel runs, bit for bit the gluon=False result
     shape, L, T = dict(HV=2, Hk=1, V=16, K=128), 4, 2
@@ -142,6 +184,11 @@ ROUND_CASES = [
     pytest.param(TINY, 8, dict(gluon=True, BV=16, num_warps=1), id="tiny-BV16-T8"),
     pytest.param(TINY, 3, GLUON, id="tiny-T3"),        # drafts padded to 4 lanes
     pytest.param(TINY, 6, GLUON, id="tiny-T6"),
+    # the group's key products from the launch before (`kq`)
+    pytest.param(SUPER, 8, dict(gluon=True, kq=True), id="super-kq-T8"),
+    pytest.param(NANO, 4, dict(gluon=True, kq=True), id="nano4b-kq-T4"),
+    pytest.param(NANO, 8, dict(gluon=True, kq=True), id="nano4b-kq-T8"),
+    pytest.param(TINY, 3, dict(gluon=True, kq=True), id="tiny-kq-T3"),
 ]
 
 
@@ -241,6 +288,8 @@ def _every_kind_of_row(shape, L, T, record_dtype, seed):
     pytest.param(TINY, 3, dict(gluon=True, BV=16, num_warps=1), torch.float16, 16, id="tiny-BV16-T3-fp16"),
     # window 3, T = 8: cursors 3 and 5 of the pool's rows, at and above the window (verify only)
     pytest.param(TINY, 8, GLUON, torch.float32, 3, id="tiny-L3-T8-fp32"),
+    pytest.param(SUPER, 8, dict(gluon=True, kq=True), torch.bfloat16, 16, id="super-kq-T8-bf16"),
+    pytest.param(NANO, 2, dict(gluon=True, kq=True), torch.float32, 16, id="nano4b-kq-T2-fp32"),
 ])
 def test_gluon_matches_triton_one_launch(shape, T, config, record_dtype, L):
     _skip_if_fenced(shape, T, L, config)
@@ -300,8 +349,10 @@ def test_gluon_matches_triton_one_launch(shape, T, config, record_dtype, L):
 
 @gpu
 @needs_gluon
-@pytest.mark.parametrize("shape, T", [pytest.param(SUPER, 4, id="super-T4"), pytest.param(NANO, 8, id="nano4b-T8")])
-def test_gluon_cuda_graph_equals_eager(shape, T):
+@pytest.mark.parametrize("shape, T, config", [pytest.param(SUPER, 4, GLUON, id="super-T4"),
+                                              pytest.param(NANO, 8, GLUON, id="nano4b-T8"),
+                                              pytest.param(NANO, 8, dict(gluon=True, kq=True), id="nano4b-kq-T8")])
+def test_gluon_cuda_graph_equals_eager(shape, T, config):
     # verify + commit, allocation-free and unvalidated, captured once and replayed over enough
     # steps that every row flushes; the replayed pool and outputs equal the eager ones bit for bit
     L, Bt = 16, 16
@@ -319,7 +370,7 @@ def test_gluon_cuda_graph_equals_eager(shape, T):
     def step(pool, out):
         replay_verify(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"], pool["ckpt"], pool["buf_ld"],
                       pool["buf_w"], pool["buf_k"], pool["cursor"], pool["pending"], pool["epoch"], sid, L,
-                      num_drafts=nd, out=out, config=GLUON, arrive=pool["arrive"], validate=False)
+                      num_drafts=nd, out=out, config=config, arrive=pool["arrive"], validate=False)
         commit(pool["cursor"], pool["pending"], sid, acc)
 
     for pool in pools:

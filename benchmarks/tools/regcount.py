@@ -5,7 +5,7 @@ kernel: 168 under 3.9, 221 under 3.6) and in what compiles at all; with a Triton
 installed under a folder, `PYTHONPATH=<folder> python benchmarks/tools/regcount.py ...`.
 
     python benchmarks/tools/regcount.py [mamba2|mamba2-rows|mamba2-gluon|mamba2-verify|gdn|kda|gdn-mat|gdn-gluon|kda-gluon|
-                                         gdn-verify|kda-verify|gdn-gluon-verify|kda-gluon-verify|mamba2-gluon-lp|
+                                         gdn-verify|kda-verify|gdn-gluon-verify|kda-gluon-verify|mamba2-gluon-verify|mamba2-gluon-lp|
                                          gdn-gluon-lp|kda-gluon-lp] [key=value ...]
 
 (mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
@@ -164,6 +164,32 @@ def kda_gluon(cfg):
     ptr.update({n: "*fp32" for n in ("A_log", "dt_bias")})
     vals = dict(HV=32, HK=32, V=128, K=128, LBCAP=17, USE_QK_L2NORM=True, IS_KDA=True, FOLD_GROUP=int(c.pop("BC", 1)))
     return _gluon(m._gluon_gdn_kernel, "kda gluon", ptr, vals, c)
+
+
+def mamba2_gluon_verify(cfg):
+    """Mamba-2's Gluon verify kernel (ops/mamba2/gluon_verify.py) at Super's shape (`model=nano`:
+    Nano-4B's, one-warp programs of 16 rows), `T` drafts (8), bf16 records and token inputs,
+    window 16; `kq=1` with the group's key products loaded (`kq`)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from replayssm.ops.mamba2 import gluon_verify as m
+
+    nano = cfg.get("model") == "nano"
+    HV, G, V, K = (96, 8, 80, 128) if nano else (128, 8, 64, 128)
+    c = dict(BV=16 if nano else 64, num_warps=1 if nano else 4, T=8, window=16, kq=0)
+    c.update(cfg)
+    T, L = int(c["T"]), int(c["window"])
+    LB = L + T
+    ptr = {n: "*bf16" for n in ("x", "dt", "B", "C", "z", "out")}
+    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "ckpt", "buf_ld", "kq")})
+    ptr.update(buf_w="*bf16", buf_k="*bf16", cursor="*i32", pending="*i32", epoch="*i64", arrive="*i32",
+               slot_ids="*i64", num_drafts="*i32")
+    vals = dict(m._tiles(T, L, LB, c["num_warps"]), HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T, BV=c["BV"],
+                NW=c["num_warps"], VK=8, VW=8, HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(G),
+                HAS_D=True, HAS_Z=True, HAS_N=True, RECMASK=False, KQ=bool(int(c["kq"])))
+    fn = jit_function(m._gluon_verify_kernel)
+    sig, const = signature(fn, ptr, vals)
+    return report(compile_kernel(fn, sig, const, c["num_warps"], GluonASTSource), f"mamba2 gluon verify {c}")
 
 
 def mamba2_rows(cfg):
@@ -346,6 +372,7 @@ if __name__ == "__main__":
         cfg[k] = v if not v.lstrip("-").isdigit() else int(v)
     print({"mamba2": mamba2, "gdn": gdn, "kda": lambda c: gdn(c, "kda"), "gdn-mat": gdn_mat,
            "mamba2-rows": mamba2_rows, "mamba2-gluon": mamba2_gluon, "mamba2-verify": mamba2_verify,
+           "mamba2-gluon-verify": mamba2_gluon_verify,
            "gdn-gluon": gdn_gluon, "kda-gluon": kda_gluon, "gdn-verify": delta_verify,
            "kda-verify": lambda c: delta_verify(c, "kda"), "mamba2-gluon-lp": mamba2_gluon_lp,
            "gdn-gluon-lp": delta_gluon_lp, "kda-gluon-lp": lambda c: delta_gluon_lp(c, "kda"),

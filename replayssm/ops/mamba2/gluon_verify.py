@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils.key_products import verify_key_products
 from ..utils.launch import slot_pads
 from .common import OPTIONAL_INPUTS, given
 
@@ -140,7 +141,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _gluon_verify_kernel(
         x, dt, B, C, A, dt_bias, D, z, out,
-        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kq,
         pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
         stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t,
         stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
@@ -150,7 +151,7 @@ if HAVE_GLUON:
         BL: gl.constexpr, NW: gl.constexpr, LKW: gl.constexpr, LRW: gl.constexpr, RC: gl.constexpr,
         RCK: gl.constexpr, RCD: gl.constexpr, VK: gl.constexpr, VW: gl.constexpr, HVP: gl.constexpr,
         HKP: gl.constexpr, HAS_D: gl.constexpr, HAS_Z: gl.constexpr, HAS_N: gl.constexpr,
-        NPOS: gl.constexpr, RECMASK: gl.constexpr,
+        NPOS: gl.constexpr, RECMASK: gl.constexpr, KQ: gl.constexpr,
     ):
         # Layouts (NW warps, K = 128, BV = 16 NW, TP drafts padded, BL record positions):
         # LT   the tile [BV, K] as copied and folded: a row per warp, 4 columns per lane
@@ -324,31 +325,42 @@ if HAVE_GLUON:
             _barrier()
 
         # 5. the row loop: the tile's rows, the committed keys (chunks below h'), the drafts' keys
+        # (KQ: the keys' products with the queries come from the launch before, formed once per
+        # row and group, utils/key_products.py)
         s_y = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
         for r0 in gl.static_range(0, BV, RC):
             s_y.slice(r0, RC, dim=0).store(_rows_q(s_S.slice(r0, RC, dim=0), b_Q3, L3))
-        s_kq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-        for r0 in gl.static_range(0, BL, RCK):
-            if r0 < hc:
-                s_kq.slice(r0, RCK, dim=0).store(_rows_q(s_K.slice(r0, RCK, dim=0), b_Q3, L3))
-        s_kdq = gl.allocate_shared_memory(gl.float32, [PD, TP], SM)
-        for r0 in gl.static_range(0, PD, RCD):
-            s_kdq.slice(r0, RCD, dim=0).store(_rows_q(s_KD.slice(r0, RCD, dim=0), b_Q3, L3))
+        if not KQ:
+            s_kq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+            for r0 in gl.static_range(0, BL, RCK):
+                if r0 < hc:
+                    s_kq.slice(r0, RCK, dim=0).store(_rows_q(s_K.slice(r0, RCK, dim=0), b_Q3, L3))
+            s_kdq = gl.allocate_shared_memory(gl.float32, [PD, TP], SM)
+            for r0 in gl.static_range(0, PD, RCD):
+                s_kdq.slice(r0, RCD, dim=0).store(_rows_q(s_KD.slice(r0, RCD, dim=0), b_Q3, L3))
         _barrier()
+        p_kq = kq + (i_b * Hk + i_g) * ((BL + PD) * TP)
+        o_tc3 = gl.arange(0, TP, layout=gl.SliceLayout(0, LCE))
 
         # 6. y[t] = g_{0:p_t} (C q_t) + sum_{j<h'} x_j E[j,t] (k_j.q_t) + sum_{r<=t} x_r Ed[r,t] (k_r.q_t)
         b_rec = gl.zeros([TP, BV], gl.float32, OL)
         for c0 in gl.static_range(0, BL, 8):
             if c0 < hc:
                 o_jc = c0 + gl.arange(0, 8, layout=gl.SliceLayout(1, LCE))
-                b_wc = gl.where((o_jc < hc)[:, None],
-                                s_E.slice(c0, 8, dim=0).load(LCE) * s_kq.slice(c0, 8, dim=0).load(LCE), 0.0)
+                if KQ:
+                    b_kqc = gl.load(p_kq + o_jc[:, None] * TP + o_tc3[None, :])
+                else:
+                    b_kqc = s_kq.slice(c0, 8, dim=0).load(LCE)
+                b_wc = gl.where((o_jc < hc)[:, None], s_E.slice(c0, 8, dim=0).load(LCE) * b_kqc, 0.0)
                 o_jw = c0 + gl.arange(0, 8, layout=gl.SliceLayout(1, LCW))
                 b_Wc = gl.where((o_jw < hc)[:, None], s_W.slice(c0, 8, dim=0).load(LCW).to(gl.float32), 0.0)
                 b_rec += gl.sum(gl.expand_dims(b_Wc, 1) * gl.expand_dims(b_wc, 2), axis=0)
         o_rc3 = gl.arange(0, PD, layout=gl.SliceLayout(1, LCE))
-        o_tc3 = gl.arange(0, TP, layout=gl.SliceLayout(0, LCE))
-        b_wd = s_Ed.load(LCE) * s_kdq.load(LCE)                                           # [PD, TP]
+        if KQ:
+            b_kdq = gl.load(p_kq + (BL + o_rc3)[:, None] * TP + o_tc3[None, :])
+        else:
+            b_kdq = s_kdq.load(LCE)
+        b_wd = s_Ed.load(LCE) * b_kdq                                                     # [PD, TP]
         b_Xc = s_XD.load(LCW).to(gl.float32)                                              # [PD, BV]
         # drafts after t are selected away, not multiplied by zero (a poisoned later draft must
         # leave no trace in an earlier output)
@@ -385,26 +397,32 @@ if HAVE_GLUON:
 
 
 def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                        arrive, slot_ids, num_drafts, out, window, BV, num_warps, recmask=False):
+                        arrive, slot_ids, num_drafts, out, window, BV, num_warps, recmask=False, kq=False):
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`); the caller checked
     `gluon_verify_unsupported`. `recmask`: predicate the committed records' copies on the
-    cursor (no traffic for empty positions; they then wait for it) rather than the window."""
+    cursor (no traffic for empty positions; they then wait for it) rather than the window.
+    `kq`: the group's key products with the queries (committed records and drafts) formed first
+    by `utils.key_products.verify_key_products`, one program per (row, group), instead of by
+    every program of the group's heads and V-blocks."""
     Bt, T, HV, V = x.shape
     Hk, K = B.shape[2], B.shape[3]
     LB = buf_ld.shape[1]
     if Bt == 0:
         return
     tiles = _tiles(T, window, LB, num_warps)
+    pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
+    kqs = verify_key_products(C, B, buf_k, cursor, slot_ids, num_drafts, window, tiles["BL"], tiles["TP"],
+                              tiles["PD"], pads["pad_k"], pads["pad_cur"]) if kq else slot_ids
     # D, z and num_drafts absent: None (the heuristics set HAS_D, HAS_Z, HAS_N)
     _gluon_verify_kernel[(HV * (V // BV), Bt)](
         x, dt, B, C, A, dt_bias, D, z, out,
-        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
-        *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
+        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kqs,
+        *pads.values(),
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         z.stride(2) if z is not None else 0, out.stride(0), out.stride(1), out.stride(2),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, BV=BV, NW=num_warps,
         VK=16 // buf_k.element_size(), VW=16 // buf_w.element_size(),
-        HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), RECMASK=bool(recmask),
+        HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), RECMASK=bool(recmask), KQ=bool(kq),
         num_warps=num_warps, **tiles)

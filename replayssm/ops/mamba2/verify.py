@@ -225,7 +225,12 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
                   window: Optional[int] = None, Lb: Optional[int] = None) -> dict:
     """The verify kernel's launch config: `BV` value rows per program (a power of two; ceil(V / BV)
     blocks per head; at least 16 from `TC_MIN_T` drafts on, the M side of the tensor-core
-    products), `num_warps`, `num_stages`, `gluon`. `config` overrides any of them.
+    products), `num_warps`, `num_stages`, `gluon`, `kq`. `config` overrides any of them.
+
+    `kq` (the Gluon kernel only; default off, not yet timed): the group's key products with
+    the drafts' queries, committed records' and drafts' keys alike, formed first by one program
+    per (row, group) (`utils.key_products.verify_key_products`) instead of by every program of
+    the group's heads and V-blocks (Nano-4B: 60 programs a group).
 
     `gluon` (GPU only): the Gluon kernel (gluon_verify.py), `BV = 16 * num_warps`. The default
     on a CUDA `device` (outside the interpreter) wherever `gluon_verify_unsupported` says it
@@ -245,22 +250,24 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
     BK = triton.next_power_of_2(K)
     if T >= TC_MIN_T:
         bv = next((b for b in (32, 16) if V % b == 0), 16)
-        cfg = dict(BV=bv, num_warps=max(1, bv // 16), num_stages=1, gluon=False)
+        cfg = dict(BV=bv, num_warps=max(1, bv // 16), num_stages=1, gluon=False, kq=False)
     else:
         bv = next((b for b in (64, 32, 16) if V % b == 0), min(64, max(16, triton.next_power_of_2(V))))
-        cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1, gluon=False)
+        cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1, gluon=False, kq=False)
     config = dict(config or {})
     unknown = set(config) - set(cfg)
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
-    if not isinstance(config.get("gluon", False), bool):
-        raise ValueError(f"config: gluon must be a bool, got {config['gluon']!r}")
+    for key in ("gluon", "kq"):
+        if not isinstance(config.get(key, False), bool):
+            raise ValueError(f"config: {key} must be a bool, got {config[key]!r}")
     gbv = _gluon_default(HV, V, K, Hk, T, device, window, Lb)
     if config.get("gluon", gbv is not None):
         bv, nw = config.get("BV"), config.get("num_warps")
         if bv is None:
             bv = 16 * nw if isinstance(nw, int) else gbv or 16
-        cfg = dict(BV=bv, num_warps=max(1, bv // 16) if isinstance(bv, int) else 1, num_stages=1, gluon=True)
+        cfg = dict(BV=bv, num_warps=max(1, bv // 16) if isinstance(bv, int) else 1, num_stages=1, gluon=True,
+                   kq=False)
     cfg.update(config)
     for key in ("BV", "num_warps"):
         val = cfg[key]
@@ -286,7 +293,7 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
 
 
 def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False):
+                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False, kq=False):
     Bt, T, HV, V = x.shape
     Hk, K = B.shape[2], B.shape[3]
     LB = buf_ld.shape[1]
@@ -296,7 +303,7 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
             and gluon_verify_unsupported(HV, V, K, Hk, T, window, LB, BV, num_warps) is None
             and gluon_aligned(ckpt, buf_ld, buf_w, buf_k)):
         launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                            arrive, slot_ids, num_drafts, out, window, BV, num_warps)
+                            arrive, slot_ids, num_drafts, out, window, BV, num_warps, kq=kq)
         return
     nvb = triton.cdiv(V, BV)
     tc = T >= TC_MIN_T
@@ -326,14 +333,15 @@ def _replay_verify_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       D: Optional[Tensor], z: Optional[Tensor], ckpt: Tensor, buf_ld: Tensor,
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor,
                       arrive: Tensor, slot_ids: Tensor, num_drafts: Optional[Tensor], out: Tensor,
-                      window: int, BV: int, num_warps: int, num_stages: int, gluon: bool = False) -> None:
+                      window: int, BV: int, num_warps: int, num_stages: int, gluon: bool = False,
+                      kq: bool = False) -> None:
     _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon)
+                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon, kq)
 
 
 @_replay_verify_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive,
-      slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False) -> None:
+      slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False, kq=False) -> None:
     return None
 
 
@@ -420,7 +428,8 @@ def replay_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     if arrive is None:
         arrive = arrive_counter(x.device, ckpt.shape[0])
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive,
-            slot_ids, num_drafts, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["gluon"])
+            slot_ids, num_drafts, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["gluon"],
+            cfg["kq"])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_verify(*args)
     else:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .launch import scratch_f32
 
-__all__ = ["key_products"]
+__all__ = ["key_products", "verify_key_products"]
 
 
 @triton.jit
@@ -56,4 +56,62 @@ def key_products(xs: list, buf_k: Tensor, cursor: Tensor, slot_ids: Tensor, BL: 
     _key_products_kernel[(Bt, Hk)](xs[0], x2, buf_k, cursor, slot_ids, kq, xs[0].stride(0), xs[0].stride(1),
                                    x2.stride(0), x2.stride(1), Hk=Hk, K=K, LB=buf_k.shape[1], BL=BL,
                                    NVEC=nvec, num_warps=4)
+    return kq
+
+
+@triton.jit
+def _verify_key_products_kernel(C, B, buf_k, cursor, slot_ids, num_drafts, kq, pad_k, pad_cur,
+                                stride_C_b, stride_C_t, stride_C_g, stride_B_b, stride_B_t, stride_B_g,
+                                Hk: tl.constexpr, K: tl.constexpr, LB: tl.constexpr, WINDOW: tl.constexpr,
+                                T: tl.constexpr, TP: tl.constexpr, BL: tl.constexpr, PD: tl.constexpr,
+                                HAS_N: tl.constexpr):
+    # one (row, group) of a Mamba-2 verify: rows 0..BL-1 of kq[b, g] hold k_j . q_t for the
+    # committed records j < h' (h' = 0 after an early flush, decided as the verify kernel
+    # decides it), rows BL..BL+PD-1 the drafts' k_r . q_t; zero elsewhere
+    i_b = tl.program_id(0).to(tl.int64)
+    i_g = tl.program_id(1)
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    o_t = tl.arange(0, TP)
+    o_j = tl.arange(0, BL)
+    o_r = tl.arange(0, PD)
+    p_kq = kq + (i_b * Hk + i_g) * ((BL + PD) * TP)
+    if slot < 0:
+        tl.store(p_kq + o_j[:, None] * TP + o_t[None, :], tl.zeros([BL, TP], tl.float32))
+        tl.store(p_kq + (BL + o_r)[:, None] * TP + o_t[None, :], tl.zeros([PD, TP], tl.float32))
+        return
+    h = tl.load(cursor + slot * pad_cur + slot)
+    if HAS_N:
+        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b), 0), T)
+    else:
+        n = h * 0 + T
+    hc = tl.where(h + n > WINDOW, 0, h)
+    o_k = tl.arange(0, K)
+    m_t = o_t < T
+    b_Q = tl.load(C + i_b * stride_C_b + i_g * stride_C_g + o_t[:, None] * stride_C_t + o_k[None, :],
+                  mask=m_t[:, None], other=0.0).to(tl.float32)                              # [TP, K]
+    p_K = buf_k + slot * pad_k + ((slot * LB + o_j[:, None]) * Hk + i_g) * K + o_k[None, :]
+    b_K = tl.load(p_K, mask=((o_j < hc) & (o_j < LB))[:, None], other=0.0).to(tl.float32)  # [BL, K]
+    b_kq = tl.sum(b_K[:, None, :] * b_Q[None, :, :], axis=2)                               # [BL, TP]
+    tl.store(p_kq + o_j[:, None] * TP + o_t[None, :], b_kq)
+    b_D = tl.load(B + i_b * stride_B_b + i_g * stride_B_g + o_r[:, None] * stride_B_t + o_k[None, :],
+                  mask=(o_r < T)[:, None], other=0.0).to(tl.float32)                        # [PD, K]
+    b_dq = tl.sum(b_D[:, None, :] * b_Q[None, :, :], axis=2)                               # [PD, TP]
+    tl.store(p_kq + (BL + o_r)[:, None] * TP + o_t[None, :], b_dq)
+
+
+def verify_key_products(C: Tensor, B: Tensor, buf_k: Tensor, cursor: Tensor, slot_ids: Tensor, num_drafts,
+                        window: int, BL: int, TP: int, PD: int, pad_k: int = 0, pad_cur: int = 0) -> Tensor:
+    """A Mamba-2 verify's group products, `[Bt, Hk, BL + PD, TP]` fp32 (flat): for row b and
+    group g, rows `j < BL` hold `k_j . q_t` for its committed records below `h'` (its cursor, or 0
+    when `h + n > window`: the verify's early flush; `n` its clamped draft count), rows `BL + r`
+    the drafts' `k_r . q_t` (queries `C`, keys `B`, `[Bt, T, Hk, K]`); zero elsewhere and for
+    padding rows. `pad_k`, `pad_cur`: the state's slot paddings (`utils.launch.slot_pads`). In
+    a scratch buffer that the step's layers share (`utils.launch.scratch_f32`)."""
+    Bt, T, Hk, K = C.shape
+    kq = scratch_f32(C.device, Bt * Hk * (BL + PD) * TP)
+    _verify_key_products_kernel[(Bt, Hk)](
+        C, B, buf_k, cursor, slot_ids, num_drafts if num_drafts is not None else slot_ids, kq, pad_k, pad_cur,
+        C.stride(0), C.stride(1), C.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        Hk=Hk, K=K, LB=buf_k.shape[1], WINDOW=int(window), T=T, TP=TP, BL=BL, PD=PD,
+        HAS_N=num_drafts is not None, num_warps=4)
     return kq
