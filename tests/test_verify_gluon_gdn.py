@@ -77,12 +77,13 @@ def _rel(a, b):
 # GPU: the float64 reference
 
 
-def _rounds_against_reference(family, name, T):
+def _rounds_against_reference(family, name, T, configs=None):
     # 32 verify rounds (random draft counts and acceptance, a padding row, an unused slot, NaN
     # past every cursor), a decode step after every third; fp32 records within 1.5x of the
     # conventional kernel's error, bf16 records at bf16 level
     shape = SHAPES[name]
-    configs = [GLUON] + ([{"gluon": True, "BV": 16, "num_warps": 1}] if name == "small" else [])
+    if configs is None:
+        configs = [GLUON] + ([{"gluon": True, "BV": 16, "num_warps": 1}] if name == "small" else [])
     for config in configs:
         _uses_gluon(shape, T, 16, config, family)
         for rec in (torch.float32, torch.bfloat16):
@@ -101,6 +102,15 @@ def _rounds_against_reference(family, name, T):
 @pytest.mark.parametrize("name", ["small", "qwen3.5-4b", "qwen3.5-122b"])
 def test_gpu_gluon_rounds_against_reference(name, T):
     _rounds_against_reference("gdn", name, T)
+
+
+@gpu
+@needs_gluon
+@pytest.mark.parametrize("T", [2, 8])
+@pytest.mark.parametrize("name", ["small", "qwen3.5-4b"])
+def test_gpu_gluon_kq_rounds_against_reference(name, T):
+    # the key head's products from the launch before the kernel (`kq`)
+    _rounds_against_reference("gdn", name, T, [{"gluon": True, "kq": True}])
 
 
 @gpu
@@ -367,6 +377,53 @@ def test_verify_config_gluon_key_kda():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_gdn_verify_key_products_match_torch(l2norm):
+    """`kq`'s first launch (utils/key_products.py, Triton: the interpreter runs it): per row and key
+    head, the drafts' keys and queries normalised (and the queries scaled) as the kernel does, their
+    Gram products, and the key records below the cursor dotted with both (unweighted); zeros past
+    T, past the cursor (NaN records there) and for a padding row; slot-strided state as on
+    contiguous. And the key is refused for KDA."""
+    from replayssm.ops.utils.key_products import gdn_verify_key_products
+    g = torch.Generator().manual_seed(9)
+    N, Hk, K, T, Lb, BL, TP = 5, 2, 16, 3, 11, 16, 4
+    keys = torch.randn(N, Lb * Hk * K + 3, generator=g)
+    buf_k = keys[:, :Lb * Hk * K].view(N, Lb, Hk, K)
+    curs = torch.zeros(N, 2, dtype=torch.int32)
+    cursor = curs[:, 0]
+    h = [0, 4, 9, 2, 7]
+    cursor.copy_(torch.tensor(h, dtype=torch.int32))
+    for s_, hs in enumerate(h):
+        buf_k[s_, hs:] = float("nan")
+    slot_ids = torch.tensor([2, -1, 0, 4, 1])
+    Bt, scale = slot_ids.shape[0], 0.3
+    q = torch.randn(Bt, T, Hk, K, generator=g)
+    k = torch.randn(Bt, T, Hk, K, generator=g)
+    dev = "cuda" if GPU else "cpu"
+    out = gdn_verify_key_products(q.to(dev), k.to(dev), buf_k.to(dev), cursor.to(dev), slot_ids.to(dev), scale, l2norm,
+                                  BL, TP, pad_k=3, pad_cur=1).cpu().reshape(Bt, Hk, -1)
+    nk = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() if l2norm else k
+    nq = (q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() if l2norm else q) * scale
+    for b, s_ in enumerate(slot_ids.tolist()):
+        want_G = torch.zeros(2, Hk, TP, TP)
+        want_Z = torch.zeros(2, Hk, BL, TP)
+        if s_ >= 0:
+            want_G[0, :, :T, :T] = torch.einsum("tgk,rgk->gtr", nk[b], nk[b])
+            want_G[1, :, :T, :T] = torch.einsum("tgk,rgk->gtr", nq[b], nk[b])
+            hs = h[s_]
+            want_Z[0, :, :hs, :T] = torch.einsum("jgk,tgk->gjt", buf_k[s_, :hs], nk[b])
+            want_Z[1, :, :hs, :T] = torch.einsum("jgk,tgk->gjt", buf_k[s_, :hs], nq[b])
+        got = out[b]
+        G = got[:, :2 * TP * TP].reshape(Hk, 2, TP, TP).transpose(0, 1)
+        Z = got[:, 2 * TP * TP:].reshape(Hk, 2, BL, TP).transpose(0, 1)
+        assert torch.allclose(G, want_G, rtol=1e-4, atol=1e-5), (b, s_)
+        assert torch.allclose(Z, want_Z, rtol=1e-4, atol=1e-5), (b, s_)
+    with pytest.raises(ValueError, match="kq"):
+        verify_config("kda", 128, 128, 4, {"kq": True}, gpu=True)
+    with pytest.raises(ValueError, match="kq"):
+        verify_config("gdn", 128, 128, 4, {"kq": 1}, gpu=True)
+
+
 @pytest.mark.parametrize("family", ["gdn", "kda"])
 def test_gluon_key_dispatch_off_gpu(family):
     # without a GPU (the interpreter) gluon=True runs the Triton kernel: the same bits as
@@ -400,9 +457,10 @@ T, HV, Hk, L, rec, family = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 fn = m._gluon_verify_kernel
 ptr = dict({n: "*bf16" for n in ("q", "k", "v", "a", "b", "o")}, A_log="*fp32", dt_bias="*fp32", ckpt="*fp32",
            buf_ld="*fp32", buf_w="*" + rec, buf_k="*" + rec, cursor="*i32", pending="*i32", epoch="*i64",
-           arrive="*i32", slot_ids="*i32", num_drafts="*i32")
+           arrive="*i32", slot_ids="*i32", num_drafts="*i32", kq="*fp32")
 nb = 4 if rec == "fp32" else 2
-vals = m.gluon_verify_constexprs(T, HV, Hk, 128, 128, L, L + T, 64, 4, w_bytes=nb, k_bytes=nb, family=family)
+vals = m.gluon_verify_constexprs(T, HV, Hk, 128, 128, L, L + T, 64, 4, w_bytes=nb, k_bytes=nb, family=family,
+                                 kq=sys.argv[7:8] == ["kq"])
 sig, const = {}, {}
 for i, n in enumerate(fn.arg_names):
     if n in ptr:
@@ -432,7 +490,9 @@ print("shared", k.metadata.shared)
     pytest.param("gdn", 8, 64, 16, 16, "bf16", 48, id="122b-T8", marks=pytest.mark.slow),
     pytest.param("gdn", 4, 32, 16, 32, "fp32", 64, id="4b-T4-window32-fp32", marks=pytest.mark.slow),
     pytest.param("kda", 8, 32, 32, 16, "bf16", 56, id="kimi-kda-T8", marks=pytest.mark.slow),
-    pytest.param("kda", 4, 32, 32, 32, "fp32", 80, id="kimi-kda-T4-window32-fp32", marks=pytest.mark.slow)])
+    pytest.param("kda", 4, 32, 32, 32, "fp32", 80, id="kimi-kda-T4-window32-fp32", marks=pytest.mark.slow),
+    # the key head's products loaded (`kq`)
+    pytest.param("gdn-kq", 8, 32, 16, 16, "bf16", 48, id="4b-T8-kq", marks=pytest.mark.slow)])
 def test_gluon_verify_compiles_for_sm90(family, T, HV, Hk, L, rec, kb):
     # the Gluon kernel cannot run on the CPU: that it builds with this Triton (3.6 on the H200
     # machine, newer elsewhere: the shims of utils/gluon.py and _rows_view) is checked here
@@ -442,8 +502,9 @@ def test_gluon_verify_compiles_for_sm90(family, T, HV, Hk, L, rec, kb):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(T), str(HV), str(Hk), str(L), rec, family], env=env,
-                       capture_output=True, text=True, timeout=600)
+    extra = ["kq"] if family.endswith("-kq") else []
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(T), str(HV), str(Hk), str(L), rec,
+                        family.removesuffix("-kq"), *extra], env=env, capture_output=True, text=True, timeout=600)
     if r.returncode and "ptxas" in r.stderr and "No such file" in r.stderr:
         pytest.skip("no CUDA toolchain bundled with this Triton")
     assert r.returncode == 0, r.stderr[-3000:]

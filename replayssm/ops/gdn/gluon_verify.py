@@ -53,6 +53,7 @@ from typing import Optional
 import triton
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils.key_products import gdn_verify_key_products
 from ..utils.launch import slot_pads
 
 # verify.MAX_DRAFT (verify.py imports this module)
@@ -88,7 +89,7 @@ def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: i
 
 def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
-                            w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn") -> dict:
+                            w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False) -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
     "kda"."""
@@ -97,7 +98,7 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
-                NW=num_warps, IS_KDA=family == "kda")
+                NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn")
 
 
 if HAVE_GLUON:
@@ -181,6 +182,27 @@ if HAVE_GLUON:
         return s_R
 
     @gluon.jit
+    def _products_to_shared(p_kq, TP: gl.constexpr, BL: gl.constexpr, SM: gl.constexpr, NW: gl.constexpr):
+        """Start the asynchronous copy, as one commit group, of a row's key-head products from the
+        launch before (`utils.key_products.gdn_verify_key_products`: `[TP, TP]` k_t . k_r and q_t . k_r,
+        `[BL, TP]` k_j . k_t and k_j . q_t) into shared memory: no registers held while they land."""
+        VG: gl.constexpr = 4 if TP >= 4 else TP
+        LG: gl.constexpr = gl.BlockedLayout([1, VG], [32 // (TP // VG), TP // VG], [NW, 1], [1, 0])
+        o_r = gl.arange(0, TP, layout=gl.SliceLayout(1, LG))
+        o_j = gl.arange(0, BL, layout=gl.SliceLayout(1, LG))
+        o_c = gl.arange(0, TP, layout=gl.SliceLayout(0, LG))
+        s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+        s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+        s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+        s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+        _async_load(s_Gk, p_kq + (o_r[:, None] * TP + o_c[None, :]))
+        _async_load(s_Gq, p_kq + TP * TP + (o_r[:, None] * TP + o_c[None, :]))
+        _async_load(s_Zk, p_kq + 2 * TP * TP + (o_j[:, None] * TP + o_c[None, :]))
+        _async_load(s_Zq, p_kq + (2 * TP * TP + BL * TP) + (o_j[:, None] * TP + o_c[None, :]))
+        cp.commit_group()
+        return s_Gk, s_Gq, s_Zk, s_Zq
+
+    @gluon.jit
     def _kda_draft_grams(q, k, a, A_log, dt_bias, p_ldh, i_b, i_hv, i_hk, hc, n, sole, scale,
                          stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
                          stride_a_b, stride_a_t, stride_a_h, s_Gk, s_Gq, s_A,
@@ -222,7 +244,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _gluon_verify_kernel(
         q, k, v, a, b, A_log, dt_bias, o,
-        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kq,
         pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
         scale, window,
         stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
@@ -232,7 +254,7 @@ if HAVE_GLUON:
         V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr,
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
-        IS_KDA: gl.constexpr,
+        IS_KDA: gl.constexpr, KQ: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -290,6 +312,10 @@ if HAVE_GLUON:
         p_C = ckpt + (slot * HV + i_hv) * (V * K) + v0 * K
         p_Kg = buf_k + slot * (LBCAP * HK * K) + i_hk * K
         p_Uh = buf_w + slot * (LBCAP * HV * V) + i_hv * V + v0
+        if KQ:
+            # (GDN) the key head's products, formed by the launch before: the first copy group
+            s_Gk0, s_Gq0, s_Zkr, s_Zqr = _products_to_shared(kq + (i_b * HK + i_hk) * (2 * TP * TP + 2 * BL * TP),
+                                                             TP, BL, SM, NW)
         s_K = _records_to_shared(p_Kg, gl.minimum(window, LBCAP), BL, K, HK * K, VK, NW)
         if IS_KDA:
             # the records' log decays, [K] each, shifted (row j: position j + 1), over the window
@@ -406,13 +432,18 @@ if HAVE_GLUON:
             LF: gl.constexpr = gl.BlockedLayout([1, RCF], [32, 1], [NW, 1], [1, 0])
             s_cR = gl.allocate_shared_memory(gl.float32, [BL, RCF], SM)
             s_cR.store(gl.convert_layout(b_coef, gl.SliceLayout(1, LF))[:, None] + gl.zeros([BL, RCF], gl.float32, LF))
-            # the drafts' Gram products: [t, r] = k_t . k_r and q_t . k_r
-            s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
-            s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
-            b_kR = gl.convert_layout(b_kD, LR)
-            s_Gk.store(gl.sum(b_kR[:, None, :] * b_kD[None, :, :], axis=2))
-            b_qR = gl.convert_layout(b_qD, LR)
-            s_Gq.store(gl.sum(b_qR[:, None, :] * b_kD[None, :, :], axis=2))
+            # the drafts' Gram products: [t, r] = k_t . k_r and q_t . k_r (KQ: copied from the
+            # launch before, utils/key_products.py, as are the records' products)
+            if KQ:
+                s_Gk = s_Gk0
+                s_Gq = s_Gq0
+            else:
+                s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+                s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+                b_kR = gl.convert_layout(b_kD, LR)
+                s_Gk.store(gl.sum(b_kR[:, None, :] * b_kD[None, :, :], axis=2))
+                b_qR = gl.convert_layout(b_qD, LR)
+                s_Gq.store(gl.sum(b_qR[:, None, :] * b_kD[None, :, :], axis=2))
             # the records' products with the 2T vectors, weighted: [j, t] = c_j (k_j . x_t) (zero at
             # or past the cursor: a select), once the keys have landed (the tile and the u may still
             # be in flight)
@@ -422,11 +453,18 @@ if HAVE_GLUON:
             s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
             for j0 in gl.static_range(0, BL, NW):
-                b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
                 b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
                 m_jO = ((j0 + o_jO) < h)[:, None]
-                s_Zk.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_kD[None, :, :], axis=2), 0.0))
-                s_Zq.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * gl.sum(b_Kj * b_qD[None, :, :], axis=2), 0.0))
+                if KQ:
+                    # (landed with the first copy group, which the wait above covers)
+                    b_zk = s_Zkr.slice(j0, NW, dim=0).load(LO)
+                    b_zq = s_Zqr.slice(j0, NW, dim=0).load(LO)
+                else:
+                    b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
+                    b_zk = gl.sum(b_Kj * b_kD[None, :, :], axis=2)
+                    b_zq = gl.sum(b_Kj * b_qD[None, :, :], axis=2)
+                s_Zk.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * b_zk, 0.0))
+                s_Zq.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * b_zq, 0.0))
 
         # 3. C x for the 2T vectors, RC rows at a time, each chunk of the tile read once
         cp.wait_group(0)
@@ -544,23 +582,30 @@ if HAVE_GLUON:
 
 def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
                         pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
-                        BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn") -> None:
+                        BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn", kq: bool = False) -> None:
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; inputs
     validated, and the caller checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0:
-    none)."""
+    none). `kq` (GDN): the drafts' Gram products and the records' products with the drafts'
+    vectors formed first, once per (row, key head), by `utils.key_products.gdn_verify_key_products`
+    instead of by every program of the key head's value heads and V-blocks."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if Bt == 0:
         return
+    pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
+    kq = bool(kq) and family == "gdn"
+    kqs = gdn_verify_key_products(q, k, buf_k, cursor, slot_ids, scale, use_qk_l2norm,
+                                  gluon_record_tile(window, buf_w.shape[1]), max(2, triton.next_power_of_2(T)),
+                                  pads["pad_k"], pads["pad_cur"]) if kq else slot_ids
     _gluon_verify_kernel[(HV * (V // BV), Bt)](
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
-        num_drafts if num_drafts is not None else slot_ids,
-        *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
+        num_drafts if num_drafts is not None else slot_ids, kqs,
+        *pads.values(),
         scale, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
-                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family),
+                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -326,7 +326,7 @@ def _replay_verify_kernel(
 # Launcher, launch configs, custom ops, public function.
 # ---------------------------------------------------------------------------------------------
 
-_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS", "gluon", "maxnreg")
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS", "gluon", "maxnreg", "kq")
 
 
 def _check_config(cfg: dict, BK: int) -> dict:
@@ -349,7 +349,10 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     """The launch config of `replay_verify` for value dim `V`, key dim `K`, `T` tokens (with a
     caller's overrides of `BV`, `num_warps`, `num_stages`, `KS`: the Triton kernel's tiles held
     as KS slices of K per thread, see ops/utils/tiles.py; `maxnreg`: a register cap, 0 none;
-    `gluon`: the Gluon kernel of gluon_verify.py).
+    `gluon`: the Gluon kernel of gluon_verify.py; `kq`, GDN's Gluon kernel only, default off, not
+    yet timed: the drafts' Gram products and the records' products with the drafts' keys and
+    queries formed once per (row, key head) by a launch before it,
+    `utils.key_products.gdn_verify_key_products`, instead of by every program of the key head).
 
     `gluon` (default True) applies on a GPU (`gpu`; None: CUDA present and not the CPU interpreter) where
     `gluon_verify_unsupported` has no objection to the shape, window (`window`, `Lb`; None: 16
@@ -369,6 +372,12 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     want = user.pop("gluon", True)
     if not isinstance(want, bool):
         raise ValueError(f"config gluon={want!r} must be a bool")
+    kq = user.pop("kq", False)
+    if not isinstance(kq, bool):
+        raise ValueError(f"config kq={kq!r} must be a bool")
+    if kq and family != "gdn":
+        raise ValueError("config kq=True: the key head's shared products are GDN's (KDA's draft vectors carry "
+                         "each value head's decays)")
     if gpu is None:
         gpu = torch.cuda.is_available() and not _interpreting()
     ks = min(8, max(1, BK // 4))
@@ -380,18 +389,19 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
         why = gluon_verify_unsupported(family, HV or 1, Hk or 1, V, K, T, L, L + T if Lb is None else Lb,
                                        cfg["BV"], cfg["num_warps"])
         if why is None:
-            return dict(cfg, gluon=True)
+            return dict(cfg, gluon=True, kq=kq)
     BV = min(32, triton.next_power_of_2(V))
     cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 1, "num_stages": 1, "KS": ks, "maxnreg": 0}
-    return dict(_check_config(dict(cfg, **user), BK), gluon=False)
+    return dict(_check_config(dict(cfg, **user), BK), gluon=False, kq=False)
 
 
 def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, window: int, o,
                   use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int,
-                  gluon: bool = False, maxnreg: int = 0) -> None:
+                  gluon: bool = False, maxnreg: int = 0, kq: bool = False) -> None:
     """Launch the Gluon kernel (`gluon`, where it applies: a GPU, the shape and config that
-    `gluon_verify_unsupported` accepts) or `_replay_verify_kernel`; inputs already validated."""
+    `gluon_verify_unsupported` accepts) or `_replay_verify_kernel`; inputs already validated.
+    `kq`: the Gluon kernel takes the key head's products from a launch before it."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     Lb = buf_w.shape[1]
@@ -402,7 +412,7 @@ def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
             gluon_aligned(ckpt, buf_ld, buf_w, buf_k):
         launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending,
                             epoch, arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, maxnreg,
-                            family)
+                            family, kq)
         return
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)
@@ -438,15 +448,15 @@ def _register_verify_op(family: str):
            buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor, arrive: Tensor,
            slot_ids: Tensor, num_drafts: Optional[Tensor], window: int, o: Tensor,
            use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int,
-           gluon: bool = False, maxnreg: int = 0) -> None:
+           gluon: bool = False, maxnreg: int = 0, kq: bool = False) -> None:
         launch_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, pending, epoch, arrive, slot_ids, num_drafts, window, o,
-                      use_qk_l2norm, BV, num_warps, num_stages, KS, gluon, maxnreg)
+                      use_qk_l2norm, BV, num_warps, num_stages, KS, gluon, maxnreg, kq)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
           arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages, KS,
-          gluon=False, maxnreg=0) -> None:
+          gluon=False, maxnreg=0, kq=False) -> None:
         return None
 
     return op
@@ -532,7 +542,7 @@ def run_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
     _VERIFY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ckpt, buf_ld, buf_w, buf_k, cursor,
         pending, epoch, arrive, slot_ids, num_drafts, int(window), out, bool(use_qk_l2norm),
-        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"], cfg["gluon"], cfg["maxnreg"])
+        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"], cfg["gluon"], cfg["maxnreg"], cfg["kq"])
     return out
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .launch import scratch_f32
 
-__all__ = ["key_products", "verify_key_products"]
+__all__ = ["key_products", "verify_key_products", "gdn_verify_key_products"]
 
 
 @triton.jit
@@ -114,4 +114,68 @@ def verify_key_products(C: Tensor, B: Tensor, buf_k: Tensor, cursor: Tensor, slo
         C.stride(0), C.stride(1), C.stride(2), B.stride(0), B.stride(1), B.stride(2),
         Hk=Hk, K=K, LB=buf_k.shape[1], WINDOW=int(window), T=T, TP=TP, BL=BL, PD=PD,
         HAS_N=num_drafts is not None, num_warps=4)
+    return kq
+
+
+@triton.jit
+def _gdn_verify_key_products_kernel(q, k, buf_k, cursor, slot_ids, kq, pad_k, pad_cur, scale,
+                                    stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
+                                    Hk: tl.constexpr, K: tl.constexpr, LB: tl.constexpr, T: tl.constexpr,
+                                    TP: tl.constexpr, BL: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    # one (row, key head) of a GDN verify, with the drafts' keys and queries normalised (and the
+    # queries scaled) as the verify kernel does: [t, r] k_t . k_r and q_t . k_r, then
+    # [j, t] k_j . k_t and k_j . q_t for the key records j < h (unweighted: the decay weights are
+    # the value heads'); zero past T, past the cursor and for a padding row
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    o_t = tl.arange(0, TP)
+    o_r = tl.arange(0, TP)
+    o_j = tl.arange(0, 4)
+    p_kq = kq + (i_b * Hk + i_h) * (2 * TP * TP + 2 * BL * TP)
+    p_G = p_kq + o_t[:, None] * TP + o_r[None, :]
+    if slot < 0:
+        tl.store(p_G, tl.zeros([TP, TP], tl.float32))
+        tl.store(p_G + TP * TP, tl.zeros([TP, TP], tl.float32))
+        for j0 in tl.static_range(0, BL, 4):
+            p_Z = p_kq + 2 * TP * TP + (j0 + o_j)[:, None] * TP + o_t[None, :]
+            tl.store(p_Z, tl.zeros([4, TP], tl.float32))
+            tl.store(p_Z + BL * TP, tl.zeros([4, TP], tl.float32))
+        return
+    h = tl.load(cursor + slot * pad_cur + slot)
+    o_k = tl.arange(0, K)
+    m_t = (o_t < T)[:, None]
+    b_k = tl.load(k + i_b * stride_k_b + i_h * stride_k_h + o_t[:, None] * stride_k_t + o_k[None, :], mask=m_t,
+                  other=0.0).to(tl.float32)
+    b_q = tl.load(q + i_b * stride_q_b + i_h * stride_q_h + o_t[:, None] * stride_q_t + o_k[None, :], mask=m_t,
+                  other=0.0).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
+    b_q = b_q * scale
+    tl.store(p_G, tl.sum(b_k[:, None, :] * b_k[None, :, :], axis=2))
+    tl.store(p_G + TP * TP, tl.sum(b_q[:, None, :] * b_k[None, :, :], axis=2))
+    p_Kr = buf_k + slot * pad_k + ((slot * LB) * Hk + i_h) * K
+    for j0 in tl.static_range(0, BL, 4):
+        o_jj = j0 + o_j
+        b_R = tl.load(p_Kr + (o_jj[:, None] * Hk) * K + o_k[None, :], mask=((o_jj < h) & (o_jj < LB))[:, None],
+                      other=0.0).to(tl.float32)                                            # [4, K]
+        p_Z = p_kq + 2 * TP * TP + o_jj[:, None] * TP + o_t[None, :]
+        tl.store(p_Z, tl.sum(b_R[:, None, :] * b_k[None, :, :], axis=2))
+        tl.store(p_Z + BL * TP, tl.sum(b_R[:, None, :] * b_q[None, :, :], axis=2))
+
+
+def gdn_verify_key_products(q: Tensor, k: Tensor, buf_k: Tensor, cursor: Tensor, slot_ids: Tensor, scale: float,
+                            use_qk_l2norm: bool, BL: int, TP: int, pad_k: int = 0, pad_cur: int = 0) -> Tensor:
+    """A GDN verify's key-head products, `[Bt, Hk, 2 TP^2 + 2 BL TP]` fp32 (flat): with the
+    drafts' keys `k_t` and queries `q_t` (`[Bt, T, Hk, K]`) L2-normalised (`use_qk_l2norm`) and
+    the queries times `scale`, first `[TP, TP]` `k_t . k_r`, then `q_t . k_r`, then `[BL, TP]`
+    `k_j . k_t` and `k_j . q_t` for the key records below the row's cursor (unweighted); zero
+    elsewhere and for padding rows. `pad_k`, `pad_cur` as `verify_key_products`'s."""
+    Bt, T, Hk, K = q.shape
+    kq = scratch_f32(q.device, Bt * Hk * (2 * TP * TP + 2 * BL * TP))
+    _gdn_verify_key_products_kernel[(Bt, Hk)](
+        q, k, buf_k, cursor, slot_ids, kq, pad_k, pad_cur, float(scale),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        Hk=Hk, K=K, LB=buf_k.shape[1], T=T, TP=TP, BL=BL, USE_QK_L2NORM=bool(use_qk_l2norm), num_warps=4)
     return kq
