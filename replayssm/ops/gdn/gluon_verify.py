@@ -64,8 +64,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import (_add, _async_load, _barrier, _record_weights, _rows_view, _slot_bases, _softplus,
-                                _tile_to_shared, _verify_arrive)
+    from ..utils.gluon import (_add, _async_load, _barrier, _products_to_shared, _record_weights, _rows_view,
+                                _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -180,27 +180,6 @@ if HAVE_GLUON:
         _async_load(s_R, p_R + (o_r[:, None] * STRIDE + o_n[None, :]), mask=(o_r < h)[:, None] & (o_n >= 0)[None, :])
         cp.commit_group()
         return s_R
-
-    @gluon.jit
-    def _products_to_shared(p_kq, TP: gl.constexpr, BL: gl.constexpr, SM: gl.constexpr, NW: gl.constexpr):
-        """Start the asynchronous copy, as one commit group, of a row's key-head products from the
-        launch before (`utils.key_products.gdn_verify_key_products`: `[TP, TP]` k_t . k_r and q_t . k_r,
-        `[BL, TP]` k_j . k_t and k_j . q_t) into shared memory: no registers held while they land."""
-        VG: gl.constexpr = 4 if TP >= 4 else TP
-        LG: gl.constexpr = gl.BlockedLayout([1, VG], [32 // (TP // VG), TP // VG], [NW, 1], [1, 0])
-        o_r = gl.arange(0, TP, layout=gl.SliceLayout(1, LG))
-        o_j = gl.arange(0, BL, layout=gl.SliceLayout(1, LG))
-        o_c = gl.arange(0, TP, layout=gl.SliceLayout(0, LG))
-        s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
-        s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
-        s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-        s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-        _async_load(s_Gk, p_kq + (o_r[:, None] * TP + o_c[None, :]))
-        _async_load(s_Gq, p_kq + TP * TP + (o_r[:, None] * TP + o_c[None, :]))
-        _async_load(s_Zk, p_kq + 2 * TP * TP + (o_j[:, None] * TP + o_c[None, :]))
-        _async_load(s_Zq, p_kq + (2 * TP * TP + BL * TP) + (o_j[:, None] * TP + o_c[None, :]))
-        cp.commit_group()
-        return s_Gk, s_Gq, s_Zk, s_Zq
 
     @gluon.jit
     def _kda_draft_grams(q, k, a, A_log, dt_bias, p_ldh, i_b, i_hv, i_hk, hc, n, sole, scale,

@@ -1,7 +1,8 @@
 """Pieces the Gluon kernels of every family share (ops/mamba2/gluon_decode.py,
 ops/gdn/gluon_decode.py): the Triton-version shims, where they apply, and the steps of a
 program that do not depend on the family (the tile's copy into shared memory, the early arrival
-on the slot's counter, the records' weights, the fold of one row chunk, the cursor's move).
+on the slot's counter, the records' weights, the fold of one row chunk, the cursor's move, the
+copy of a verify's key products from the launch before it).
 Gluon kernels run on the GPU only; see docs/decode-kernels.md ("The Gluon kernels")."""
 from __future__ import annotations
 
@@ -161,3 +162,24 @@ if HAVE_GLUON:
             gl.store(pending + slot, n.to(gl.int32))
             gl.store(arrive + slot, 0)
         return last
+
+    @gluon.jit
+    def _products_to_shared(p_kq, TP: gl.constexpr, BL: gl.constexpr, SM: gl.constexpr, NW: gl.constexpr):
+        """Start the asynchronous copy, as one commit group, of a row's key-head products from the
+        launch before (`utils.key_products.gdn_verify_key_products`: `[TP, TP]` k_t . k_r and q_t . k_r,
+        `[BL, TP]` k_j . k_t and k_j . q_t) into shared memory: no registers held while they land."""
+        VG: gl.constexpr = 4 if TP >= 4 else TP
+        LG: gl.constexpr = gl.BlockedLayout([1, VG], [32 // (TP // VG), TP // VG], [NW, 1], [1, 0])
+        o_r = gl.arange(0, TP, layout=gl.SliceLayout(1, LG))
+        o_j = gl.arange(0, BL, layout=gl.SliceLayout(1, LG))
+        o_c = gl.arange(0, TP, layout=gl.SliceLayout(0, LG))
+        s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+        s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
+        s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+        s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
+        _async_load(s_Gk, p_kq + (o_r[:, None] * TP + o_c[None, :]))
+        _async_load(s_Gq, p_kq + TP * TP + (o_r[:, None] * TP + o_c[None, :]))
+        _async_load(s_Zk, p_kq + 2 * TP * TP + (o_j[:, None] * TP + o_c[None, :]))
+        _async_load(s_Zq, p_kq + (2 * TP * TP + BL * TP) + (o_j[:, None] * TP + o_c[None, :]))
+        cp.commit_group()
+        return s_Gk, s_Gq, s_Zk, s_Zq
