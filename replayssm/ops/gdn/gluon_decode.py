@@ -294,17 +294,18 @@ def launch_gluon(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_
     iteration of its loop (the config's `BC`)."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
+    BL = gluon_record_tile(window, buf_w.shape[1])
     _gluon_gdn_kernel[(HV * (V // BV), Bt)](
         q, k, v, a, b, A_log, dt_bias, o, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
         *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor).values(),
         scale, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=gluon_record_tile(window, buf_w.shape[1]),
+        HV=HV, HK=Hk, V=V, K=K, LBCAP=buf_w.shape[1], BV=BV, BL=BL,
         RC=4 * num_warps,
         USE_QK_L2NORM=bool(use_qk_l2norm), NW=num_warps, RECMASK=bool(recmask), IS_KDA=family == "kda",
         # GDN's flush has no such loop: one specialisation whatever BC says; no more than the
         # record tile's positions (the fold indexes that many rows of the decayed keys)
-        FOLD_GROUP=min(max(1, fold_group), gluon_record_tile(window, buf_w.shape[1])) if family == "kda" else 1,
+        FOLD_GROUP=min(max(1, fold_group), BL) if family == "kda" else 1,
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
