@@ -7,9 +7,11 @@ layers), optionally cut to its first `--layers` layers of the hybrid pattern. No
 process, since the plugin registers when vLLM starts (`REPLAYSSM_VLLM=1` for `replayssm`, 0
 for `stock`); within it every batch size is timed on the same engine.
 
-Schemes (`--schemes`): `stock` (vLLM's defaults: its SSM state in the model's bf16),
-`stock-fp32` (stock with `mamba_ssm_cache_dtype="float32"`, the state precision of the
-plugin's checkpoint) and `replayssm` (the plugin, `REPLAYSSM_VLLM=1`). `--profile DIR` has
+Schemes (`--schemes`): `stock` (vLLM's defaults: for NemotronH vLLM 0.25 resolves the SSM
+state's `auto` dtype to float32, the model config's `mamba_ssm_cache_dtype` where it names
+one; the rows' `ssm_cache_dtype` says what the engine used), `stock-fp32` (stock with
+`mamba_ssm_cache_dtype="float32"` asked for, the state precision of the plugin's checkpoint)
+and `replayssm` (the plugin, `REPLAYSSM_VLLM=1`). `--profile DIR` has
 vLLM's torch profiler record iterations 8-23 of the first batch's decode per engine (its
 CUDA-time tables and traces under `DIR/<scheme>_<speculative>`); those rows carry
 `profiled: true`, their timings perturbed by the profiler.
@@ -18,7 +20,8 @@ CUDA graphs (`--capture`): by default captured at the timed batches and, with dr
 their verify steps' token counts (`capture_sizes`), in every scheme alike; `default` keeps
 vLLM's list, which stops at 512 tokens (the first committed n-gram rows ran so: eager).
 
-Per batch `B`: `B` prompts of `--prompt` tokens; one `generate` with `max_tokens=1` (the
+Per batch `B`: `B` prompts of `--prompt` tokens; an untimed `generate` of `--warmup` tokens
+each (kernels compile in an engine's first decode steps); one `generate` with `max_tokens=1` (the
 prefill and first token) and one with `1 + --decode` tokens, both with `ignore_eos`; the
 decode throughput is `B * decode / (t_long - t_short)` (`tokens_per_s`), `ratio_vs_stock`
 the plugin's over stock's at the same batch and speculation. `--speculative ngram` adds n-gram
@@ -128,11 +131,18 @@ def worker(args) -> int:
               max_num_seqs=max(args.batches), max_model_len=args.prompt + args.decode + 8,
               gpu_memory_utilization=args.gpu_memory, speculative_config=spec, disable_log_stats=spec is None,
               **extra)
+    try:    # what vLLM resolved its SSM state dtype to ("auto" becomes float32 for NemotronH in 0.25)
+        ssm_dtype = str(llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype)
+    except AttributeError:
+        ssm_dtype = None
     for i, batch in enumerate(args.batches):
         ps = prompts(batch, args.prompt, cfg["vocab_size"], repeat=spec is not None)
         short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True, detokenize=False)
-        llm.generate(ps[:8], short, use_tqdm=False)                    # warm-up
+        # warm-up at this batch with decode steps past a window's flush: the first decode steps
+        # of an engine compile kernels (Triton's JIT), which must not land in the timed run
+        warm = SamplingParams(temperature=0.0, max_tokens=args.warmup, ignore_eos=True, detokenize=False)
+        llm.generate(ps, warm, use_tqdm=False)
         t0 = time.perf_counter()
         llm.generate(ps, short, use_tqdm=False)
         t1 = time.perf_counter()
@@ -146,7 +156,7 @@ def worker(args) -> int:
         t2 = time.perf_counter()
         after = _acceptance(llm)
         made = sum(len(o.outputs[0].token_ids) for o in outs) - batch     # past the first token
-        row = {"batch": batch, "prefill_s": t1 - t0, "generate_s": t2 - t1, "decode_tokens": made,
+        row = {"batch": batch, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0, "generate_s": t2 - t1, "decode_tokens": made,
                "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
         row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
         print("RESULT " + json.dumps(row), flush=True)
@@ -163,7 +173,7 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--scheme", scheme,
            "--capture", args.capture, "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
-           "--speculative", speculative, "--drafts", str(args.drafts), "--gpu-memory", str(args.gpu_memory)]
+           "--speculative", speculative, "--drafts", str(args.drafts), "--warmup", str(args.warmup), "--gpu-memory", str(args.gpu_memory)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     # how the plugin's layers reached vLLM's blocks (its log lines: "... KernelExecutor (strided)")
@@ -194,6 +204,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capture", default="batches", choices=("batches", "default"),
                     help="CUDA-graph sizes: the timed batches and their verify steps' tokens (both schemes), "
                          "or vLLM's default list (up to 512 tokens)")
+    ap.add_argument("--warmup", type=int, default=24,
+                    help="decode tokens per request of the untimed run before each batch (kernels compile there)")
     ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     ap.add_argument("--out", default="vllm.json")
