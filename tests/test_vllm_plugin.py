@@ -458,6 +458,39 @@ def test_serving_benchmark_model_folder_and_prompts(tmp_path):
     assert vs.capture_sizes([64, 256], None) == [64, 256]
 
 
+def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
+    # an engine that trips vLLM's start-up memory check runs once more; one that fails otherwise
+    # leaves its whole output beside --out and its root cause (not the front end's last words)
+    # in the rows
+    import subprocess
+    import types
+    from replayssm.bench import vllm_serving as vs
+    from replayssm.integrations.vllm._compat import START_UP_MEMORY_ERRORS
+    calls = []
+
+    def run(outputs):
+        def fake(cmd, **kw):
+            calls.append(cmd)
+            out = outputs[min(len(calls), len(outputs)) - 1]
+            return types.SimpleNamespace(returncode=0 if "RESULT" in out else 1, stdout=out, stderr="")
+        return fake
+
+    monkeypatch.setattr(vs.time, "sleep", lambda s: None)
+    args = vs.parser().parse_args(["--batches", "8", "--out", str(tmp_path / "r.json")])
+    ok = 'RESULT {"batch": 8, "tokens_per_s": 5.0}'
+    monkeypatch.setattr(subprocess, "run", run([f"ValueError: {START_UP_MEMORY_ERRORS[2]}", ok]))
+    rows = vs._run_engine(args, "stock", "none", tmp_path)
+    assert len(calls) == 2 and rows[0]["tokens_per_s"] == 5.0
+    calls.clear()
+    boom = "INFO start\n(EngineCore pid=7) ERROR Traceback (most recent call last):\nKeyError: 'x'\n" \
+           "RuntimeError: Engine core initialization failed. See root cause above."
+    monkeypatch.setattr(subprocess, "run", run([boom]))
+    rows = vs._run_engine(args, "replayssm", "ngram", tmp_path)
+    assert len(calls) == 1 and rows[0]["tokens_per_s"] is None
+    assert rows[0]["error"].startswith("rc 1: (EngineCore pid=7) ERROR Traceback") and "KeyError" in rows[0]["error"]
+    assert (tmp_path / "r.replayssm_ngram.log").read_text().startswith("INFO start")
+
+
 def test_serving_benchmark_refuses_unknown_choices(capsys):
     from replayssm.bench import vllm_serving as vs
     for argv, what in ((["--schemes", "stock,fast"], "--schemes: unknown 'fast'"),
@@ -472,15 +505,12 @@ def test_serving_benchmark_refuses_unknown_choices(capsys):
 MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's output folder
 
 
-# vLLM's start-up errors when engines side by side move the GPU's free memory under its profiling
-_MEMORY_RACES = ("Error in memory profiling", "No available memory for the cache blocks")
-
-
 def _generate(model, mode, enabled, extra="{}"):
     env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0")
     cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", os.path.join(MODELS, model), mode, extra]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if r.returncode != 0 and any(m in r.stdout + r.stderr for m in _MEMORY_RACES):
+    from replayssm.integrations.vllm._compat import START_UP_MEMORY_ERRORS
+    if r.returncode != 0 and any(m in r.stdout + r.stderr for m in START_UP_MEMORY_ERRORS):
         # engines started side by side (pytest-xdist) can trip vLLM's start-up memory checks
         # when another one takes or frees memory meanwhile: once more
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -293,19 +293,22 @@ def cursor_steps_table(data: dict) -> list:
 
 
 def vllm_table(rows: list) -> list:
-    by = {(r["speculative"], r["batch"], r["scheme"]): r for r in rows}
+    # rows timed under vLLM's profiler (`--profile`) are perturbed by it: the table leaves them out
+    by = {(r["speculative"], r["batch"], r["scheme"]): r for r in rows if not r.get("profiled")}
     fp32 = any(r["scheme"] == "stock-fp32" for r in rows)
-    head = ["speculative", "batch", "stock tokens/s"] + (["stock, fp32 state"] if fp32 else []) + [
+    state = any(r.get("ssm_cache_dtype") for r in rows)
+    head = ["speculative", "batch"] + (["stock SSM state"] if state else []) + ["stock tokens/s"] + (["stock, fp32 state"] if fp32 else []) + [
         "replayssm tokens/s", "vs stock"] + (["vs stock, fp32 state"] if fp32 else []) + ["draft acceptance"]
     body = []
-    for (spec, batch, scheme), r in by.items():
+    for (spec, batch, scheme), r in sorted(by.items(), key=lambda kv: kv[0][:2]):
         if scheme != "replayssm":
             continue
         bases = [by.get((spec, batch, "stock"), {})] + ([by.get((spec, batch, "stock-fp32"), {})] if fp32 else [])
         drafts, acc = r.get("spec_decode_num_draft_tokens_delta"), r.get("spec_decode_num_accepted_tokens_delta")
         tps = [x.get("tokens_per_s") for x in bases + [r]]
         ratios = [r.get("ratio_vs_stock")] + ([r.get("ratio_vs_stock_fp32")] if fp32 else [])
-        body.append([spec, batch] + [f"{x:.0f}" if x else "-" for x in tps] +
+        dtype = [str(bases[0].get("ssm_cache_dtype") or "-")] if state else []
+        body.append([spec, batch] + dtype + [f"{x:.0f}" if x else "-" for x in tps] +
                     [f"{x:.2f}x" if x else "-" for x in ratios] + [f"{acc / drafts:.1%}" if drafts else "-"])
     return _table(head, body)
 
@@ -343,6 +346,8 @@ def file_section(name: str, data: dict) -> list:
         out += vllm_ssu_table(data["rows"])
     elif kind == "vllm":
         out += vllm_table(data["rows"])
+        if any(r.get("profiled") for r in data["rows"]):
+            out += ["", "(Rows timed under vLLM's profiler, `profiled: true` in the file, are left out.)"]
     elif kind == "precision_study":
         out += precision_study_table(data["rows"])
     elif kind == "cursor_steps":

@@ -47,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..integrations.vllm import _compat
 from .common import positive_ints
 
 MODELS = ("nemotron3_nano_4b",)
@@ -168,6 +169,15 @@ def _ratio(row: dict, base: dict):
     return a / b if a and b else None
 
 
+def root_cause(output: str, lines: int = 40) -> str:
+    """A failed engine's output from its first traceback or error line on (`lines` of it), else
+    its last lines: the engine core's own exception comes before the front end's "Engine core
+    initialization failed" (vLLM prefixes each core line with its process, so match anywhere)."""
+    got = output.splitlines()
+    first = next((i for i, x in enumerate(got) if "Traceback" in x or "Error" in x), None)
+    return "\n".join(got[-lines:] if first is None else got[first:first + lines])
+
+
 def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     env = dict(os.environ, REPLAYSSM_VLLM="1" if scheme == "replayssm" else "0")
     cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--scheme", scheme,
@@ -175,15 +185,23 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
            "--speculative", speculative, "--drafts", str(args.drafts), "--warmup", str(args.warmup), "--gpu-memory", str(args.gpu_memory)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if r.returncode != 0 and any(m in r.stdout + r.stderr for m in _compat.START_UP_MEMORY_ERRORS):
+        # the engine before this one may still hold memory that vLLM's start-up counts as taken
+        time.sleep(15)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     # how the plugin's layers reached vLLM's blocks (its log lines: "... KernelExecutor (strided)")
     modes = sorted(set(re.findall(r"KernelExecutor \((\w+)\)", r.stdout + r.stderr)))
     for row in rows:
         row["state_mode"] = ",".join(modes) if scheme == "replayssm" else None
     if r.returncode != 0 or not rows:
-        tail = (r.stdout + r.stderr)[-1500:]
-        print(f"{scheme} / {speculative}: engine failed (rc {r.returncode}):\n{tail}")
-        return [{"batch": b, "tokens_per_s": None, "error": f"rc {r.returncode}: {tail[-300:]}"} for b in args.batches]
+        # vLLM's engine core reports its failure as "see root cause above": keep the whole output
+        log = Path(args.out).with_suffix(f".{scheme}_{speculative}.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(r.stdout + "\n--- stderr ---\n" + r.stderr)
+        cause = root_cause(r.stdout + r.stderr)
+        print(f"{scheme} / {speculative}: engine failed (rc {r.returncode}; whole output: {log}):\n{cause}")
+        return [{"batch": b, "tokens_per_s": None, "error": f"rc {r.returncode}: {cause[-600:]}"} for b in args.batches]
     return rows
 
 
@@ -229,7 +247,6 @@ def main(argv=None) -> int:
         if s not in SCHEMES:
             ap.error(f"--schemes: unknown {s!r}; choose from {', '.join(SCHEMES)}")
     schemes = ["stock"] + [s for s in SCHEMES[1:] if s in schemes]
-    from ..integrations.vllm import _compat
     if _compat.vllm_version() is None:
         raise SystemExit(f"{ap.prog}: error: vLLM is not installed here (the benchmark runs vLLM 0.25.0 on a GPU)")
     import torch

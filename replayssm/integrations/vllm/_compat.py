@@ -31,6 +31,12 @@ from types import SimpleNamespace
 
 CHECKED_VERSIONS = ("0.25.0",)
 
+# vLLM's start-up errors when the GPU's free memory moves under its memory profiling: another
+# engine starting beside it, or the one before it not yet gone. A caller starting engines one
+# after another (the serving benchmark) or side by side (the GPU suite) tries once more.
+START_UP_MEMORY_ERRORS = ("Error in memory profiling", "No available memory for the cache blocks",
+                          "is less than desired GPU memory utilization")
+
 _PATCHED_ATTR = "_replayssm_original"
 
 
