@@ -98,14 +98,16 @@ def test_lowp_config_split_keys():
     assert flush_programs({"flush_programs": None}, 100, "cpu") == 8
 
 
-@pytest.mark.parametrize("nvec", [1, 2])
+@pytest.mark.parametrize("nvec,strided", [(1, False), (2, False), (1, True)])
 @pytest.mark.parametrize("rec", [torch.float32, torch.bfloat16])
-def test_key_products_match_torch(rec, nvec):
-    """`gluon_kq`'s first launch (utils/key_products.py; Triton, so the interpreter runs it): each
-    row's key records below its cursor dotted with its one (Mamba-2) or two (GDN) vectors per key
-    head; zeros from the cursor on and for a padding row, whatever the records past the cursor
-    hold (NaN here)."""
+def test_key_products_match_torch(rec, nvec, strided):
+    """`gluon_kq`'s (and the fp32 Mamba-2 decode's `kq`) first launch (utils/key_products.py;
+    Triton, so the interpreter runs it): each row's key records below its cursor dotted with its
+    one (Mamba-2) or two (GDN) vectors per key head; zeros from the cursor on and for a padding
+    row, whatever the records past the cursor hold (NaN here). `strided`: keys and cursors in
+    slot-strided views (vLLM's pages; `utils.launch.slot_pads`), the padding between slots NaN."""
     from replayssm.ops.utils.key_products import key_products
+    from replayssm.ops.utils.launch import slot_pads
     g = torch.Generator().manual_seed(3)
     N, Lb, Hk, K, BL, Bt = 5, 9, 2, 16, 16, 5
     buf_k = torch.randn(N, Lb, Hk, K, generator=g).to(rec)
@@ -114,7 +116,18 @@ def test_key_products_match_torch(rec, nvec):
         buf_k[s, h:] = float("nan")
     slot_ids = torch.tensor([4, 2, -1, 1, 0])
     xs = [torch.randn(Bt, Hk, K, generator=g) for _ in range(nvec)]
-    kq = key_products([x.to(DEV) for x in xs], buf_k.to(DEV), cursor.to(DEV), slot_ids.to(DEV), BL)
+    buf_kd, cursor_d, pads = buf_k.to(DEV), cursor.to(DEV), {}
+    if strided:
+        page_k = torch.full((N, Lb * Hk * K + 24), float("nan"), dtype=rec, device=DEV)
+        page_k[:, :Lb * Hk * K] = buf_kd.reshape(N, -1)
+        buf_kd = page_k[:, :Lb * Hk * K].view(N, Lb, Hk, K)
+        page_c = torch.full((N, 3), 99, dtype=torch.int32, device=DEV)
+        page_c[:, 0] = cursor_d
+        cursor_d = page_c[:, 0]
+        p = slot_pads(buf_kd, buf_kd, buf_kd, buf_kd, cursor_d)
+        pads = dict(pad_k=p["pad_k"], pad_cur=p["pad_cur"])
+        assert pads == dict(pad_k=24, pad_cur=2)
+    kq = key_products([x.to(DEV) for x in xs], buf_kd, cursor_d, slot_ids.to(DEV), BL, **pads)
     kq = kq.cpu().reshape(Bt, Hk, nvec, BL)
     for b, s in enumerate(slot_ids.tolist()):
         want = torch.zeros(Hk, nvec, BL)

@@ -95,6 +95,14 @@ EDGE_CASES = [
     pytest.param(_shape("nemotron3-nano-4b"), 20,
                  dict(BV=16, num_warps=1, KS=1, rows=False, recmask=True, gluon=True),
                  marks=[pytest.mark.gpu, gpu], id="nano4b-gluon-L20"),
+    # the groups' key products formed by a launch before the Gluon kernel (config kq)
+    pytest.param(_shape("nemotron3-super"), 16, dict(BV=64, num_warps=4, KS=1, gluon=True, kq=True),
+                 marks=[pytest.mark.gpu, gpu], id="super-gluon-kq"),
+    pytest.param(_shape("nemotron3-nano-4b"), 16, dict(BV=16, num_warps=1, KS=1, gluon=True, kq=True),
+                 marks=[pytest.mark.gpu, gpu], id="nano4b-gluon-kq"),
+    pytest.param(_shape("nemotron3-nano-4b"), 20,
+                 dict(BV=16, num_warps=1, KS=1, recmask=True, gluon=True, kq=True),
+                 marks=[pytest.mark.gpu, gpu], id="nano4b-gluon-kq-L20"),
     # row blocks of [HV * V, K] spanning two heads (V = 24 is no multiple of 16)
     pytest.param(dict(HV=4, Hk=2, V=24, K=32), 4, dict(BV=16, rows=True, num_warps=2), id="rows-spanning"),
     pytest.param(dict(HV=4, Hk=2, V=24, K=32), 5, dict(BV=8, rows=True, recmask=False), id="rows-unmasked"),
@@ -198,12 +206,13 @@ def test_bf16_records_exact_on_bf16_inputs(shape, window, n_slots, windows, conf
     dict(BV=16, recmask=True, KS=4),
     dict(BV=8, recmask=False, KS=2),
     dict(BV=16, num_warps=1, recmask=False, gluon=True),
-], ids=["k-slices-4", "k-slices-2-unmasked", "gluon-key-runs-triton-here"])
+    dict(BV=16, num_warps=1, recmask=False, gluon=True, kq=True),
+], ids=["k-slices-4", "k-slices-2-unmasked", "gluon-key-runs-triton-here", "gluon-kq-runs-triton-here"])
 def test_program_variants(cfg):
     """The checkpoint tile in K slices, record loads issued before the cursor is known: each
     against the reference. A
-    `gluon` entry runs the Triton kernel with its other keys where Gluon cannot run (the CPU
-    interpreter; on a GPU, shapes other than K = 128)."""
+    `gluon` entry (and its `kq`) runs the Triton kernel with its other keys where Gluon cannot run
+    (the CPU interpreter; on a GPU, shapes other than K = 128)."""
     shape = dict(HV=4, Hk=2, V=16, K=32)
     r = compare_with_reference(shape["HV"], shape["Hk"], shape["V"], shape["K"], window=5,
                                n_slots=3, windows=4, device=DEV, config=cfg)
@@ -276,3 +285,59 @@ def test_optional_inputs_and_dtypes(variant):
             err = (y.cpu().double() - y_ref).norm() / y_ref.norm()
             assert err < tol, f"step {t}: rel err {err:.2e}"
     assert buf["epoch"].tolist() == [1, 1, 1] and buf["cursor"].tolist() == [1, 1, 1]
+
+
+@pytest.mark.gpu
+@gpu
+def test_gluon_kq_captured_without_warmup_equals_eager():
+    """Config `kq` (the groups' key products formed by a launch before the Gluon kernel) in a
+    CUDA graph captured at a batch size never run before, so that the products' scratch is
+    allocated inside the capture, as under vLLM, which warms up no size before capturing it
+    (the kernels themselves compiled at another batch size first). Replayed over more than a
+    window with staggered cursors: outputs and checkpoints equal the eager steps without `kq`
+    to rounding (the products are summed in another order; the folds are the same), cursors,
+    epochs and records exactly."""
+    from replayssm.ops.mamba2.gluon_decode import HAVE_GLUON
+    if not HAVE_GLUON:
+        pytest.skip("needs Triton's Gluon")
+    sh = _shape("nemotron3-nano-4b")
+    HV, Hk, V, K = sh["HV"], sh["Hk"], sh["V"], sh["K"]
+    L, N, Bt = 16, 24, 19
+    p = make_params("mamba2", HV, K, seed=5)
+    A, dt_bias, D = (t.float().to(DEV) for t in (p.A, p.dt_bias, p.D))
+    g = torch.Generator().manual_seed(5)
+    init = dict(ckpt=0.1 * torch.randn(N, HV, V, K, generator=g), buf_ld=-0.05 * torch.rand(N, L, HV, generator=g),
+                buf_w=torch.randn(N, L, HV, V, generator=g).to(torch.bfloat16),
+                buf_k=torch.randn(N, L, Hk, K, generator=g).to(torch.bfloat16),
+                cursor=torch.randint(0, L, (N,), generator=g, dtype=torch.int32),
+                epoch=torch.zeros(N, dtype=torch.int64), arrive=torch.zeros(N, dtype=torch.int32))
+    states = [{k: v.to(DEV) for k, v in init.items()} for _ in range(3)]
+    inp = {k: v.to(DEV, torch.bfloat16) for k, v in make_inputs(p, Bt, V, K, Hk, generator=g).items()}
+    sid = torch.randperm(N, generator=g)[:Bt].to(torch.int32).to(DEV)
+    sid[4] = -1
+    outs = [torch.empty(Bt, HV, V, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+
+    def step(st, out, kq, rows=Bt):
+        replay_decode(**{k: v[:rows] for k, v in inp.items()}, A=A, dt_bias=dt_bias, D=D,
+                      **{k: st[k] for k in ("ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "epoch")},
+                      slot_ids=sid[:rows], window=L, out=out[:rows], config=dict(gluon=True, kq=kq),
+                      arrive=st["arrive"], validate=False)
+
+    step(states[2], outs[1], True, rows=3)       # compiles both launches (the batch is no constexpr)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(states[0], outs[0], True)
+    e0 = states[0]["epoch"].clone()
+    for _ in range(L + 2):
+        graph.replay()
+        step(states[1], outs[1], False)
+        torch.cuda.synchronize()
+        assert torch.allclose(outs[0].float(), outs[1].float(), rtol=1e-2, atol=1e-3)   # bf16 outputs
+        # a flush folds the same records with the same weights either way
+        assert torch.allclose(states[0]["ckpt"], states[1]["ckpt"], rtol=1e-6, atol=1e-7)
+        for k in ("cursor", "epoch", "buf_ld", "buf_w", "buf_k", "arrive"):
+            assert torch.equal(states[0][k], states[1][k]), k
+    live = sid[sid >= 0].long()
+    assert int((states[0]["epoch"][live] - e0[live]).min()) > 0, "some row never flushed"
+    assert torch.isfinite(outs[0].float()).all()

@@ -90,7 +90,7 @@ def test_custom_op_registration():
                          torch.zeros(N, dtype=torch.int64, device=DEV),
                          torch.zeros(N, dtype=torch.int32, device=DEV), slot_ids,
                          torch.empty(Bt, HV, V, device=DEV), L, 16, 4, 1, True, 0, 1, False,
-                         False, False)
+                         False, False, False)
     conv_args = tok + (torch.randn(N, HV, V, K, device=DEV), slot_ids,
                        torch.empty(Bt, HV, V, device=DEV), 16, 4, 1, True)
     tests = ("test_schema", "test_faketensor")
@@ -170,6 +170,7 @@ REPLAY_ERRORS = [
     ("config", dict(warpsum=True, BV=2, num_warps=4), "warpsum=True needs"),
     ("config", dict(warpsum=True, KS=2), "warpsum=True needs"),
     ("config", dict(gluon=1), "gluon must be a bool"),
+    ("config", dict(kq="yes"), "kq must be a bool"),
 ]
 
 

@@ -101,6 +101,7 @@ CASES = [  # (family, op, T, config): each kernel path the plugin can reach
 ]
 GLUON_CASES = [
     ("mamba2", "decode", 1, {"gluon": True}),
+    ("mamba2", "decode", 1, {"gluon": True, "kq": True}),              # the group's products first
     ("mamba2", "verify", 3, {"gluon": True}),
     ("mamba2", "verify", 3, {"gluon": True, "kq": True}),              # the group's products first
     ("gdn", "decode", 1, {"gluon": True}),

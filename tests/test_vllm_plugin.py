@@ -477,10 +477,10 @@ def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
 
     monkeypatch.setattr(vs.time, "sleep", lambda s: None)
     args = vs.parser().parse_args(["--batches", "8", "--out", str(tmp_path / "r.json")])
-    ok = 'RESULT {"batch": 8, "tokens_per_s": 5.0}'
+    ok = 'INFO Maximum concurrency for 1,032 tokens per request: 812.50x\nRESULT {"batch": 8, "tokens_per_s": 5.0}'
     monkeypatch.setattr(subprocess, "run", run([f"ValueError: {START_UP_MEMORY_ERRORS[2]}", ok]))
     rows = vs._run_engine(args, "stock", "none", tmp_path)
-    assert len(calls) == 2 and rows[0]["tokens_per_s"] == 5.0
+    assert len(calls) == 2 and rows[0]["tokens_per_s"] == 5.0 and rows[0]["max_concurrency"] == 812.5
     calls.clear()
     boom = "INFO start\n(EngineCore pid=7) ERROR Traceback (most recent call last):\nKeyError: 'x'\n" \
            "RuntimeError: Engine core initialization failed. See root cause above."

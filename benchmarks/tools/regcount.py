@@ -129,15 +129,19 @@ def _gluon(kernel, label, ptr, vals, c):
 
 
 def mamba2_gluon(cfg):
-    """Mamba-2's Gluon kernel (ops/mamba2/gluon_decode.py) at Super's shape."""
+    """Mamba-2's Gluon kernel (ops/mamba2/gluon_decode.py) at Super's shape (`model=nano`:
+    Nano-4B's, one-warp 16-row programs); `kq=1` with the group's key products loaded (`kq`)."""
     from replayssm.ops.mamba2 import gluon_decode as m
 
-    c = dict(BV=64, num_warps=4)
+    nano = cfg.pop("model", "super") == "nano"
+    c = dict(BV=16 if nano else 64, num_warps=1 if nano else 4, kq=0)
     c.update(cfg)
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
-    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D")})
-    vals = dict(HV=128, Hk=8, V=64, K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True)
-    return _gluon(m._gluon_replay_kernel, "mamba2 gluon", ptr, vals, c)
+    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "kq")})
+    vals = dict(HV=96 if nano else 128, Hk=8, V=80 if nano else 64, K=128, LB=17, WINDOW=16, HAS_D=True,
+                HAS_Z=True, KQ=bool(int(c.pop("kq"))))
+    return _gluon(m._gluon_replay_kernel, f"mamba2 gluon{' nano' if nano else ''}{' kq' if vals['KQ'] else ''}",
+                  ptr, vals, c)
 
 
 def gdn_gluon(cfg):

@@ -26,10 +26,11 @@ HAVE_GLUON = importlib.util.find_spec("triton") is not None and \
 @pytest.mark.skipif(not HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("args", [
     ["mamba2-gluon", "inputs=bf16", "recmask=0"],                           # Nemotron-3-Super's table config
-    ["mamba2-gluon", "recmask=1", "BV=16", "num_warps=1"],                  # Nano-4B's program size, fp32 inputs
+    ["mamba2-gluon", "model=nano", "recmask=1"],                           # Nano-4B's one-warp programs, fp32 inputs
+    ["mamba2-gluon", "model=nano", "inputs=bf16", "recmask=0", "kq=1"],     # the groups' key products loaded
     ["gdn-gluon", "inputs=bf16", "recmask=0"],                              # Qwen3.5-4B's table config
     ["kda-gluon", "inputs=bf16", "BV=128", "num_warps=8", "BC=4"],          # Kimi Linear's table config
-], ids=["mamba2-super", "mamba2-one-warp", "gdn", "kda"])
+], ids=["mamba2-super", "mamba2-one-warp", "mamba2-kq", "gdn", "kda"])
 def test_gluon_kernels_compile_for_sm90(args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

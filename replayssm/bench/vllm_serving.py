@@ -28,8 +28,9 @@ the plugin's over stock's at the same batch and speculation. `--speculative ngra
 drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes; its prompts repeat a short
 pattern so that lookups find drafts, and the rows carry vLLM's draft acceptance where its
 metrics report it. JSON rows: `model`, `batch`, `scheme`, `speculative`, `tokens_per_s`,
-`ratio_vs_stock`, `ratio_vs_stock_fp32` (when that scheme ran), `state_mode` (the plugin's
-executors: "strided" on vLLM's pages, "staged" through scratch rows), plus the timings.
+`ratio_vs_stock`, `ratio_vs_stock_fp32` (when that scheme ran), `max_concurrency` (the requests
+vLLM's cache holds at once, from its start-up log), `state_mode` (the plugin's executors:
+"strided" on vLLM's pages, "staged" through scratch rows), plus the timings.
 
     python -m replayssm.bench.vllm_serving --batches 64,256,512 --out benchmarks/results/vllm_h200.json
 
@@ -192,8 +193,12 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     # how the plugin's layers reached vLLM's blocks (its log lines: "... KernelExecutor (strided)")
     modes = sorted(set(re.findall(r"KernelExecutor \((\w+)\)", r.stdout + r.stderr)))
+    # how many requests vLLM's cache holds at once (its start-up log): a batch above it is
+    # preempted and recomputed, which the throughput then measures
+    conc = re.findall(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", r.stdout + r.stderr)
     for row in rows:
         row["state_mode"] = ",".join(modes) if scheme == "replayssm" else None
+        row["max_concurrency"] = float(conc[-1]) if conc else None
     if r.returncode != 0 or not rows:
         # vLLM's engine core reports its failure as "see root cause above": keep the whole output
         log = Path(args.out).with_suffix(f".{scheme}_{speculative}.log")

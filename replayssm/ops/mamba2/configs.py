@@ -22,6 +22,10 @@ live state. An entry is a config or a list of `(max_batch, config)`, the first w
               BV other than 16 * num_warps, windows above 32), and on the CPU interpreter, the
               Triton per-head kernel runs with the same keys
   maxnreg     register cap (0: none): more programs per SM, maybe spills
+  kq          the Gluon kernel only (ignored where the Triton kernels run): the groups' key
+              products k_j . q formed once per (row, group) by a Triton launch before it
+              (utils/key_products.py), loaded instead of every program loading the group's key
+              records and forming them (the precision kernels' `gluon_kq`)
 A flush folds the records into the checkpoint one rank-1 update per record (exact fp32), in
 row chunks of min(16, BV).
 
@@ -195,7 +199,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, Hk: int, config: Option
     if not with_flush:
         cfg.update(perhead=False)
     else:
-        cfg.update(recmask=True, KS=1, rows=False, warpsum=False, gluon=False, maxnreg=0)
+        cfg.update(recmask=True, KS=1, rows=False, warpsum=False, gluon=False, maxnreg=0, kq=False)
     cfg.update(table_entry(table, key, batch) or {})
     if with_flush and cfg["gluon"] and window is not None and window > 16:
         cfg.update(table_entry(LONG_WINDOW_CONFIGS, key) or {})
@@ -226,6 +230,7 @@ def resolve_config(table: dict, HV: int, V: int, K: int, Hk: int, config: Option
     if cfg["warpsum"] and (bv % nw or cfg["KS"] != 1):
         raise ValueError(f"config: warpsum=True needs KS=1 and num_warps={nw} dividing BV={bv}")
     _check_bool(cfg, "gluon")
+    _check_bool(cfg, "kq")
     if cfg["gluon"] and (cfg["rows"] or cfg["KS"] != 1):
         raise ValueError("config: gluon=True takes rows=False, KS=1")
     if isinstance(cfg["maxnreg"], bool) or not isinstance(cfg["maxnreg"], int) or cfg["maxnreg"] < 0:

@@ -294,7 +294,7 @@ def _interpreting() -> bool:
 
 def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, recmask=True, maxnreg=0,
-                   KS=1, rows=False, warpsum=False, gluon=False):
+                   KS=1, rows=False, warpsum=False, gluon=False, kq=False):
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -303,7 +303,7 @@ def _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
     if gluon and not _interpreting() and gluon_supported(HV, V, K, Hk, window, LB, BV, num_warps) \
             and gluon_aligned(ckpt, buf_ld, buf_w, buf_k):
         launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-                     slot_ids, out, window, BV, num_warps, maxnreg, recmask)
+                     slot_ids, out, window, BV, num_warps, maxnreg, recmask, kq)
         return
     # record tiles cover positions 0..min(window, Lb) - 1 (cursors never pass the window)
     BL = max(16, triton.next_power_of_2(min(window, LB)))
@@ -337,16 +337,16 @@ def _replay_decode_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, epoch: Tensor, arrive: Tensor,
                       slot_ids: Tensor, out: Tensor, window: int, BV: int, num_warps: int,
                       num_stages: int, recmask: bool, maxnreg: int, KS: int, rows: bool,
-                      warpsum: bool, gluon: bool) -> None:
+                      warpsum: bool, gluon: bool, kq: bool) -> None:
     _launch_replay(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch,
                    arrive, slot_ids, out, window, BV, num_warps, num_stages, recmask, maxnreg, KS,
-                   rows, warpsum, gluon)
+                   rows, warpsum, gluon, kq)
 
 
 @_replay_decode_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
       slot_ids, out, window, BV, num_warps, num_stages, recmask, maxnreg, KS, rows, warpsum,
-      gluon) -> None:
+      gluon, kq) -> None:
     return None
 
 
@@ -402,7 +402,7 @@ def replay_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
             slot_ids, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"],
             bool(cfg["recmask"]), cfg["maxnreg"], cfg["KS"], bool(cfg["rows"]), bool(cfg["warpsum"]),
-            bool(cfg["gluon"]))
+            bool(cfg["gluon"]), bool(cfg["kq"]))
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_decode(*args)
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils.key_products import key_products
 from ..utils.launch import slot_pads
 from .common import OPTIONAL_INPUTS
 
@@ -59,13 +60,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _gluon_replay_kernel(
         x, dt, B, C, A, dt_bias, D, z, out,
-        ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids,
+        ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, kq,
         pad_ckpt, pad_ld, pad_w, pad_k, pad_cur,
         stride_x_b, stride_x_h, stride_dt_b, stride_B_b, stride_B_g, stride_C_b, stride_C_g,
         stride_z_b, stride_z_h, stride_o_b, stride_o_h,
         HV: gl.constexpr, Hk: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, RC: gl.constexpr,
         HAS_D: gl.constexpr, HAS_Z: gl.constexpr, NW: gl.constexpr, RECMASK: gl.constexpr,
+        KQ: gl.constexpr,
     ):
         # Layouts (NW warps, K = 128, BV = 16 NW, BL = 16 or, for windows above 16, 32):
         # LT  the tile [BV, K]: a row per warp and repetition, 4 columns per lane (16-byte copies)
@@ -135,18 +137,24 @@ if HAVE_GLUON:
         if HAS_D:
             b_D = gl.load(D + i_h).to(gl.float32)
 
-        o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
-        m_lK = (o_lK < h)[:, None]
-        m_lKl = m_lK if RECMASK else (o_lK < NPOS)[:, None]
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
-        b_Kr = gl.load(p_Kg + o_lK[:, None] * (Hk * K) + o_kK[None, :], mask=m_lKl, other=0.0)
+        o_l = gl.arange(0, BL, layout=LA1)                          # positions, one per lane
+        if KQ:
+            # the group's key products k_j . q, formed once per (row, group) by the launch before
+            # (utils/key_products.py) rather than by each of the group's programs from the key
+            # records (their registers and their L2 reads)
+            b_kq = gl.load(kq + (i_b * Hk + i_g) * BL + o_l)
+        else:
+            o_lK = gl.arange(0, BL, layout=gl.SliceLayout(1, LK))
+            m_lK = (o_lK < h)[:, None]
+            m_lKl = m_lK if RECMASK else (o_lK < NPOS)[:, None]
+            b_Kr = gl.load(p_Kg + o_lK[:, None] * (Hk * K) + o_kK[None, :], mask=m_lKl, other=0.0)
         o_lW = gl.arange(0, BL, layout=gl.SliceLayout(1, LW))
         o_rW = gl.arange(0, BV, layout=gl.SliceLayout(0, LW))
         m_lW = (o_lW < h)[:, None]
         m_lWl = m_lW if RECMASK else (o_lW < NPOS)[:, None]
         p_Wh = buf_w + slot * (LB * HV * V) + i_h * V + v0
         b_Wr = gl.load(p_Wh + o_lW[:, None] * (HV * V) + o_rW[None, :], mask=m_lWl, other=0.0)
-        o_l = gl.arange(0, BL, layout=LA1)                          # positions, one per lane
         p_ldh = buf_ld + slot * (LB * HV) + i_h
         b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=(o_l + 1 < h) if RECMASK else (o_l + 1 < NPOS), other=0.0)
         b_ldj = gl.load(p_ldh + o_l * HV, mask=(o_l < h) if RECMASK else (o_l < NPOS), other=0.0)
@@ -160,8 +168,9 @@ if HAVE_GLUON:
         # the records keep x: their dt_j = ld_j / A enters the weights (a select past the
         # cursor, where the loaded value may be stale)
         b_coef = gl.where(o_l < h, b_coef * (b_ldj * b_rA), 0.0)
-        b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
-        b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1)                                      # [BL]
+        if not KQ:
+            b_Kb = gl.where(m_lK, b_Kr.to(gl.float32), 0.0)
+            b_kq = gl.sum(b_Kb * b_qK[None, :], axis=1)                                  # [BL]
         b_kcq = gl.sum(b_kcK * b_qK, axis=0)
         b_cw = gl.convert_layout(b_coef, gl.SliceLayout(1, LW)) * gl.convert_layout(b_kq, gl.SliceLayout(1, LW))
         b_W = gl.where(m_lW, b_Wr.to(gl.float32), 0.0)
@@ -215,21 +224,26 @@ if HAVE_GLUON:
 
 
 def launch_gluon(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, epoch, arrive,
-                 slot_ids, out, window, BV, num_warps, maxnreg=0, recmask=True):
+                 slot_ids, out, window, BV, num_warps, maxnreg=0, recmask=True, kq=False):
     """Launch `_gluon_replay_kernel` (grid `(HV * V / BV, Bt)`); the caller checked
-    `gluon_supported`. The tile is read and folded in chunks of 4 * num_warps rows."""
+    `gluon_supported`. The tile is read and folded in chunks of 4 * num_warps rows. `kq`: the
+    groups' key products formed first (`utils.key_products`, `Bt * Hk` programs), which the
+    kernel loads instead of the key records (a flush still reads the records to fold them)."""
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
+    BL = gluon_record_tile(window, LB)
+    pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor)
+    kqs = key_products([C], buf_k, cursor, slot_ids, BL, pads["pad_k"], pads["pad_cur"]) if kq else slot_ids
     # D and z absent: None (the heuristics set HAS_D / HAS_Z)
     _gluon_replay_kernel[(HV * (V // BV), Bt)](
         x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D, z=z, out=out,
         ckpt=ckpt, buf_ld=buf_ld, buf_w=buf_w, buf_k=buf_k, cursor=cursor, epoch=epoch, arrive=arrive,
-        slot_ids=slot_ids, **slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor),
+        slot_ids=slot_ids, kq=kqs, **pads,
         stride_x_b=x.stride(0), stride_x_h=x.stride(1), stride_dt_b=dt.stride(0),
         stride_B_b=B.stride(0), stride_B_g=B.stride(1), stride_C_b=C.stride(0), stride_C_g=C.stride(1),
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
-        HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=gluon_record_tile(window, LB),
-        RC=4 * num_warps, NW=num_warps, num_warps=num_warps, RECMASK=bool(recmask),
+        HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, BV=BV, BL=BL,
+        RC=4 * num_warps, NW=num_warps, num_warps=num_warps, RECMASK=bool(recmask), KQ=bool(kq),
         **({"maxnreg": maxnreg} if maxnreg else {}))

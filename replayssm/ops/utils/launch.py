@@ -37,13 +37,14 @@ def arrive_counter(device, N: int) -> Tensor:
 def scratch_f32(device, numel: int) -> Tensor:
     """An fp32 scratch buffer of `numel` elements, cached per (device, numel): a launch writes it
     and the next launch of the same step reads it, so one buffer serves every layer and step on
-    one stream (contents undefined between steps). Created on first use, which must not be inside
-    a CUDA-graph capture (warm up first)."""
+    one stream (contents undefined between steps). Created on first use, which may be inside a
+    CUDA-graph capture (vLLM captures without an eager warm-up of each size): it then comes from
+    the graph's private pool and, held by this cache, stays allocated after the capture, so no
+    later allocation of that pool reuses it and eager steps may use it too; `empty` records no
+    kernel in the graph."""
     key = (torch.device(device), int(numel))
     t = _SCRATCH_CACHE.get(key)
     if t is None:
-        if capturing():
-            raise ValueError("scratch buffer not allocated yet: run the step once before capturing a CUDA graph")
         t = torch.empty(int(numel), dtype=torch.float32, device=device)
         _SCRATCH_CACHE[key] = t
     return t
