@@ -494,7 +494,8 @@ def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
 def test_serving_benchmark_refuses_unknown_choices(capsys):
     from replayssm.bench import vllm_serving as vs
     for argv, what in ((["--schemes", "stock,fast"], "--schemes: unknown 'fast'"),
-                       (["--speculative", "eagle"], "--speculative: unknown 'eagle'")):
+                       (["--speculative", "eagle"], "--speculative: unknown 'eagle'"),
+                       (["--warmup", "-1"], "must be >= 0, got -1")):
         with pytest.raises(SystemExit) as e:
             vs.main(argv)
         assert e.value.code == 2 and what in capsys.readouterr().err

@@ -130,7 +130,7 @@ def worker(args) -> int:
             torch_profiler_dir=os.path.abspath(os.path.join(args.profile, f"{args.scheme}_{args.speculative}")),
             torch_profiler_with_stack=False, ignore_frontend=True, delay_iterations=8, max_iterations=16)
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
-              max_num_seqs=max(args.batches), max_model_len=args.prompt + args.decode + 8,
+              max_num_seqs=max(args.batches), max_model_len=args.prompt + max(args.decode, args.warmup) + 8,
               gpu_memory_utilization=args.gpu_memory, speculative_config=spec, disable_log_stats=spec is None,
               **extra)
     try:    # what vLLM resolved its SSM state dtype to ("auto" becomes float32 for NemotronH in 0.25)
@@ -143,8 +143,9 @@ def worker(args) -> int:
         full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True, detokenize=False)
         # warm-up at this batch with decode steps past a window's flush: the first decode steps
         # of an engine compile kernels (Triton's JIT), which must not land in the timed run
-        warm = SamplingParams(temperature=0.0, max_tokens=args.warmup, ignore_eos=True, detokenize=False)
-        llm.generate(ps, warm, use_tqdm=False)
+        if args.warmup:
+            warm = SamplingParams(temperature=0.0, max_tokens=args.warmup, ignore_eos=True, detokenize=False)
+            llm.generate(ps, warm, use_tqdm=False)
         t0 = time.perf_counter()
         llm.generate(ps, short, use_tqdm=False)
         t1 = time.perf_counter()
@@ -158,8 +159,8 @@ def worker(args) -> int:
         t2 = time.perf_counter()
         after = _acceptance(llm)
         made = sum(len(o.outputs[0].token_ids) for o in outs) - batch     # past the first token
-        row = {"batch": batch, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0, "generate_s": t2 - t1, "decode_tokens": made,
-               "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
+        row = {"batch": batch, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0, "generate_s": t2 - t1,
+               "decode_tokens": made, "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
         row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
         print("RESULT " + json.dumps(row), flush=True)
     return 0
@@ -184,7 +185,8 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--scheme", scheme,
            "--capture", args.capture, "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
-           "--speculative", speculative, "--drafts", str(args.drafts), "--warmup", str(args.warmup), "--gpu-memory", str(args.gpu_memory)]
+           "--speculative", speculative, "--drafts", str(args.drafts), "--warmup", str(args.warmup),
+           "--gpu-memory", str(args.gpu_memory)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if r.returncode != 0 and any(m in r.stdout + r.stderr for m in _compat.START_UP_MEMORY_ERRORS):
         # the engine before this one may still hold memory that vLLM's start-up counts as taken
@@ -210,6 +212,13 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     return rows
 
 
+def _non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="replayssm bench vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,8 +236,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capture", default="batches", choices=("batches", "default"),
                     help="CUDA-graph sizes: the timed batches and their verify steps' tokens (both schemes), "
                          "or vLLM's default list (up to 512 tokens)")
-    ap.add_argument("--warmup", type=int, default=24,
-                    help="decode tokens per request of the untimed run before each batch (kernels compile there)")
+    ap.add_argument("--warmup", type=_non_negative, default=24,
+                    help="decode tokens per request of the untimed run before each batch (kernels compile "
+                         "there; 0: none)")
     ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     ap.add_argument("--out", default="vllm.json")

@@ -1,7 +1,8 @@
 """The records' key products of a step, formed once per (row, key head) by a small Triton launch
 before a Gluon step (`lowp_config`'s `gluon_kq`; the Mamba-2 decode's and the verify kernels'
-config `kq`): `k_j . x` for the key records `j` below the row's cursor and the token's one or two vectors `x` of that key head (Mamba-2: the
-query `C`; GDN: the raw key and query, normalised after). Every program of the key head's value
+config `kq`): `k_j . x` for the key records `j` below the row's cursor and the token's one or
+two vectors `x` of that key head (Mamba-2: the query `C`; GDN: the raw key and query,
+normalised after). Every program of the key head's value
 heads and V-blocks would otherwise load the same key records (4 KB in bf16 at window 16) and form
 the same products: at a low-precision read that was a sixth of an fp16 step's L2 traffic
 (docs/kernels.md). Triton, so the CPU interpreter runs it too."""
