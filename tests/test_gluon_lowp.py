@@ -204,10 +204,12 @@ def _sync(ref, st):
     lay.epoch.copy_(st["epoch"])
 
 
-def _run_split(design, shape, n, window, steps, split_config, exact):
+def _run_split(design, shape, n, window, steps, split_config, exact, ref_every=1):
     """`steps` steps, rows joining one per step (staggered cursors) plus a padding row, on two
     copies of one pool's state: the single launch and the split. Returns the largest output gaps
-    (split against single on the steady rows, against the synced reference pool) and counts."""
+    (split against single on the steady rows, against the synced reference pool every
+    `ref_every` steps: the reference pool's per-row float64 step is most of a GPU case's time)
+    and counts."""
     params, pool = _pool(design, shape, n, window)
     _, ref = _pool(design, shape, n, window, backend="reference")
     single, split = _clone(pool), _clone(pool)
@@ -222,8 +224,10 @@ def _run_split(design, shape, n, window, steps, split_config, exact):
         h0 = split["cursor"][ids.clamp(min=0).long()]
         live = ids >= 0
         flush = live & (h0 + 1 >= window)
-        _sync(ref, split)
-        y_ref = ref.decode(ids, **x)
+        check_ref = step % ref_every == 0
+        if check_ref:
+            _sync(ref, split)
+            y_ref = ref.decode(ids, **x)
         y_one = _step(params, single, design, ids, x, window, {"gluon": False})
         y_two = _step(params, split, design, ids, x, window, split_config)
         _same_state(split, single)
@@ -236,7 +240,9 @@ def _run_split(design, shape, n, window, steps, split_config, exact):
             assert torch.equal(y_two, y_one), step
         if steady.any():
             gaps["single"] = max(gaps["single"], rel_err(y_two[steady], y_one[steady]))
-        gaps["ref"] = max(gaps["ref"], rel_err(y_two[live], y_ref[live]))
+        if check_ref:
+            gaps["ref"] = max(gaps["ref"], rel_err(y_two[live], y_ref[live]))
+            gaps["ref_steps"] = gaps.get("ref_steps", 0) + 1
         gaps["flushes"] += int(flush.sum())
         gaps["steady"] += int(steady.sum())
     return gaps
@@ -270,10 +276,11 @@ gpu = pytest.mark.skipif(not GPU, reason="needs CUDA and Gluon")
 def test_split_matches_single_launch_gpu(shape, design):
     """SPEC shapes, window 16, 8 slots, 40 steps (two windows and more at staggered cursors), a
     padding row: the split with the Gluon kernel against the single launch (state bit for bit,
-    steady outputs within 1e-5: fp32 rounding in another order) and the reference pool (1e-4)."""
-    gaps = _run_split(design, GPU_SHAPES[shape], 8, 16, 40, {"gluon": True}, False)
+    steady outputs within 1e-5: fp32 rounding in another order) at every step, and the
+    reference pool (1e-4) at every third step."""
+    gaps = _run_split(design, GPU_SHAPES[shape], 8, 16, 40, {"gluon": True}, False, ref_every=3)
     print(shape, design, gaps)
-    assert gaps["flushes"] >= 8 and gaps["steady"] >= 200, gaps
+    assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["ref_steps"] == 14, gaps
     assert gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
 
 
