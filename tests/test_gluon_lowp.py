@@ -208,9 +208,8 @@ def _run_split(design, shape, n, window, steps, split_config, exact, ref_every=1
     """`steps` steps, rows joining one per step (staggered cursors) plus a padding row, on two
     copies of one pool's state: the single launch and the split. Returns the largest output gaps
     (split against single on the steady rows, against the synced reference pool every
-    `ref_every` steps: by reading the code, the reference pool's per-row float64 step is most of a
-    GPU case's time)
-    and counts."""
+    `ref_every` steps: by reading the code, the reference pool's per-row float64 step is most
+    of a GPU case's time) and counts."""
     params, pool = _pool(design, shape, n, window)
     _, ref = _pool(design, shape, n, window, backend="reference")
     single, split = _clone(pool), _clone(pool)
