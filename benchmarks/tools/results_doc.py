@@ -297,8 +297,9 @@ def vllm_table(rows: list) -> list:
     by = {(r["speculative"], r["batch"], r["scheme"]): r for r in rows if not r.get("profiled")}
     fp32 = any(r["scheme"] == "stock-fp32" for r in rows)
     state = any(r.get("ssm_cache_dtype") for r in rows)
-    head = ["speculative", "batch"] + (["stock SSM state"] if state else []) + ["stock tokens/s"] + (["stock, fp32 state"] if fp32 else []) + [
-        "replayssm tokens/s", "vs stock"] + (["vs stock, fp32 state"] if fp32 else []) + ["draft acceptance"]
+    head = (["speculative", "batch"] + (["stock SSM state"] if state else []) + ["stock tokens/s"]
+            + (["stock, fp32 state"] if fp32 else []) + ["replayssm tokens/s", "vs stock"]
+            + (["vs stock, fp32 state"] if fp32 else []) + ["draft acceptance"])
     body = []
     for (spec, batch, scheme), r in sorted(by.items(), key=lambda kv: kv[0][:2]):
         if scheme != "replayssm":
