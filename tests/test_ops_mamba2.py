@@ -320,7 +320,9 @@ def test_gluon_kq_captured_without_warmup_equals_eager():
     def step(st, out, kq, rows=Bt):
         replay_decode(**{k: v[:rows] for k, v in inp.items()}, A=A, dt_bias=dt_bias, D=D,
                       **{k: st[k] for k in ("ckpt", "buf_ld", "buf_w", "buf_k", "cursor", "epoch")},
-                      slot_ids=sid[:rows], window=L, out=out[:rows], config=dict(gluon=True, kq=kq),
+                      slot_ids=sid[:rows], window=L, out=out[:rows],
+                      # small batches default to row programs, which the Gluon kernel does not take
+                      config=dict(gluon=True, kq=kq, rows=False, KS=1),
                       arrive=st["arrive"], validate=False)
 
     step(states[2], outs[1], True, rows=3)       # compiles both launches (the batch is no constexpr)

@@ -431,6 +431,36 @@ def test_metadata_lookup_refuses_micro_batches():
         _compat.metadata_for(ns, "layer.0")
 
 
+def test_rebinding_the_kv_cache_releases_the_old_states_first():
+    # vLLM binds a small KV cache to profile CUDA-graph memory, frees it, then allocates the
+    # real one: the states the plugin built over the first must be gone before that allocation
+    import weakref
+    from types import SimpleNamespace as NS
+    from replayssm.integrations.vllm import layers
+
+    class Held:                                     # stands for the old cache's views
+        pass
+
+    layer, held = NS(), Held()
+    setattr(layer, layers._STATE_ATTR, (0, held, None))
+    ref = weakref.ref(held)
+    del held
+    seen = []
+
+    def orig(runner):
+        seen.append(ref() is None)
+        return "kv"
+
+    ns = NS(MambaMixer2=type("M", (), {}), GDN=type("G", (), {}))      # nothing to bind after
+    runner = NS(compilation_config=NS(static_forward_context={"l": layer}),
+                vllm_config=NS(scheduler_config=NS(max_num_seqs=4)), speculative_config=None,
+                device="cpu", model_config=NS(dtype=torch.float32))
+    assert ref() is not None
+    assert layers.bind_states(ns, config.Settings())(orig)(runner) == "kv"
+    assert seen == [True] and not hasattr(layer, layers._STATE_ATTR)
+    assert layers.release_states([layer, NS()]) == 0
+
+
 def test_fold_before_prefill_follows_vllms_host_flag():
     from types import SimpleNamespace as NS
     assert not _compat.prefill_continues_a_state(NS(prep_initial_states=False))      # fresh prompts only

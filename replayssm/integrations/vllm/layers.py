@@ -145,6 +145,11 @@ def bind_states(ns, settings: Settings):
     order), which vLLM passes to the layers only on steps where some row has drafts."""
     def make(orig):
         def initialize_kv_cache_tensors(self, *args, **kwargs):
+            # vLLM frees the KV cache it bound for CUDA-graph memory profiling (a block per
+            # captured token) before it allocates the real one; the states built over it hold
+            # views of those blocks, which would keep them alive: the real cache's allocation
+            # then ran out of memory with n-gram drafts (2048-token captures)
+            release_states(self.compilation_config.static_forward_context.values())
             kv_caches = orig(self, *args, **kwargs)
             max_batch = self.vllm_config.scheduler_config.max_num_seqs
             accepted = self.num_accepted_tokens.gpu if self.speculative_config is not None else None
@@ -159,6 +164,16 @@ def bind_states(ns, settings: Settings):
             return kv_caches
         return initialize_kv_cache_tensors
     return make
+
+
+def release_states(layers) -> int:
+    """Drop the states (and their executors) that `layers` built over a KV cache, so that its
+    memory is freed once vLLM lets go of it; returns how many were dropped."""
+    n = 0
+    for layer in layers:
+        if layer.__dict__.pop(_STATE_ATTR, None) is not None:
+            n += 1
+    return n
 
 
 def bound_state(ns, layer, settings: Settings, family: str, dtype, device):
