@@ -461,6 +461,31 @@ def test_rebinding_the_kv_cache_releases_the_old_states_first():
     assert layers.release_states([layer, NS()]) == 0
 
 
+def test_one_state_block_per_request_with_drafts():
+    # vLLM's spec asks for 1 + num_speculative_tokens blocks per request with drafts; the
+    # patched layer asks for one (rollback is the cursor move), everything else kept
+    import dataclasses
+    from replayssm.integrations.vllm import layers
+
+    @dataclasses.dataclass(frozen=True)
+    class Spec:
+        block_size: int
+        num_speculative_blocks: int = 0
+
+    class Base:
+        def get_kv_cache_spec(self, vllm_config):
+            return None if vllm_config is None else Spec(block_size=vllm_config, num_speculative_blocks=3)
+
+    class Layer(Base):
+        pass
+
+    layers.one_block_per_request(Layer)
+    layers.one_block_per_request(Layer)                             # a second register() call
+    assert Layer().get_kv_cache_spec(7) == Spec(block_size=7, num_speculative_blocks=0)
+    assert Layer().get_kv_cache_spec(None) is None
+    assert Base().get_kv_cache_spec(7).num_speculative_blocks == 3    # the base class untouched
+
+
 def test_fold_before_prefill_follows_vllms_host_flag():
     from types import SimpleNamespace as NS
     assert not _compat.prefill_continues_a_state(NS(prep_initial_states=False))      # fresh prompts only

@@ -3,12 +3,13 @@
 A newer vLLM should need changes here only. The plugin touches:
 
 - `MambaMixer2` (NemotronH's Mamba-2 mixer): `get_state_shape`, `get_state_dtype` (the state
-  replayssm keeps per block) and `conv_ssm_forward` (decode rows on replayssm, prefill rows
-  on vLLM's own path). Reads its `A`, `D`, `dt_bias`, `conv_weights`, `conv1d.bias`,
+  replayssm keeps per block), `get_kv_cache_spec` (its `MambaSpec` with no
+  `num_speculative_blocks`: one block per request with drafts too) and `conv_ssm_forward`
+  (decode rows on replayssm, prefill rows on vLLM's own path). Reads its `A`, `D`, `dt_bias`, `conv_weights`, `conv1d.bias`,
   `activation`, `split_hidden_states_B_C_fn`, `tped_intermediate_size`, `tped_conv_size`,
   `tped_dt_size`, `num_heads`, `head_dim`, `n_groups`, `ssm_state_size`, `tp_size`,
   `num_spec`, `prefix`, `kv_cache`, `cache_config`, `model_config`.
-- `QwenGatedDeltaNetAttention` (Qwen3-Next, Qwen3.5): the same two declarations and
+- `QwenGatedDeltaNetAttention` (Qwen3-Next, Qwen3.5): the same three declarations and
   `_forward_core`; reads `A_log`, `dt_bias`, `conv1d.weight`, `conv1d.bias`, `activation`,
   `num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`, `key_dim`, `value_dim`,
   `tp_size`, `num_spec`.

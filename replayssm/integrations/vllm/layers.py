@@ -89,6 +89,24 @@ def declare_layer(ns, cls, family: str, settings: Settings) -> None:
         self, settings, family, shape, dtype).dtypes())
 
 
+def one_block_per_request(cls) -> None:
+    """With drafts, vLLM gives each request `1 + num_speculative_tokens` state blocks per
+    recurrent layer (its kernels write one state per draft, the next step reading the
+    accepted one). replayssm keeps one state per request, rollback being the cursor move: the
+    layer's KV-cache spec asks for no speculative blocks, so that vLLM neither allocates nor
+    counts them (a request's recurrent memory is its one block, records included). The state
+    index tables then have one column where vLLM's own builders keep `1 + num_spec` (filled
+    by broadcast): the plugin reads column 0 and passes the drafts' query length itself."""
+    _compat.patch_method(cls, "get_kv_cache_spec", lambda orig: lambda self, vllm_config: _no_spec_blocks(
+        orig(self, vllm_config)))
+
+
+def _no_spec_blocks(spec):
+    if spec is None or not getattr(spec, "num_speculative_blocks", 0):
+        return spec
+    return dataclasses.replace(spec, num_speculative_blocks=0)
+
+
 def _config_spec(ns, settings, family, vllm_config, shapes, dtypes):
     tp = vllm_config.parallel_config.tensor_parallel_size
     if family == "mamba2":
@@ -284,7 +302,7 @@ def _mamba2_decode(ns, layer, md, st, ex, proj, out):
     xbc = ns.causal_conv1d_update(xbc, _conv_view(ns, st.conv), layer.conv_weights, layer.conv1d.bias,
                                   layer.activation, conv_state_indices=idx,
                                   num_accepted_tokens=md.num_accepted_tokens, query_start_loc=md.query_start_loc_d,
-                                  max_query_len=idx.size(-1))
+                                  max_query_len=1 + layer.num_spec)
     x, B, C = layer.split_hidden_states_B_C_fn(xbc)
     HV, Hk = layer.num_heads // layer.tp_size, layer.n_groups // layer.tp_size
     inputs = {"x": x.reshape(ndt, HV, layer.head_dim), "dt": dt,
@@ -347,7 +365,7 @@ def gdn_forward(ns, settings: Settings):
                                               conv_state_indices=sidx[:, 0][:md.num_spec_decodes],
                                               num_accepted_tokens=md.num_accepted_tokens,
                                               query_start_loc=md.spec_query_start_loc,
-                                              max_query_len=sidx.size(-1), validate_data=False)
+                                              max_query_len=1 + self.num_spec, validate_data=False)
                 HV, _, V, _ = _gdn_dims(self)
                 y = torch.zeros(qkv.shape[0], HV, V, dtype=core_attn_out.dtype, device=core_attn_out.device)
                 batch.run_decode(ex, st, sidx[:, 0], _gdn_inputs(self, qkv, sel(a), sel(b)), y,
