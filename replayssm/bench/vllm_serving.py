@@ -11,7 +11,8 @@ Schemes (`--schemes`): `stock` (vLLM's defaults: for NemotronH vLLM 0.25 resolve
 state's `auto` dtype to float32, the model config's `mamba_ssm_cache_dtype` where it names
 one; the rows' `ssm_cache_dtype` says what the engine used), `stock-fp32` (stock with
 `mamba_ssm_cache_dtype="float32"` asked for, the state precision of the plugin's checkpoint)
-and `replayssm` (the plugin, `REPLAYSSM_VLLM=1`). `--profile DIR` has
+`replayssm` (the plugin, `REPLAYSSM_VLLM=1`) and `replayssm-one-block` (the plugin with one
+state block per request under speculation, `REPLAYSSM_VLLM_SPEC_BLOCKS=one`). `--profile DIR` has
 vLLM's torch profiler record iterations 8-23 of the first batch's decode per engine (its
 CUDA-time tables and traces under `DIR/<scheme>_<speculative>`); those rows carry
 `profiled: true`, their timings perturbed by the profiler.
@@ -52,7 +53,7 @@ from ..integrations.vllm import _compat
 from .common import positive_ints
 
 MODELS = ("nemotron3_nano_4b",)
-SCHEMES = ("stock", "stock-fp32", "replayssm")
+SCHEMES = ("stock", "stock-fp32", "replayssm", "replayssm-one-block")
 
 
 def model_dir(name: str, layers: int, out: Path) -> Path:
@@ -181,7 +182,10 @@ def root_cause(output: str, lines: int = 40) -> str:
 
 
 def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
-    env = dict(os.environ, REPLAYSSM_VLLM="1" if scheme == "replayssm" else "0")
+    plugin = scheme.startswith("replayssm")
+    env = dict(os.environ, REPLAYSSM_VLLM="1" if plugin else "0")
+    if plugin:
+        env["REPLAYSSM_VLLM_SPEC_BLOCKS"] = "one" if scheme == "replayssm-one-block" else "vllm"
     cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--scheme", scheme,
            "--capture", args.capture, "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
@@ -199,7 +203,7 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     # preempted and recomputed, which the throughput then measures
     conc = re.findall(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", r.stdout + r.stderr)
     for row in rows:
-        row["state_mode"] = ",".join(modes) if scheme == "replayssm" else None
+        row["state_mode"] = ",".join(modes) if plugin else None
         row["max_concurrency"] = float(conc[-1]) if conc else None
     if r.returncode != 0 or not rows:
         # vLLM's engine core reports its failure as "see root cause above": keep the whole output

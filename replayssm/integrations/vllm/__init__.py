@@ -56,8 +56,9 @@ def register(environ=None) -> bool:
     ns = _compat.load()
     layers.declare_layer(ns, ns.MambaMixer2, "mamba2", cfg)
     layers.declare_layer(ns, ns.GDN, "gdn", cfg)
-    layers.one_block_per_request(ns.MambaMixer2)
-    layers.one_block_per_request(ns.GDN)
+    if cfg.spec_blocks == "one":
+        layers.one_block_per_request(ns.MambaMixer2)
+        layers.one_block_per_request(ns.GDN)
     for family, cls in ns.models:
         layers.declare_model(ns, cls, family, cfg)
     _compat.patch_method(ns.MambaMixer2, "conv_ssm_forward", layers.mamba2_forward(ns, cfg))

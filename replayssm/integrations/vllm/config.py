@@ -11,6 +11,11 @@ process runs it, so the engine core and its workers agree).
   above 1); `staged`: the batch's rows are gathered into contiguous scratch tensors and written
   back (three times the state traffic, the fallback); `auto`: strided where the kernels' own
   checks accept the views (probed once per layer), else staged.
+- `REPLAYSSM_VLLM_SPEC_BLOCKS` (`vllm` by default, `one`): state blocks per request with
+  drafts. `vllm` keeps vLLM's `1 + num_speculative_tokens` per recurrent layer, of which the
+  plugin uses the first (rollback is the cursor move); `one` asks vLLM for one, so that it
+  neither allocates nor counts the rest (more requests fit the cache). `one` has not yet run
+  inside vLLM: the default stays what the GPU checks ran.
 """
 from __future__ import annotations
 
@@ -21,9 +26,11 @@ ENV_ENABLE = "REPLAYSSM_VLLM"
 ENV_WINDOW = "REPLAYSSM_VLLM_WINDOW"
 ENV_RECORDS = "REPLAYSSM_VLLM_RECORDS"
 ENV_STATE = "REPLAYSSM_VLLM_STATE"
+ENV_SPEC_BLOCKS = "REPLAYSSM_VLLM_SPEC_BLOCKS"
 
 RECORD_CHOICES = ("auto", "fp32", "model")
 STATE_CHOICES = ("auto", "strided", "staged")
+SPEC_BLOCK_CHOICES = ("vllm", "one")
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class Settings:
     window: int = 16
     records: str = "auto"
     state: str = "auto"
+    spec_blocks: str = "vllm"
 
 
 def enabled(environ=None) -> bool:
@@ -55,4 +63,7 @@ def settings(environ=None) -> Settings:
     state = env.get(ENV_STATE, "auto").strip().lower()
     if state not in STATE_CHOICES:
         raise ValueError(f"{ENV_STATE}={state!r} must be one of {STATE_CHOICES}")
-    return Settings(window=window, records=records, state=state)
+    spec_blocks = env.get(ENV_SPEC_BLOCKS, "vllm").strip().lower()
+    if spec_blocks not in SPEC_BLOCK_CHOICES:
+        raise ValueError(f"{ENV_SPEC_BLOCKS}={spec_blocks!r} must be one of {SPEC_BLOCK_CHOICES}")
+    return Settings(window=window, records=records, state=state, spec_blocks=spec_blocks)

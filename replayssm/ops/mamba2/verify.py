@@ -221,16 +221,29 @@ def _gluon_default(HV: int, V: int, K: int, Hk: int, T: int, device, window: Opt
     return bv
 
 
+# `kq` by default from this many drafts and programs per key group (H200, batch 256, window
+# 16, drafts all rejected / all accepted, as multiples of a conventional step: Nano-4B, 60
+# programs a group, T=4 0.98/1.15 -> 0.95/1.08, T=8 1.57/2.01 -> 1.35/1.72, but T=2
+# 0.77/0.82 -> 0.81/0.85; Super, 16 programs, slower at every T, e.g. T=8 1.08/1.36 ->
+# 1.11/1.40): the extra launch pays where many programs would form the same products
+KQ_MIN_T, KQ_MIN_PROGRAMS = 4, 32
+
+
+def kq_default(HV: int, V: int, Hk: int, T: int, BV) -> bool:
+    """Whether the Gluon verify forms the key products in a launch before it by default."""
+    return isinstance(BV, int) and T >= KQ_MIN_T and (HV // Hk) * -(-V // BV) >= KQ_MIN_PROGRAMS
+
+
 def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dict] = None, *, device=None,
                   window: Optional[int] = None, Lb: Optional[int] = None) -> dict:
     """The verify kernel's launch config: `BV` value rows per program (a power of two; ceil(V / BV)
     blocks per head; at least 16 from `TC_MIN_T` drafts on, the M side of the tensor-core
     products), `num_warps`, `num_stages`, `gluon`, `kq`. `config` overrides any of them.
 
-    `kq` (the Gluon kernel only; default off, not yet timed): the group's key products with
-    the drafts' queries, committed records' and drafts' keys alike, formed first by one program
-    per (row, group) (`utils.key_products.verify_key_products`) instead of by every program of
-    the group's heads and V-blocks (Nano-4B: 60 programs a group).
+    `kq` (the Gluon kernel only): the group's key products with the drafts' queries, committed
+    records' and drafts' keys alike, formed first by one program per (row, group)
+    (`utils.key_products.verify_key_products`) instead of by every program of the group's heads
+    and V-blocks. On by default where it paid on the H200 (`kq_default`).
 
     `gluon` (GPU only): the Gluon kernel (gluon_verify.py), `BV = 16 * num_warps`. The default
     on a CUDA `device` (outside the interpreter) wherever `gluon_verify_unsupported` says it
@@ -267,7 +280,7 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
         if bv is None:
             bv = 16 * nw if isinstance(nw, int) else gbv or 16
         cfg = dict(BV=bv, num_warps=max(1, bv // 16) if isinstance(bv, int) else 1, num_stages=1, gluon=True,
-                   kq=False)
+                   kq=kq_default(HV, V, Hk, T, bv))
     cfg.update(config)
     for key in ("BV", "num_warps"):
         val = cfg[key]

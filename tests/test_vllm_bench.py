@@ -1,0 +1,79 @@
+"""`replayssm bench vllm` (replayssm.bench.vllm_serving): the pieces that run without vLLM (the
+model folder, the prompts, the engines' switches, retry and failure log, argument checks)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_serving_benchmark_model_folder_and_prompts(tmp_path):
+    # `replayssm bench vllm`'s pieces that run without vLLM: the dummy-weight model folder (the
+    # shipped config cut to its first layers) and the prompts (repeating ones for n-gram drafts)
+    from replayssm.bench import vllm_serving as vs
+    cfg = json.loads((vs.model_dir("nemotron3_nano_4b", 6, tmp_path) / "config.json").read_text())
+    assert cfg["architectures"] == ["NemotronHForCausalLM"] and cfg["num_hidden_layers"] == 6
+    assert cfg["hybrid_override_pattern"] == "M-M-M-" and cfg["mamba_num_heads"] == 96
+    whole = json.loads((vs.model_dir("nemotron3_nano_4b", 0, tmp_path) / "config.json").read_text())
+    assert whole["num_hidden_layers"] == 42 and not any(k.startswith("_") for k in whole)
+    with pytest.raises(ValueError, match="unknown model"):
+        vs.model_dir("qwen3_5_4b", 0, tmp_path)
+    ps = vs.prompts(3, 20, 1000, repeat=True)
+    assert len(ps) == 3 and all(len(p["prompt_token_ids"]) == 20 for p in ps)
+    assert ps[0]["prompt_token_ids"][:7] == ps[0]["prompt_token_ids"][7:14]
+    assert vs.prompts(2, 9, 50, repeat=False)[0]["prompt_token_ids"] != vs.prompts(2, 9, 50, repeat=True)[0]["prompt_token_ids"]
+    # CUDA graphs at the timed batches and, with drafts, at their verify steps' token counts
+    assert vs.capture_sizes([64, 256, 512], 3) == [64, 256, 512, 1024, 2048]
+    assert vs.capture_sizes([64, 256], None) == [64, 256]
+
+
+def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
+    # an engine that trips vLLM's start-up memory check runs once more; one that fails otherwise
+    # leaves its whole output beside --out and its root cause (not the front end's last words)
+    # in the rows
+    import subprocess
+    import types
+    from replayssm.bench import vllm_serving as vs
+    from replayssm.integrations.vllm._compat import START_UP_MEMORY_ERRORS
+    calls, envs = [], []
+
+    def run(outputs):
+        def fake(cmd, **kw):
+            calls.append(cmd)
+            envs.append(kw.get("env") or {})
+            out = outputs[min(len(calls), len(outputs)) - 1]
+            return types.SimpleNamespace(returncode=0 if "RESULT" in out else 1, stdout=out, stderr="")
+        return fake
+
+    monkeypatch.setattr(vs.time, "sleep", lambda s: None)
+    args = vs.parser().parse_args(["--batches", "8", "--out", str(tmp_path / "r.json")])
+    ok = 'INFO Maximum concurrency for 1,032 tokens per request: 812.50x\nRESULT {"batch": 8, "tokens_per_s": 5.0}'
+    monkeypatch.setattr(subprocess, "run", run([f"ValueError: {START_UP_MEMORY_ERRORS[2]}", ok]))
+    rows = vs._run_engine(args, "stock", "none", tmp_path)
+    assert len(calls) == 2 and rows[0]["tokens_per_s"] == 5.0 and rows[0]["max_concurrency"] == 812.5
+    calls.clear()
+    boom = "INFO start\n(EngineCore pid=7) ERROR Traceback (most recent call last):\nKeyError: 'x'\n" \
+           "RuntimeError: Engine core initialization failed. See root cause above."
+    monkeypatch.setattr(subprocess, "run", run([boom]))
+    rows = vs._run_engine(args, "replayssm", "ngram", tmp_path)
+    assert len(calls) == 1 and rows[0]["tokens_per_s"] is None
+    assert rows[0]["error"].startswith("rc 1: (EngineCore pid=7) ERROR Traceback") and "KeyError" in rows[0]["error"]
+    assert (tmp_path / "r.replayssm_ngram.log").read_text().startswith("INFO start")
+    # each plugin scheme's engine gets its switches (stock none)
+    monkeypatch.delenv("REPLAYSSM_VLLM_SPEC_BLOCKS", raising=False)
+    monkeypatch.setattr(subprocess, "run", run([ok]))
+    envs.clear()
+    for scheme in ("replayssm-one-block", "replayssm", "stock"):
+        vs._run_engine(args, scheme, "ngram", tmp_path)
+    assert [(e["REPLAYSSM_VLLM"], e.get("REPLAYSSM_VLLM_SPEC_BLOCKS")) for e in envs] == \
+        [("1", "one"), ("1", "vllm"), ("0", None)]
+
+
+def test_serving_benchmark_refuses_unknown_choices(capsys):
+    from replayssm.bench import vllm_serving as vs
+    for argv, what in ((["--schemes", "stock,fast"], "--schemes: unknown 'fast'"),
+                       (["--speculative", "eagle"], "--speculative: unknown 'eagle'"),
+                       (["--warmup", "-1"], "must be >= 0, got -1")):
+        with pytest.raises(SystemExit) as e:
+            vs.main(argv)
+        assert e.value.code == 2 and what in capsys.readouterr().err
