@@ -223,7 +223,7 @@ def _gluon_default(HV: int, V: int, K: int, Hk: int, T: int, device, window: Opt
 
 # `kq` by default from this many drafts and programs per key group (H200, batch 256, window
 # 16, drafts all rejected / all accepted, as multiples of a conventional step: Nano-4B, 60
-# programs a group, T=4 0.98/1.15 -> 0.95/1.08, T=8 1.57/2.01 -> 1.35/1.72, but T=2
+# programs a group, T=4 0.97/1.14 -> 0.95/1.08, T=8 1.54/2.02 -> 1.35/1.72, but T=2
 # 0.77/0.82 -> 0.81/0.85; Super, 16 programs, slower at every T, e.g. T=8 1.08/1.36 ->
 # 1.11/1.40): the extra launch pays where many programs would form the same products
 KQ_MIN_T, KQ_MIN_PROGRAMS = 4, 32
