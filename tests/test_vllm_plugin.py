@@ -500,8 +500,8 @@ def test_fold_before_prefill_follows_vllms_host_flag():
 MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's output folder
 
 
-def _generate(model, mode, enabled, extra="{}"):
-    env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0")
+def _generate(model, mode, enabled, extra="{}", **switches):
+    env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0", **switches)
     cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", os.path.join(MODELS, model), mode, extra]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     from replayssm.integrations.vllm._compat import START_UP_MEMORY_ERRORS
@@ -538,13 +538,16 @@ def test_vllm_greedy_equals_stock(model, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["nemotron_h_tiny", "qwen3_next_tiny"])
-def test_vllm_ngram_speculative_equals_plain(model):
-    """n-gram speculative decoding with the plugin gives the tokens of plain decoding."""
+@pytest.mark.parametrize("model,blocks", [("nemotron_h_tiny", "vllm"), ("nemotron_h_tiny", "one"),
+                                          ("qwen3_next_tiny", "vllm")])
+def test_vllm_ngram_speculative_equals_plain(model, blocks):
+    """n-gram speculative decoding with the plugin gives the tokens of plain decoding, with
+    vLLM's state blocks per request and with one (`REPLAYSSM_VLLM_SPEC_BLOCKS`)."""
     _needs_vllm()
     # Qwen3-Next in fp32, as above: the verify kernel rounds otherwise than the decode kernel
     base = '"gdn_prefill_backend": "triton", "dtype": "float32", ' if model.startswith("qwen") else ""
     spec = '{' + base + '"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, ' \
         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}}'
     plain = '{' + base.rstrip(", ") + '}'
-    assert _generate(model, "graph", True, spec) == _generate(model, "graph", True, plain)
+    assert _generate(model, "graph", True, spec, REPLAYSSM_VLLM_SPEC_BLOCKS=blocks) == \
+        _generate(model, "graph", True, plain)
