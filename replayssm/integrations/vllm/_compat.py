@@ -3,10 +3,11 @@
 A newer vLLM should need changes here only. The plugin touches:
 
 - `MambaMixer2` (NemotronH's Mamba-2 mixer): `get_state_shape`, `get_state_dtype` (the state
-  replayssm keeps per block), `get_kv_cache_spec` (with `REPLAYSSM_VLLM_SPEC_BLOCKS=one`: its
-  `MambaSpec` with no `num_speculative_blocks`, one block per request with drafts too) and `conv_ssm_forward`
-  (decode rows on replayssm, prefill rows on vLLM's own path). Reads its `A`, `D`, `dt_bias`, `conv_weights`, `conv1d.bias`,
-  `activation`, `split_hidden_states_B_C_fn`, `tped_intermediate_size`, `tped_conv_size`,
+  replayssm keeps per block), `get_kv_cache_spec` (with `REPLAYSSM_VLLM_SPEC_BLOCKS=one`:
+  its `MambaSpec` with no `num_speculative_blocks`, one block per request with drafts too)
+  and `conv_ssm_forward` (decode rows on replayssm, prefill rows on vLLM's own path). Reads
+  its `A`, `D`, `dt_bias`, `conv_weights`, `conv1d.bias`, `activation`,
+  `split_hidden_states_B_C_fn`, `tped_intermediate_size`, `tped_conv_size`,
   `tped_dt_size`, `num_heads`, `head_dim`, `n_groups`, `ssm_state_size`, `tp_size`,
   `num_spec`, `prefix`, `kv_cache`, `cache_config`, `model_config`.
 - `QwenGatedDeltaNetAttention` (Qwen3-Next, Qwen3.5): the same three declarations and
