@@ -59,8 +59,8 @@ def test_enable_switch_and_settings():
     assert not config.enabled({"REPLAYSSM_VLLM": "0"})
     assert config.enabled({"REPLAYSSM_VLLM": "1"}) and config.enabled({"REPLAYSSM_VLLM": " ON "})
     s = config.settings({"REPLAYSSM_VLLM_WINDOW": "8", "REPLAYSSM_VLLM_STATE": "staged"})
-    assert (s.window, s.records, s.state, s.spec_blocks) == (8, "auto", "staged", "vllm")
-    assert config.settings({"REPLAYSSM_VLLM_SPEC_BLOCKS": "One"}).spec_blocks == "one"
+    assert (s.window, s.records, s.state, s.spec_blocks) == (8, "auto", "staged", "one")
+    assert config.settings({"REPLAYSSM_VLLM_SPEC_BLOCKS": " VLLM"}).spec_blocks == "vllm"
     for env in ({"REPLAYSSM_VLLM_WINDOW": "0"}, {"REPLAYSSM_VLLM_WINDOW": "x"},
                 {"REPLAYSSM_VLLM_RECORDS": "int8"}, {"REPLAYSSM_VLLM_STATE": "paged"},
                 {"REPLAYSSM_VLLM_SPEC_BLOCKS": "4"}):
@@ -539,7 +539,7 @@ def test_vllm_greedy_equals_stock(model, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,blocks", [("nemotron_h_tiny", "vllm"), ("nemotron_h_tiny", "one"),
-                                          ("qwen3_next_tiny", "vllm")])
+                                          ("qwen3_next_tiny", "vllm"), ("qwen3_next_tiny", "one")])
 def test_vllm_ngram_speculative_equals_plain(model, blocks):
     """n-gram speculative decoding with the plugin gives the tokens of plain decoding, with
     vLLM's state blocks per request and with one (`REPLAYSSM_VLLM_SPEC_BLOCKS`)."""

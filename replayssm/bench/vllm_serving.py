@@ -11,8 +11,10 @@ Schemes (`--schemes`): `stock` (vLLM's defaults: for NemotronH vLLM 0.25 resolve
 state's `auto` dtype to float32, the model config's `mamba_ssm_cache_dtype` where it names
 one; the rows' `ssm_cache_dtype` says what the engine used), `stock-fp32` (stock with
 `mamba_ssm_cache_dtype="float32"` asked for, the state precision of the plugin's checkpoint)
-`replayssm` (the plugin, `REPLAYSSM_VLLM=1`) and `replayssm-one-block` (the plugin with one
-state block per request under speculation, `REPLAYSSM_VLLM_SPEC_BLOCKS=one`). `--profile DIR`
+`replayssm` (the plugin, `REPLAYSSM_VLLM=1`, with vLLM's `1 + drafts` state blocks per
+request under speculation, `REPLAYSSM_VLLM_SPEC_BLOCKS=vllm`) and `replayssm-one-block` (the
+plugin's default, one block, `REPLAYSSM_VLLM_SPEC_BLOCKS=one`; without drafts the two are
+the same). `--profile DIR`
 has vLLM's torch profiler record iterations 8-23 of the first batch's decode per engine (its
 CUDA-time tables and traces under `DIR/<scheme>_<speculative>`); those rows carry
 `profiled: true`, their timings perturbed by the profiler.

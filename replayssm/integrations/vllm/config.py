@@ -11,11 +11,11 @@ process runs it, so the engine core and its workers agree).
   above 1); `staged`: the batch's rows are gathered into contiguous scratch tensors and written
   back (three times the state traffic, the fallback); `auto`: strided where the kernels' own
   checks accept the views (probed once per layer), else staged.
-- `REPLAYSSM_VLLM_SPEC_BLOCKS` (`vllm` by default, `one`): state blocks per request with
-  drafts. `vllm` keeps vLLM's `1 + num_speculative_tokens` per recurrent layer, of which the
-  plugin uses the first (rollback is the cursor move); `one` asks vLLM for one, so that it
-  neither allocates nor counts the rest (more requests fit the cache). `one` has not yet run
-  inside vLLM: the default stays what the GPU checks ran.
+- `REPLAYSSM_VLLM_SPEC_BLOCKS` (`one` by default, `vllm`): state blocks per request with
+  drafts. `one` asks vLLM for one per recurrent layer (rollback is the cursor move, so the
+  plugin needs no other), so that vLLM neither allocates nor counts the rest and more
+  requests fit the cache; `vllm` keeps vLLM's `1 + num_speculative_tokens`, of which the
+  plugin uses the first.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Settings:
     window: int = 16
     records: str = "auto"
     state: str = "auto"
-    spec_blocks: str = "vllm"
+    spec_blocks: str = "one"
 
 
 def enabled(environ=None) -> bool:
@@ -63,7 +63,7 @@ def settings(environ=None) -> Settings:
     state = env.get(ENV_STATE, "auto").strip().lower()
     if state not in STATE_CHOICES:
         raise ValueError(f"{ENV_STATE}={state!r} must be one of {STATE_CHOICES}")
-    spec_blocks = env.get(ENV_SPEC_BLOCKS, "vllm").strip().lower()
+    spec_blocks = env.get(ENV_SPEC_BLOCKS, "one").strip().lower()
     if spec_blocks not in SPEC_BLOCK_CHOICES:
         raise ValueError(f"{ENV_SPEC_BLOCKS}={spec_blocks!r} must be one of {SPEC_BLOCK_CHOICES}")
     return Settings(window=window, records=records, state=state, spec_blocks=spec_blocks)
