@@ -23,6 +23,7 @@ import torch
 from replayssm import SlotPool
 from replayssm.integrations import vllm as plugin
 from replayssm.integrations.vllm import _compat, batch, config, state
+from replayssm.integrations.vllm.check import near_tie_divergences
 from replayssm.integrations.vllm.executors import KernelExecutor, ReferenceExecutor, params_for
 from replayssm.pool import Layout
 
@@ -495,6 +496,21 @@ def test_fold_before_prefill_follows_vllms_host_flag():
     assert _compat.prefill_continues_a_state(NS())                                   # no flag: fold
 
 
+def test_near_tie_divergences():
+    ref = [[5, 6, 7], [1, 2, 3]]
+    top2 = [[[[5, -1.0], [9, -3.0]], [[6, -1.0], [8, -1.05]], [[7, -0.5], [4, -2.0]]],
+            [[[1, -0.2], [3, -2.5]], [[2, -0.1], [4, -3.0]], [[3, -1.0], [0, -1.01]]]]
+    assert near_tie_divergences(ref, top2, ref, 0.1) == []
+    # leaving at a near-tie for the runner-up, anything after it not compared
+    assert near_tie_divergences(ref, top2, [[5, 8, 0], [1, 2, 0]], 0.1) == []
+    assert near_tie_divergences(ref, top2, [[5, 8, 0], [1, 2, 3]], 0.01)[0].startswith("request 0 step 1")
+    bad = near_tie_divergences(ref, top2, [[5, 6, 7], [4, 2, 3]], 0.1)       # a clear choice
+    assert len(bad) == 1 and bad[0].startswith("request 1 step 0: token 4 where the reference took 1")
+    assert near_tie_divergences(ref, top2, [[5, 9, 7], [1, 2, 3]], 0.1)        # not the runner-up
+    assert near_tie_divergences(ref, top2, [[5, 6], [1, 2, 3]], 0.1) == ["request 0: 2 tokens against 3"]
+    assert near_tie_divergences(ref, top2, ref[:1], 0.1) == ["1 requests against the reference's 2"]
+
+
 # ------------------------------------------------------------------------------ GPU, with vLLM
 
 MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's output folder
@@ -510,8 +526,32 @@ def _generate(model, mode, enabled, extra="{}", **switches):
         # when another one takes or frees memory meanwhile: once more
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    line = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")][-1]
-    return line[len("TOKENS "):]
+    got = {x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
+           if x.startswith(("TOKENS ", "TOP2 "))}
+    return got["TOKENS"], got.get("TOP2")
+
+
+# Qwen3-Next runs in bf16: vLLM 0.25.0's chunked GDN prefill refuses fp32 ("does not support
+# float32"), and in bf16 the random tiny model's greedy tokens flip with any rounding
+# difference (on the H200 stock's own tokens change in 4 of 12 requests when its SSM state
+# goes from bf16 to fp32). Its runs are compared at near-ties instead: a request may leave the
+# reference's tokens only where the reference's top two tokens lie within this many nats.
+NEAR_TIE_NATS = 0.1
+
+
+def _equal_or_near_ties(model, run, reference):
+    """Assert `run`'s greedy tokens equal `reference`'s (NemotronH) or leave them only at
+    near-ties (Qwen3-Next, the reference's run carrying `TOP2`); prints what it saw."""
+    (got, _), (ref, top2) = run, reference
+    if not model.startswith("qwen"):
+        assert got == ref
+        return
+    bad = near_tie_divergences(ref, top2, got, NEAR_TIE_NATS)
+    gaps = sorted(abs(s[0][1] - s[1][1]) for req in top2 for s in req)
+    left = sum(a != b for a, b in zip(ref, got))
+    print(f"{left} of {len(ref)} requests leave the reference; the reference's top-2 gap over its "
+          f"{len(gaps)} steps: min {gaps[0]:.4f}, median {gaps[len(gaps) // 2]:.4f} nats")
+    assert not bad, bad
 
 
 def _needs_vllm():
@@ -533,8 +573,10 @@ def test_vllm_greedy_equals_stock(model, mode):
     # rounding difference (vLLM 0.25.0 on the H200: stock with a bf16 and with an fp32 SSM state
     # differ in 4 of 12 requests, the plugin from either in 2-4, its own tokens the same eager,
     # with CUDA graphs, staged and strided), which would hide what the plugin does
-    extra = ('{"gdn_prefill_backend": "triton", "dtype": "float32"}' if model.startswith("qwen") else "{}")
-    assert _generate(model, mode, True, extra) == _generate(model, mode, False, extra)
+    qwen = model.startswith("qwen")
+    extra = '{"gdn_prefill_backend": "triton"}' if qwen else "{}"
+    top2 = {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if qwen else {}
+    _equal_or_near_ties(model, _generate(model, mode, True, extra), _generate(model, mode, False, extra, **top2))
 
 
 @pytest.mark.gpu
@@ -544,10 +586,12 @@ def test_vllm_ngram_speculative_equals_plain(model, blocks):
     """n-gram speculative decoding with the plugin gives the tokens of plain decoding, with
     vLLM's state blocks per request and with one (`REPLAYSSM_VLLM_SPEC_BLOCKS`)."""
     _needs_vllm()
-    # Qwen3-Next in fp32, as above: the verify kernel rounds otherwise than the decode kernel
-    base = '"gdn_prefill_backend": "triton", "dtype": "float32", ' if model.startswith("qwen") else ""
+    # Qwen3-Next at near-ties, as above (the verify kernel also rounds otherwise than decode)
+    qwen = model.startswith("qwen")
+    base = '"gdn_prefill_backend": "triton", ' if qwen else ""
     spec = '{' + base + '"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, ' \
         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}}'
     plain = '{' + base.rstrip(", ") + '}'
-    assert _generate(model, "graph", True, spec, REPLAYSSM_VLLM_SPEC_BLOCKS=blocks) == \
-        _generate(model, "graph", True, plain)
+    top2 = {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if qwen else {}
+    _equal_or_near_ties(model, _generate(model, "graph", True, spec, REPLAYSSM_VLLM_SPEC_BLOCKS=blocks),
+                        _generate(model, "graph", True, plain, **top2))

@@ -1,7 +1,9 @@
 """Greedy generation with vLLM on a local model, for the plugin's GPU checks: prints the
 tokens of a fixed set of requests as one `TOKENS <json>` line (compared between runs with
 `REPLAYSSM_VLLM=1` and `=0`). Requests of different lengths and token budgets arrive
-together and finish at different steps (continuous batching).
+together and finish at different steps (continuous batching). With
+`REPLAYSSM_VLLM_CHECK_TOP2=1` also a `TOP2 <json>` line: per request and generated token, the
+two most likely tokens and their log-probabilities, for `near_tie_divergences`.
 
     python -m replayssm.integrations.vllm.check MODEL_DIR eager|graph [JSON_LLM_KWARGS]
 """
@@ -10,6 +12,32 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import List, Sequence
+
+
+def near_tie_divergences(ref: Sequence[Sequence[int]], top2: Sequence, got: Sequence[Sequence[int]],
+                         bound: float) -> List[str]:
+    """Where greedy tokens `got` may leave the reference's `ref` (per request): only at a
+    near-tie, the reference's two most likely tokens (`top2[r][t]`: `[[token, logprob],
+    [token, logprob]]`, the reference's own step `t`) within `bound` nats of each other and
+    `got` taking the other. Up to a request's first divergence the two runs have the same
+    context, so the reference's probabilities there are the ones `got` decided on; after it
+    nothing is compared. Returns what breaks this, one line per request (empty: none)."""
+    bad = []
+    if len(ref) != len(got):
+        return [f"{len(got)} requests against the reference's {len(ref)}"]
+    for r, (a, b) in enumerate(zip(ref, got)):
+        if len(a) != len(b):
+            bad.append(f"request {r}: {len(b)} tokens against {len(a)}")
+            continue
+        t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if t is None:
+            continue
+        (t1, lp1), (t2, lp2) = top2[r][t][:2]
+        if {t1, t2} != {a[t], b[t]} or abs(lp1 - lp2) > bound:
+            bad.append(f"request {r} step {t}: token {b[t]} where the reference took {a[t]}, "
+                       f"its top two {t1} ({lp1:.4f}), {t2} ({lp2:.4f})")
+    return bad
 
 
 def main(argv=None) -> int:
@@ -29,10 +57,17 @@ def main(argv=None) -> int:
     # 4-token prompt (1 + num_speculative_tokens) another first token than without speculation
     # (benchmarks/results/vllm_check_h200.log), which would hide what the plugin does
     prompts = [{"prompt_token_ids": [1] + [10 + (7 * i + j) % 500 for j in range(4 + 9 * i)]} for i in range(12)]
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 5), ignore_eos=True) for i in range(12)]
+    top2 = os.environ.get("REPLAYSSM_VLLM_CHECK_TOP2", "0") == "1"
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 5), ignore_eos=True,
+                             logprobs=2 if top2 else None) for i in range(12)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     print("PLUGIN", json.dumps(status()), flush=True)
     print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+    if top2:
+        # vLLM returns the sampled token's log-probability beside the top ones: keep the top two
+        rows = [[sorted(([tok, lp.logprob] for tok, lp in step.items()), key=lambda x: -x[1])[:2]
+                 for step in o.outputs[0].logprobs] for o in outs]
+        print("TOP2 " + json.dumps(rows), flush=True)
     return 0
 
 
