@@ -77,3 +77,23 @@ def test_serving_benchmark_refuses_unknown_choices(capsys):
         with pytest.raises(SystemExit) as e:
             vs.main(argv)
         assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_serving_benchmark_replot(tmp_path, capsys):
+    """`--replot` draws a results file's plot (no vLLM, no GPU); a file with no timed rows is
+    refused rather than drawn empty."""
+    pytest.importorskip("matplotlib")
+    from replayssm.bench import vllm_serving as vs
+    rows = [dict(batch=b, scheme=s, speculative=sp, tokens_per_s=t, profiled=p)
+            for b, s, sp, t, p in ((256, "stock", "ngram", 100.0, False), (512, "stock", "ngram", 90.0, False),
+                                   (256, "replayssm-one-block", "ngram", 150.0, False),
+                                   (512, "replayssm-one-block", "ngram", 200.0, False),
+                                   (256, "replayssm", "none", 120.0, True))]
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps({"vllm": "0.25.0", "model": "m", "device": "d", "git_commit": "abc", "rows": rows}))
+    assert vs.main(["--replot", str(src)]) == 0
+    png = tmp_path / "r.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "wrote" in capsys.readouterr().out
+    src.write_text(json.dumps({"rows": [dict(rows[-1])]}))            # only a profiled row
+    with pytest.raises(ValueError, match="no timed rows"):
+        vs.main(["--replot", str(src)])

@@ -297,20 +297,24 @@ def vllm_table(rows: list) -> list:
     by = {(r["speculative"], r["batch"], r["scheme"]): r for r in rows if not r.get("profiled")}
     fp32 = any(r["scheme"] == "stock-fp32" for r in rows)
     state = any(r.get("ssm_cache_dtype") for r in rows)
-    head = (["speculative", "batch"] + (["stock SSM state"] if state else []) + ["stock tokens/s"]
+    held = any(r.get("max_concurrency") for r in rows)
+    head = (["speculative", "batch", "plugin scheme"] + (["stock SSM state"] if state else []) + ["stock tokens/s"]
             + (["stock, fp32 state"] if fp32 else []) + ["replayssm tokens/s", "vs stock"]
-            + (["vs stock, fp32 state"] if fp32 else []) + ["draft acceptance"])
+            + (["vs stock, fp32 state"] if fp32 else []) + ["draft acceptance"]
+            + (["requests held (stock / plugin)"] if held else []))
     body = []
-    for (spec, batch, scheme), r in sorted(by.items(), key=lambda kv: kv[0][:2]):
-        if scheme != "replayssm":
+    for (spec, batch, scheme), r in sorted(by.items()):
+        if not scheme.startswith("replayssm"):         # a plugin scheme: `replayssm`, `replayssm-one-block`
             continue
         bases = [by.get((spec, batch, "stock"), {})] + ([by.get((spec, batch, "stock-fp32"), {})] if fp32 else [])
         drafts, acc = r.get("spec_decode_num_draft_tokens_delta"), r.get("spec_decode_num_accepted_tokens_delta")
         tps = [x.get("tokens_per_s") for x in bases + [r]]
         ratios = [r.get("ratio_vs_stock")] + ([r.get("ratio_vs_stock_fp32")] if fp32 else [])
         dtype = [str(bases[0].get("ssm_cache_dtype") or "-")] if state else []
-        body.append([spec, batch] + dtype + [f"{x:.0f}" if x else "-" for x in tps] +
-                    [f"{x:.2f}x" if x else "-" for x in ratios] + [f"{acc / drafts:.1%}" if drafts else "-"])
+        cap = ([" / ".join(f"{x:.1f}" if x else "-" for x in (bases[0].get("max_concurrency"), r.get("max_concurrency")))]
+               if held else [])
+        body.append([spec, batch, scheme] + dtype + [f"{x:.0f}" if x else "-" for x in tps] +
+                    [f"{x:.2f}x" if x else "-" for x in ratios] + [f"{acc / drafts:.1%}" if drafts else "-"] + cap)
     return _table(head, body)
 
 

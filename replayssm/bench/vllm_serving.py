@@ -37,6 +37,9 @@ vLLM's cache holds at once, from its start-up log), `state_mode` (the plugin's e
 
     python -m replayssm.bench.vllm_serving --batches 64,256,512 --out benchmarks/results/vllm_h200.json
 
+The plot (tokens per second against batch, a panel per speculation) is written beside the
+JSON; `--replot FILE.json` draws it again from a results file, without vLLM or a GPU.
+
 Needs vLLM 0.25.0 and a GPU (the bring-up in ../shared/vllm on the project's GPU machine).
 """
 from __future__ import annotations
@@ -247,11 +250,44 @@ def parser() -> argparse.ArgumentParser:
                          "there; 0: none)")
     ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
-    ap.add_argument("--out", default="vllm.json")
+    ap.add_argument("--out", default="vllm.json", help="the JSON results file (a plot beside it)")
+    ap.add_argument("--replot", metavar="FILE", help="only draw FILE's plot (FILE.png) from its rows")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--scheme", default="stock", help=argparse.SUPPRESS)
     return ap
+
+
+def plot(doc: dict, path: Path) -> None:
+    """Tokens per second against batch, a line per scheme, a panel per speculation (rows timed
+    under the profiler left out: perturbed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in doc["rows"] if r.get("tokens_per_s") and not r.get("profiled")]
+    specs = sorted({r["speculative"] for r in rows})
+    if not specs:
+        raise ValueError("no timed rows to plot")
+    fig, axes = plt.subplots(1, len(specs), figsize=(4.2 * len(specs), 3.6), squeeze=False)
+    for ax, spec in zip(axes[0], specs):
+        for scheme in [s for s in SCHEMES if any(r["scheme"] == s and r["speculative"] == spec for r in rows)]:
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows
+                         if r["scheme"] == scheme and r["speculative"] == spec)
+            ax.plot([b for b, _ in pts], [t for _, t in pts], "-o", ms=4, label=scheme)
+        ax.set_xscale("log", base=2)
+        batches = sorted({r["batch"] for r in rows if r["speculative"] == spec})
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
+        ax.set_xlabel("batch (requests)")
+        ax.set_ylabel("decode tokens / s")
+        ax.set_title(f"speculative: {spec}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"vLLM {doc.get('vllm')}, {doc.get('model')}\n{doc.get('device')}, "
+                 f"code {str(doc.get('git_commit', ''))[:7]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -259,6 +295,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.replot:
+        src = Path(args.replot)
+        plot(json.loads(src.read_text()), src.with_suffix(".png"))
+        print("wrote", src.with_suffix(".png"))
+        return 0
     specs = args.speculative.split(",")
     for s in specs:
         if s not in ("none", "ngram"):
@@ -297,6 +338,10 @@ def main(argv=None) -> int:
         ratios = [r.get(k) for k in ("ratio_vs_stock", "ratio_vs_stock_fp32")]
         ratios = ["-" if x is None else f"{x:.2f}x" for x in ratios]
         print(f"{r['speculative']:11} {r['scheme']:10} {r['batch']:5d} {tps:>10} {ratios[0]:>9} {ratios[1]:>14}")
+    try:
+        plot(doc, Path(args.out).with_suffix(".png"))
+    except Exception as e:  # the JSON is the result; a plot that fails must not lose it
+        print("plot failed:", e)
     return 0
 
 
