@@ -2,13 +2,23 @@
 # The vLLM plugin's GPU checks (tests/test_vllm_plugin.py -m gpu) on the H200, offline, with the
 # bring-up of /work/shared/vllm (README there).
 #   before, in earlier calls of the same warm machine: steps A and B of shared/vllm/run_device.sh
-#   (c1 -> /tmp/site/vllm; c3 for Qwen3-Next's MoE layer)
+#   (c1 -> /tmp/site/vllm; c3 for Qwen3-Next's MoE layer), e.g.
+#          bash benchmarks/tools/vllm_check.sh unpack C1_DIR      then, for Qwen3-Next,   ... unpack C3_DIR
+#   (c1 and c2 together exceed what one call carries, hence separate calls)
 #   then:  bash benchmarks/tools/vllm_check.sh C2_DIR [pytest args, e.g. -k "nemotron_h_tiny and eager"]
 #   or:    bash benchmarks/tools/vllm_check.sh C2_DIR bench [replayssm bench vllm args]   (the serving benchmark)
 # C2_DIR: the c2 folder of prep_carry.sh (vllm_src.tar.xz, site312.tar.xz, models/). Each LLM start
 # costs 1.5-2 minutes: select a few tests per call (-k), or run them side by side (VLLM_CHECK_PROCS,
 # below), to stay inside one command's limit.
 set -u
+if [ "${1:-}" = unpack ]; then
+  D=/tmp/site/vllm; mkdir -p $D/vllm_flash_attn; X=$2
+  [ -f $X/C.so.xz ] && { xz -T8 -dc $X/C.so.xz > $D/_C_stable_libtorch.abi3.so || exit 1; }
+  [ -f $X/fa3.so.xz ] && { xz -dc $X/fa3.so.xz > $D/vllm_flash_attn/_vllm_fa3_C.abi3.so || exit 1; }
+  [ -f $X/moe.so.xz ] && { xz -T8 -dc $X/moe.so.xz > $D/_moe_C_stable_libtorch.abi3.so || exit 1; }
+  ls -la $D; exit 0
+fi
+# a copied working tree may carry a stale .git: set REPLAYSSM_COMMIT=<the commit> for the results' git_commit
 C2=$(cd "$1" && pwd); shift; REPO=$(pwd); T0=$(date +%s); LOG=${OUT:-/tmp}/vllm_check.log
 mkdir -p /tmp/site
 [ -d /tmp/site/vllm/model_executor ] || for t in vllm_src site312; do tar -xJf $C2/$t.tar.xz -C /tmp/site || exit 1; done
