@@ -1,5 +1,5 @@
 #!/bin/bash
-# The vLLM plugin's GPU checks (tests/test_vllm_plugin.py -m gpu) on the H200, offline, with the
+# The vLLM plugin's GPU checks (tests/test_vllm_gpu.py -m gpu) on the H200, offline, with the
 # bring-up of /work/shared/vllm (README there).
 #   before, in earlier calls of the same warm machine: steps A and B of shared/vllm/run_device.sh
 #   (c1 -> /tmp/site/vllm; c3 for Qwen3-Next's MoE layer), e.g.
@@ -44,5 +44,5 @@ N=${VLLM_CHECK_PROCS:-1}; PAR=()
 if [ "$N" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
   PAR=(-n "$N"); export REPLAYSSM_VLLM_CHECK_GPU_MEMORY=$(python3 -c "print(round(0.8 / $N, 3))")
 elif [ "$N" -gt 1 ]; then echo "pytest-xdist is not importable: the tests run one after another"; fi
-python3 -m pytest tests/test_vllm_plugin.py -m gpu -v -p no:cacheprovider "${PAR[@]}" "$@" 2>&1 | tee $LOG | tail -40
+python3 -m pytest tests/test_vllm_gpu.py -m gpu -v -p no:cacheprovider "${PAR[@]}" "$@" 2>&1 | tee $LOG | tail -40
 echo "== vllm_check rc=${PIPESTATUS[0]} in $(( $(date +%s)-T0 )) s (log: $LOG)"

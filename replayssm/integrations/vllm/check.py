@@ -4,6 +4,7 @@ tokens of a fixed set of requests as one `TOKENS <json>` line (compared between 
 together and finish at different steps (continuous batching). With
 `REPLAYSSM_VLLM_CHECK_TOP2=1` also a `TOP2 <json>` line: per request and generated token, the
 two most likely tokens and their log-probabilities, for `near_tie_divergences`.
+`with_mtp_layer` makes a NemotronH model folder with a multi-token-prediction drafter.
 
     python -m replayssm.integrations.vllm.check MODEL_DIR eager|graph [JSON_LLM_KWARGS]
 """
@@ -38,6 +39,43 @@ def near_tie_divergences(ref: Sequence[Sequence[int]], top2: Sequence, got: Sequ
             bad.append(f"request {r} step {t}: token {b[t]} where the reference took {a[t]}, "
                        f"its top two {t1} ({lp1:.4f}), {t2} ({lp2:.4f})")
     return bad
+
+
+def with_mtp_layer(src, dst, seed: int = 0) -> None:
+    """A copy of the NemotronH model folder `src` in `dst` with one multi-token-prediction
+    layer of random weights (an attention layer, vLLM's `nemotron_h_mtp` drafter, method
+    `mtp`), so that speculative decoding can run with a drafter that vLLM verifies on the
+    device with asynchronous scheduling, and whose drafts are mostly rejected. The target's
+    own weights are unchanged (its loader skips `mtp.`)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("model_type") != "nemotron_h":
+        raise ValueError(f"{src}: a NemotronH model is needed, not {cfg.get('model_type')!r}")
+    # one attention layer: vLLM's own config reads the pattern, transformers' the list
+    cfg.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*",
+               mtp_layers_block_type=["full_attention"])
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    weights = load_file(src / "model.safetensors")
+    dtype = weights["lm_head.weight"].dtype
+    h, hd = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"eh_proj": (h, 2 * h), "mixer.q_proj": (q, h), "mixer.k_proj": (kv, h),
+              "mixer.v_proj": (kv, h), "mixer.o_proj": (h, q)}
+    for name, shape in shapes.items():
+        weights[f"mtp.layers.0.{name}.weight"] = (0.02 * torch.randn(shape, generator=g)).to(dtype)
+    for norm in ("enorm", "hnorm", "norm", "final_layernorm"):
+        weights[f"mtp.layers.0.{norm}.weight"] = torch.ones(h, dtype=dtype)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
 
 
 def main(argv=None) -> int:
