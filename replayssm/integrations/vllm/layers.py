@@ -94,9 +94,10 @@ def one_block_per_request(cls) -> None:
     `1 + num_speculative_tokens` state blocks per recurrent layer (its kernels write one state
     per draft, the next step reading the accepted one). replayssm keeps one state per
     request, rollback being the cursor move: the layer's KV-cache spec asks for no
-    speculative blocks, so that vLLM neither allocates nor counts them (a request's recurrent memory is its one block, records included). The state
-    index tables then have one column where vLLM's own builders keep `1 + num_spec` (filled
-    by broadcast): the plugin reads column 0 and passes the drafts' query length itself."""
+    speculative blocks, so that vLLM neither allocates nor counts them (a request's recurrent
+    memory is its one block, records included). The state index tables then have one column
+    where vLLM's own builders keep `1 + num_spec` (filled by broadcast): the plugin reads
+    column 0 and passes the drafts' query length itself."""
     _compat.patch_method(cls, "get_kv_cache_spec", lambda orig: lambda self, vllm_config: _no_spec_blocks(
         orig(self, vllm_config)))
 
