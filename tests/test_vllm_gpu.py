@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from replayssm.integrations.vllm.check import near_tie_divergences, with_mtp_layer
+from replayssm.integrations.vllm.check import near_tie_divergences, tiny_qwen3_5, with_mtp_layer
 
 def test_near_tie_divergences():
     ref = [[5, 6, 7], [1, 2, 3]]
@@ -61,6 +61,27 @@ def test_with_mtp_layer(tmp_path):
     (src / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen3_next")))
     with pytest.raises(ValueError, match="NemotronH"):
         with_mtp_layer(src, tmp_path / "other")
+
+
+def test_tiny_qwen3_5(tmp_path):
+    """The tiny Qwen3.5: the class vLLM serves Qwen3.5 with, three GDN layers and one attention
+    layer, dense MLPs, the multimodal token ids inside the vocabulary, the tokenizer copied."""
+    pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "config.json").write_text("{}")
+    tiny_qwen3_5(tmp_path / "q", tok)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    text = cfg["text_config"]
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert max(cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                "vision_end_token_id")) < text["vocab_size"]
+    names = list(safetensors.load_file(tmp_path / "q" / "model.safetensors"))
+    assert any(".linear_attn." in n for n in names) and not any(".experts." in n for n in names)
+    assert (tmp_path / "q" / "tokenizer.json").read_text() == "{}"      # only the tokenizer's files copied
 
 
 MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's output folder
@@ -113,39 +134,56 @@ def _needs_vllm():
         pytest.skip("set REPLAYSSM_VLLM_MODELS to make_models.py's output folder")
 
 
+def _model(name, tmp_path):
+    """The model folder `name`: make_models.py's under MODELS, or `qwen3_5_tiny`, built here."""
+    if name != "qwen3_5_tiny":
+        return os.path.join(MODELS, name)
+    d = tmp_path / name
+    if not d.exists():
+        pytest.importorskip("transformers")
+        tiny_qwen3_5(d, os.path.join(MODELS, "qwen3_next_tiny"))
+    return d
+
+
+def _kwargs(name, **more) -> str:
+    """The LLM keyword arguments for `name` as the JSON `check.py` takes: Qwen's GDN prefill on
+    Triton (the Hopper default, FlashInfer, is not in the offline bring-up), Qwen3.5's vision
+    tower left out."""
+    kw = {"gdn_prefill_backend": "triton"} if name.startswith("qwen") else {}
+    if name == "qwen3_5_tiny":
+        kw["language_model_only"] = True
+    return json.dumps(dict(kw, **more))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["nemotron_h_tiny", "qwen3_next_tiny"])
-@pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_vllm_greedy_equals_stock(model, mode):
+@pytest.mark.parametrize("model,mode", [("nemotron_h_tiny", "eager"), ("nemotron_h_tiny", "graph"),
+                                        ("qwen3_next_tiny", "eager"), ("qwen3_next_tiny", "graph"),
+                                        ("qwen3_5_tiny", "graph")])
+def test_vllm_greedy_equals_stock(model, mode, tmp_path):
     """Greedy tokens with the plugin equal stock vLLM's, token for token, on requests of
-    different lengths that arrive together and finish at different steps."""
+    different lengths that arrive together and finish at different steps (Qwen models in bf16
+    at near-ties, `NEAR_TIE_NATS`)."""
     _needs_vllm()
-    # Qwen3-Next in fp32 throughout: in bf16 the random tiny model's greedy tokens flip with any
-    # rounding difference (vLLM 0.25.0 on the H200: stock with a bf16 and with an fp32 SSM state
-    # differ in 4 of 12 requests, the plugin from either in 2-4, its own tokens the same eager,
-    # with CUDA graphs, staged and strided), which would hide what the plugin does
-    qwen = model.startswith("qwen")
-    extra = '{"gdn_prefill_backend": "triton"}' if qwen else "{}"
-    top2 = {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if qwen else {}
-    _equal_or_near_ties(model, _generate(model, mode, True, extra), _generate(model, mode, False, extra, **top2))
+    path, extra = _model(model, tmp_path), _kwargs(model)
+    top2 = {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if model.startswith("qwen") else {}
+    _equal_or_near_ties(model, _generate(path, mode, True, extra), _generate(path, mode, False, extra, **top2))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,blocks", [("nemotron_h_tiny", "vllm"), ("nemotron_h_tiny", "one"),
-                                          ("qwen3_next_tiny", "vllm"), ("qwen3_next_tiny", "one")])
-def test_vllm_ngram_speculative_equals_plain(model, blocks):
+                                          ("qwen3_next_tiny", "vllm"), ("qwen3_next_tiny", "one"),
+                                          ("qwen3_5_tiny", "one")])
+def test_vllm_ngram_speculative_equals_plain(model, blocks, tmp_path):
     """n-gram speculative decoding with the plugin gives the tokens of plain decoding, with
-    vLLM's state blocks per request and with one (`REPLAYSSM_VLLM_SPEC_BLOCKS`)."""
+    vLLM's state blocks per request and with one (`REPLAYSSM_VLLM_SPEC_BLOCKS`); Qwen models at
+    near-ties, as above (the verify kernel also rounds otherwise than decode)."""
     _needs_vllm()
-    # Qwen3-Next at near-ties, as above (the verify kernel also rounds otherwise than decode)
-    qwen = model.startswith("qwen")
-    base = '"gdn_prefill_backend": "triton", ' if qwen else ""
-    spec = '{' + base + '"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, ' \
-        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}}'
-    plain = '{' + base.rstrip(", ") + '}'
-    top2 = {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if qwen else {}
-    _equal_or_near_ties(model, _generate(model, "graph", True, spec, REPLAYSSM_VLLM_SPEC_BLOCKS=blocks),
-                        _generate(model, "graph", True, plain, **top2))
+    path = _model(model, tmp_path)
+    spec = _kwargs(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                              "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    top2 = {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if model.startswith("qwen") else {}
+    _equal_or_near_ties(model, _generate(path, "graph", True, spec, REPLAYSSM_VLLM_SPEC_BLOCKS=blocks),
+                        _generate(path, "graph", True, _kwargs(model), **top2))
 
 
 @pytest.mark.gpu

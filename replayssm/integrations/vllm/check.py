@@ -78,6 +78,36 @@ def with_mtp_layer(src, dst, seed: int = 0) -> None:
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
 
 
+def tiny_qwen3_5(dst, tokenizer_from, seed: int = 0) -> None:
+    """A tiny random-weight Qwen3.5 (`Qwen3_5ForConditionalGeneration`, the class vLLM serves
+    Qwen3.5 with) in `dst`: the text model at the shapes of `../shared/vllm/make_models.py`'s
+    Qwen3-Next (3 GDN layers, 1 attention layer, here with dense MLPs, as Qwen3.5-4B has) and a
+    one-layer vision tower that `language_model_only` leaves unbuilt; the tokenizer files of
+    the model folder `tokenizer_from`. The image and video token ids are put inside the tiny
+    vocabulary (the prompts of `main` never hold them)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    dst, tok = Path(dst), Path(tokenizer_from)
+    text = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256)
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=1020, video_token_id=1021,
+                        vision_start_token_id=1022, vision_end_token_id=1023, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(dst)
+    for f in tok.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, dst / f.name)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     model, mode = argv[0], argv[1]
