@@ -17,7 +17,19 @@ def test_serving_benchmark_model_folder_and_prompts(tmp_path):
     whole = json.loads((vs.model_dir("nemotron3_nano_4b", 0, tmp_path) / "config.json").read_text())
     assert whole["num_hidden_layers"] == 42 and not any(k.startswith("_") for k in whole)
     with pytest.raises(ValueError, match="unknown model"):
-        vs.model_dir("qwen3_5_4b", 0, tmp_path)
+        vs.model_dir("qwen3_next", 0, tmp_path)
+    assert vs._vocab(whole) == 131072
+    # Qwen3.5-4B as vLLM serves it: the multimodal class around the shipped text config
+    pytest.importorskip("transformers")
+    q = json.loads((vs.model_dir("qwen3_5_4b", 8, tmp_path) / "config.json").read_text())
+    assert q["architectures"] == ["Qwen3_5ForConditionalGeneration"] and q["model_type"] == "qwen3_5"
+    text = q["text_config"]
+    assert text["num_hidden_layers"] == 8 and text["layer_types"].count("linear_attention") == 6
+    assert (text["linear_num_value_heads"], text["linear_value_head_dim"], text["hidden_size"]) == (32, 128, 2560)
+    assert q["vision_config"]["out_hidden_size"] == 2560 and q["vision_config"]["depth"] == 1
+    assert 3 < vs._vocab(q) == min(q["image_token_id"], q["video_token_id"], q["vision_start_token_id"]) < 248320
+    three = json.loads((vs.model_dir("qwen3_5_4b", 3, tmp_path) / "config.json").read_text())["text_config"]
+    assert three["layer_types"] == ["linear_attention"] * 3
     ps = vs.prompts(3, 20, 1000, repeat=True)
     assert len(ps) == 3 and all(len(p["prompt_token_ids"]) == 20 for p in ps)
     assert ps[0]["prompt_token_ids"][:7] == ps[0]["prompt_token_ids"][7:14]

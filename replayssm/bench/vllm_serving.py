@@ -2,7 +2,10 @@
 
 A random-weight model (vLLM's `load_format="dummy"`) at a real layer shape: the shipped
 transformers config of Nemotron-3-Nano-4B (`--model nemotron3_nano_4b`; NemotronH, 21 Mamba-2
-layers), optionally cut to its first `--layers` layers of the hybrid pattern. No tokenizer
+layers) or of Qwen3.5-4B (`--model qwen3_5_4b`: 24 GDN layers, served as vLLM serves Qwen3.5,
+`Qwen3_5ForConditionalGeneration` with `language_model_only`, its vision tower a one-layer
+stand-in that is never built; GDN prefill on Triton), optionally cut to its first `--layers`
+layers. No tokenizer
 (`skip_tokenizer_init`): prompts are token ids. Each (scheme, speculation) pair runs in its own
 process, since the plugin registers when vLLM starts (`REPLAYSSM_VLLM=1` for `replayssm`, 0
 for `stock`); within it every batch size is timed on the same engine.
@@ -57,7 +60,7 @@ from pathlib import Path
 from ..integrations.vllm import _compat
 from .common import positive_ints
 
-MODELS = ("nemotron3_nano_4b",)
+MODELS = ("nemotron3_nano_4b", "qwen3_5_4b")
 SCHEMES = ("stock", "stock-fp32", "replayssm", "replayssm-one-block")
 
 
@@ -68,16 +71,43 @@ def model_dir(name: str, layers: int, out: Path) -> Path:
         raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
     from ..integrations.hf.configs import _DIR
     cfg = {k: v for k, v in json.loads((_DIR / f"{name}.json").read_text()).items() if not k.startswith("_")}
-    if layers:
-        pattern = cfg["hybrid_override_pattern"][:layers]
-        if "M" not in pattern:
-            raise ValueError(f"the first {layers} layers of {name} hold no Mamba-2 layer")
-        cfg.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
-    cfg.update(architectures=["NemotronHForCausalLM"], torch_dtype="bfloat16")
+    if name.startswith("nemotron"):
+        if layers:
+            pattern = cfg["hybrid_override_pattern"][:layers]
+            if "M" not in pattern:
+                raise ValueError(f"the first {layers} layers of {name} hold no Mamba-2 layer")
+            cfg.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
+        cfg.update(architectures=["NemotronHForCausalLM"], torch_dtype="bfloat16")
+    else:
+        if layers:
+            kinds = cfg["layer_types"][:layers]
+            if "linear_attention" not in kinds:
+                raise ValueError(f"the first {layers} layers of {name} hold no GDN layer")
+            cfg.update(layer_types=kinds, num_hidden_layers=len(kinds))
+        cfg = _qwen3_5_config(cfg)
     d = out / f"{name}_{layers or 'all'}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return d
+
+
+def _qwen3_5_config(text: dict) -> dict:
+    """The config vLLM serves Qwen3.5 from (`Qwen3_5ForConditionalGeneration`) around the text
+    model `text`, with a one-layer vision tower (`language_model_only` leaves it unbuilt)."""
+    from transformers import Qwen3_5Config
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision,
+                        tie_word_embeddings=text.get("tie_word_embeddings", False)).to_dict()
+    cfg.update(architectures=["Qwen3_5ForConditionalGeneration"], torch_dtype="bfloat16")
+    return cfg
+
+
+def _vocab(cfg: dict) -> int:
+    """The prompts' token ids stay below this: the vocabulary, or Qwen3.5's first multimodal
+    special token (an image token with no image would be refused or misread)."""
+    vocab = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
+    special = [v for k, v in cfg.items() if k.endswith("_token_id") and isinstance(v, int) and v > 2]
+    return min([vocab] + special)
 
 
 def prompts(batch: int, length: int, vocab: int, repeat: bool, seed: int = 0) -> list:
@@ -128,6 +158,8 @@ def worker(args) -> int:
                 "prompt_lookup_min": 1}
     cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
     extra = {"mamba_ssm_cache_dtype": "float32"} if args.scheme == "stock-fp32" else {}
+    if "text_config" in cfg:          # Qwen3.5: the GDN prefill on Triton (FlashInfer's is not in
+        extra.update(gdn_prefill_backend="triton", language_model_only=True)   # the offline bring-up)
     if args.capture == "batches":
         extra["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(args.batches, spec and args.drafts)}
     if args.profile:
@@ -144,7 +176,7 @@ def worker(args) -> int:
     except AttributeError:
         ssm_dtype = None
     for i, batch in enumerate(args.batches):
-        ps = prompts(batch, args.prompt, cfg["vocab_size"], repeat=spec is not None)
+        ps = prompts(batch, args.prompt, _vocab(cfg), repeat=spec is not None)
         short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True, detokenize=False)
         # warm-up at this batch with decode steps past a window's flush: the first decode steps
