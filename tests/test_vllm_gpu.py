@@ -1,5 +1,5 @@
 """The vLLM plugin's GPU checks with vLLM 0.25.0 (skipped where vLLM, CUDA or the tiny models
-are absent; `benchmarks/tools/vllm_check.sh` runs them on the H200), and the CPU tests of the
+are absent; docs/vllm.md says how they run on the H200), and the CPU tests of the
 tools they use (`replayssm.integrations.vllm.check`).
 
 Tiny random-weight models (`../shared/vllm/make_models.py`, the folder in
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from replayssm.integrations.vllm.check import near_tie_divergences, tiny_qwen3_5, with_mtp_layer
+
 
 def test_near_tie_divergences():
     ref = [[5, 6, 7], [1, 2, 3]]
@@ -87,10 +88,9 @@ def test_tiny_qwen3_5(tmp_path):
 MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's output folder
 
 
-def _generate(model, mode, enabled, extra="{}", **switches):
-    """`model`: a folder name under MODELS, or a path."""
+def _generate(path, mode, enabled, extra="{}", **switches):
     env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0", **switches)
-    cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", os.path.join(MODELS, str(model)), mode, extra]
+    cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", str(path), mode, extra]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     from replayssm.integrations.vllm._compat import START_UP_MEMORY_ERRORS
     if r.returncode != 0 and any(m in r.stdout + r.stderr for m in START_UP_MEMORY_ERRORS):
@@ -124,6 +124,11 @@ def _equal_or_near_ties(model, run, reference):
     print(f"{left} of {len(ref)} requests leave the reference; the reference's top-2 gap over its "
           f"{len(gaps)} steps: min {gaps[0]:.4f}, median {gaps[len(gaps) // 2]:.4f} nats")
     assert not bad, bad
+
+
+def _top2(model) -> dict:
+    """The switch that has the reference run of a Qwen model print its top two tokens."""
+    return {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if model.startswith("qwen") else {}
 
 
 def _needs_vllm():
@@ -165,8 +170,7 @@ def test_vllm_greedy_equals_stock(model, mode, tmp_path):
     at near-ties, `NEAR_TIE_NATS`)."""
     _needs_vllm()
     path, extra = _model(model, tmp_path), _kwargs(model)
-    top2 = {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if model.startswith("qwen") else {}
-    _equal_or_near_ties(model, _generate(path, mode, True, extra), _generate(path, mode, False, extra, **top2))
+    _equal_or_near_ties(model, _generate(path, mode, True, extra), _generate(path, mode, False, extra, **_top2(model)))
 
 
 @pytest.mark.gpu
@@ -181,9 +185,8 @@ def test_vllm_ngram_speculative_equals_plain(model, blocks, tmp_path):
     path = _model(model, tmp_path)
     spec = _kwargs(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1})
-    top2 = {"REPLAYSSM_VLLM_CHECK_TOP2": "1"} if model.startswith("qwen") else {}
     _equal_or_near_ties(model, _generate(path, "graph", True, spec, REPLAYSSM_VLLM_SPEC_BLOCKS=blocks),
-                        _generate(path, "graph", True, _kwargs(model), **top2))
+                        _generate(path, "graph", True, _kwargs(model), **_top2(model)))
 
 
 @pytest.mark.gpu

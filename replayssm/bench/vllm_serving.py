@@ -84,22 +84,13 @@ def model_dir(name: str, layers: int, out: Path) -> Path:
             if "linear_attention" not in kinds:
                 raise ValueError(f"the first {layers} layers of {name} hold no GDN layer")
             cfg.update(layer_types=kinds, num_hidden_layers=len(kinds))
-        cfg = _qwen3_5_config(cfg)
+        from ..integrations.vllm.check import qwen3_5_config
+        cfg = qwen3_5_config(cfg).to_dict()
+        cfg["torch_dtype"] = "bfloat16"
     d = out / f"{name}_{layers or 'all'}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return d
-
-
-def _qwen3_5_config(text: dict) -> dict:
-    """The config vLLM serves Qwen3.5 from (`Qwen3_5ForConditionalGeneration`) around the text
-    model `text`, with a one-layer vision tower (`language_model_only` leaves it unbuilt)."""
-    from transformers import Qwen3_5Config
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
-    cfg = Qwen3_5Config(text_config=text, vision_config=vision,
-                        tie_word_embeddings=text.get("tie_word_embeddings", False)).to_dict()
-    cfg.update(architectures=["Qwen3_5ForConditionalGeneration"], torch_dtype="bfloat16")
-    return cfg
 
 
 def _vocab(cfg: dict) -> int:

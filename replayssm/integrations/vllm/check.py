@@ -78,27 +78,37 @@ def with_mtp_layer(src, dst, seed: int = 0) -> None:
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
 
 
+def qwen3_5_config(text: dict, **top) -> dict:
+    """The config vLLM serves Qwen3.5 from (`Qwen3_5ForConditionalGeneration`) around the text
+    model `text`, with a one-layer vision tower that `language_model_only` leaves unbuilt;
+    `top`: more top-level fields (token ids)."""
+    from transformers import Qwen3_5Config
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision,
+                        tie_word_embeddings=text.get("tie_word_embeddings", False), **top)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return cfg
+
+
 def tiny_qwen3_5(dst, tokenizer_from, seed: int = 0) -> None:
-    """A tiny random-weight Qwen3.5 (`Qwen3_5ForConditionalGeneration`, the class vLLM serves
-    Qwen3.5 with) in `dst`: the text model at the shapes of `../shared/vllm/make_models.py`'s
-    Qwen3-Next (3 GDN layers, 1 attention layer, here with dense MLPs, as Qwen3.5-4B has) and a
-    one-layer vision tower that `language_model_only` leaves unbuilt; the tokenizer files of
-    the model folder `tokenizer_from`. The image and video token ids are put inside the tiny
-    vocabulary (the prompts of `main` never hold them)."""
+    """A tiny random-weight Qwen3.5 in `dst` (`qwen3_5_config`): the text model at the shapes
+    of `../shared/vllm/make_models.py`'s Qwen3-Next (3 GDN layers, 1 attention layer, here with
+    dense MLPs, as Qwen3.5-4B has); the tokenizer files of the model folder `tokenizer_from`.
+    The image and video token ids are put inside the tiny vocabulary (the prompts of `main`
+    never hold them)."""
     import shutil
     from pathlib import Path
 
     import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5ForConditionalGeneration
     dst, tok = Path(dst), Path(tokenizer_from)
     text = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                 layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
                 num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
                 max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256)
-    cfg = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=1020, video_token_id=1021,
-                        vision_start_token_id=1022, vision_end_token_id=1023, tie_word_embeddings=False)
+    cfg = qwen3_5_config(text, image_token_id=1020, video_token_id=1021, vision_start_token_id=1022,
+                         vision_end_token_id=1023)
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
@@ -123,7 +133,7 @@ def main(argv=None) -> int:
     llm = LLM(**kw)
     # prompts of 5..104 tokens: with 3 speculative tokens, stock vLLM 0.25.0 (plugin off) gave a
     # 4-token prompt (1 + num_speculative_tokens) another first token than without speculation
-    # (benchmarks/results/vllm_check_h200.log), which would hide what the plugin does
+    # (seen on the H200 at 316393e), which would hide what the plugin does
     prompts = [{"prompt_token_ids": [1] + [10 + (7 * i + j) % 500 for j in range(4 + 9 * i)]} for i in range(12)]
     top2 = os.environ.get("REPLAYSSM_VLLM_CHECK_TOP2", "0") == "1"
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 5), ignore_eos=True,
