@@ -303,6 +303,8 @@ def plot(doc: dict, path: Path) -> None:
         ax.minorticks_off()
         ax.set_xlabel("batch (requests)")
         ax.set_ylabel("decode tokens / s")
+        # from zero, so that the schemes' ratio reads off the heights
+        ax.set_ylim(0, 1.1 * max(r["tokens_per_s"] for r in rows if r["speculative"] == spec))
         ax.set_title(f"speculative: {spec}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
