@@ -171,6 +171,36 @@ def test_model_benchmark_no_recurrence_skips_the_state_step():
     hf.disable(model)
 
 
+def test_model_benchmark_low_precision_read_schemes(monkeypatch):
+    # replay-FMT: the replay scheme with a low-precision copy of the checkpoint that non-flush
+    # steps read (the pools built with that lp_format), the row naming the format
+    pytest.importorskip("transformers")
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+    model = hf.build("tiny_nemotron_h")
+    seen = {}
+    enable = hf.enable
+
+    def spy(m, **kw):
+        enable(m, **kw)
+        seen[len(seen)] = {getattr(layer.pool, "lp_format", "n/a") for layer in hf.replay_state(m).layers.values()}
+    monkeypatch.setattr(hf, "enable", spy)
+    rows = mb.measure("tiny_nemotron_h", [2], [5], ("conventional", "replay", "replay-fp16", "replay-fp8"),
+                      device="cpu", dtype=torch.float32, reps=1, graphs=False, model=model)
+    assert [r["scheme"] for r in rows] == ["conventional", "replay", "replay-fp16", "replay-fp8"]
+    assert [r["lp_format"] for r in rows] == [None, None, "fp16", "fp8_e4m3"]
+    assert [seen[i] for i in range(4)] == [{"n/a"}, {None}, {"fp16"}, {"fp8_e4m3"}]
+    assert all(r["us_per_step"] > 0 and 0 <= r["first_token_agreement"] <= 1 for r in rows)
+    assert rows[1]["first_token_agreement"] == 1.0          # fp32 reads: the conventional tokens
+    seen.clear()
+    spec = mb.measure_speculative("tiny_nemotron_h", [2], [5], T=3, accepted=2, device="cpu", dtype=torch.float32,
+                                  reps=1, graphs=False, model=model, schemes=("snapshot", "replay-bf16"))
+    assert [(r["scheme"], r["lp_format"]) for r in spec] == [("snapshot", None), ("replay-bf16", "bf16")]
+    assert seen[1] == {"bf16"} and spec[1]["ratio_vs_snapshot"] > 0 and spec[1]["verify_agreement"] is not None
+    with pytest.raises(ValueError, match="snapshot first"):
+        mb.measure_speculative("tiny_nemotron_h", [2], [5], device="cpu", model=model, schemes=("replay",))
+
+
 def test_model_benchmark_cli(monkeypatch, capsys):
     from replayssm import cli
     from replayssm.bench import model as mb
@@ -181,6 +211,9 @@ def test_model_benchmark_cli(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         mb.main(["--models", "llama-7b"])
     assert exc.value.code == 2 and "unknown model 'llama-7b'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        mb.main(["--spec-schemes", "snapshot,replay-fp4"])
+    assert exc.value.code == 2 and "unknown speculative scheme 'replay-fp4'" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="replayssm bench model: error: .*CUDA") as exc:
         cli.main(["bench", "model"])

@@ -17,7 +17,12 @@ the replay scheme's flushes fall as in decoding (every `window` steps).
 conventional scheme's (bf16 model, fp32 states: both schemes should agree on nearly all rows).
 The `no-recurrence` scheme (`--schemes ...,no-recurrence`) skips the recurrent layers' state
 step: its time is the model's time outside the recurrence, and conventional / its time is the
-most any scheme of the recurrent state can gain in this model.
+most any scheme of the recurrent state can gain in this model. The `replay-fp16`,
+`replay-bf16`, `replay-fp8` and `replay-nvfp4` schemes are ReplaySSM with separate precisions
+(`hf.enable(lp_format=...)`, the rows' `lp_format`): the non-flush steps read a low-precision
+copy of the checkpoint, the flushes the fp32 one, which carries the recurrence; their outputs
+carry the copy's rounding, which `first_token_agreement` shows. `--spec-schemes` adds them to
+the speculative rows (verification on `ops.<family>.lowp_verify`).
 Points whose key/value cache would not fit are skipped with the reason in the row.
 The attention layers run `hf.use_gqa_attention` (`--attention gqa`, every scheme alike): each
 key/value head is read once per step, where transformers' own SDPA path (`--attention sdpa`)
@@ -48,7 +53,10 @@ import torch
 from .common import graph_time_us, header, positive_ints, write_results
 
 MODELS = {"nemotron3-nano-4b": "nemotron3_nano_4b", "qwen3.5-4b": "qwen3_5_4b"}
-SCHEMES = ("conventional", "replay", "stock", "no-recurrence")
+# the separate-precision design (SPEC section 5): non-flush steps read a low-precision copy of the
+# checkpoint, flushes carry the fp32 one; the outputs differ from fp32 reads by the copy's rounding
+LP_SCHEMES = {"replay-fp16": "fp16", "replay-bf16": "bf16", "replay-fp8": "fp8_e4m3", "replay-nvfp4": "nvfp4"}
+SCHEMES = ("conventional", "replay", *LP_SCHEMES, "stock", "no-recurrence")
 ATTENTION = ("gqa", "sdpa")
 
 
@@ -267,8 +275,9 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
             if scheme == "stock":
                 hf.disable(model)
             else:
-                hf.enable(model, scheme="replay" if scheme == "no-recurrence" else scheme, window=window,
-                          max_draft=1, num_slots=batch,
+                replay = scheme == "no-recurrence" or scheme in LP_SCHEMES
+                hf.enable(model, scheme="replay" if replay else scheme, window=window,
+                          max_draft=1, num_slots=batch, lp_format=LP_SCHEMES.get(scheme),
                           record_dtype=record_dtype if scheme != "conventional" else None)
                 hf.attach_cache(model, cache)
                 if scheme == "no-recurrence":
@@ -287,7 +296,7 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
                 # with attention="sdpa" transformers copies the key/value cache per step
                 # (repeat_kv): more than the cache itself, which the room check counts
                 us, timing = None, "skipped: out of memory in the step"
-            rows.append(dict(base, scheme=scheme, us_per_step=us, timing=timing,
+            rows.append(dict(base, scheme=scheme, us_per_step=us, timing=timing, lp_format=LP_SCHEMES.get(scheme),
                              tokens_per_s=batch / us * 1e6 if us else None, kv_bytes=need))
             hf.disable(model)
             _free()
@@ -305,12 +314,17 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
 def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: int = 3, dtype=torch.bfloat16,
                         device="cuda", window: int = 16, record_dtype=torch.bfloat16, reps: int = 20,
                         graphs: bool = True, prefill_tokens: int = 131072, kv_budget: float = 0.6, model=None,
-                        real: int = 0, attention: str = "gqa", **overrides) -> list:
+                        real: int = 0, attention: str = "gqa", schemes=("snapshot", "replay"), **overrides) -> list:
     """Speculative rows of one model: a verification round (`T` tokens per row, `accepted`
-    kept) of the snapshot and the replay scheme, from the same prefilled cache."""
+    kept) of the snapshot scheme and `schemes`' others (replay, replay-FMT), from the same
+    prefilled cache."""
     from ..integrations import hf
     if not 1 <= accepted <= T:
         raise ValueError(f"accepted must lie in 1..T={T}, got {accepted}")
+    schemes = tuple(schemes)
+    if schemes[:1] != ("snapshot",) or not set(schemes[1:]) <= {"replay", *LP_SCHEMES}:
+        raise ValueError(f"speculative schemes: snapshot first (the ratios' base), then of replay, "
+                         f"{', '.join(LP_SCHEMES)}; got {schemes}")
     if model is None:
         model = build(name, dtype=dtype, device=device, attention=attention, **overrides)
     steps = step_budget(reps) * accepted + T
@@ -323,19 +337,20 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
         why = _no_room(need, device, kv_budget)
         if why:
             rows += [dict(base, scheme=s, us_per_round=None, tokens_per_s=None, timing=why)
-                     for s in ("snapshot", "replay")]
+                     for s in schemes]
             continue
         hf.disable(model)
         cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=steps, real=real)
         tokens = first.expand(batch, T).contiguous()
         pos = torch.arange(context, context + T, device=first.device)
         got = {}
-        for scheme in ("snapshot", "replay"):
+        for scheme in schemes:
             rewind(cache, context)
             pos.copy_(torch.arange(context, context + T, device=pos.device))
+            kind = "replay" if scheme in LP_SCHEMES else scheme
             try:
-                hf.enable(model, scheme=scheme, window=window, max_draft=T, num_slots=batch,
-                          record_dtype=record_dtype if scheme == "replay" else None)
+                hf.enable(model, scheme=kind, window=window, max_draft=T, num_slots=batch,
+                          record_dtype=record_dtype if kind == "replay" else None, lp_format=LP_SCHEMES.get(scheme))
             except torch.OutOfMemoryError:
                 # the scheme's recurrent state for `batch` sequences does not fit beside the cache
                 hf.disable(model)
@@ -368,18 +383,18 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                 rows.append(dict(base, scheme=scheme, us_per_round=None, tokens_per_s=None,
                                  timing="skipped: out of memory in the round"))
                 continue
-            rows.append(dict(base, scheme=scheme, us_per_round=us, timing=timing,
+            rows.append(dict(base, scheme=scheme, us_per_round=us, timing=timing, lp_format=LP_SCHEMES.get(scheme),
                              tokens_per_s=batch * accepted / us * 1e6,
                              # the recurrent layers' state per sequence, all layers
-                             bytes_per_sequence=sum(layer.pool.memory_per_sequence()[scheme]
+                             bytes_per_sequence=sum(layer.pool.memory_per_sequence()[kind]
                                                     for layer in state.layers.values()),
                              verify_agreement=(float((got[scheme] == got["snapshot"]).float().mean())
                                                if "snapshot" in got else None)))
             hf.disable(model)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        snap = rows[-2]
-        for r in rows[-2:]:
+        snap = rows[-len(schemes)]
+        for r in rows[-len(schemes):]:
             r["ratio_vs_snapshot"] = (r["tokens_per_s"] / snap["tokens_per_s"]
                                       if r["tokens_per_s"] and snap["tokens_per_s"] else None)
         cache = None
@@ -423,7 +438,8 @@ def main(argv=None):
     ap.add_argument("--contexts", type=positive_ints, default=[2048, 16384], help="prefilled positions per row")
     ap.add_argument("--schemes", default="conventional,replay",
                     help=f"comma-separated, of {','.join(SCHEMES)} (stock: transformers' own decode path; "
-                         "no-recurrence: the recurrent layers' state step skipped, the time spent outside it)")
+                         "no-recurrence: the recurrent layers' state step skipped, the time spent outside it; "
+                         "replay-FMT: non-flush steps read an FMT copy of the fp32 checkpoint)")
     ap.add_argument("--attention", default="gqa", choices=ATTENTION,
                     help="the attention layers' path, the same for every scheme (see build())")
     ap.add_argument("--window", type=int, default=16)
@@ -439,6 +455,9 @@ def main(argv=None):
     ap.add_argument("--spec-batches", type=positive_ints, default=[64, 256, 512],
                     help="batches of the speculative rows (0: none)")
     ap.add_argument("--drafts", type=int, default=4, help="T: tokens per verification round")
+    ap.add_argument("--spec-schemes", default="snapshot,replay",
+                    help=f"the speculative rows' schemes: snapshot (the ratios' base, always run) and of "
+                         f"replay,{','.join(LP_SCHEMES)}")
     ap.add_argument("--accepted", type=int, default=3, help="tokens a round keeps (1..T), every round")
     ap.add_argument("--out", default="model.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
@@ -450,6 +469,9 @@ def main(argv=None):
     for s in schemes:
         if s not in SCHEMES:
             ap.error(f"unknown scheme {s!r}; choose from {', '.join(SCHEMES)}")
+    spec_schemes = ["snapshot"] + [s for s in ("replay", *LP_SCHEMES) if s in args.spec_schemes.split(",")]
+    for s in set(args.spec_schemes.split(",")) - set(spec_schemes):
+        ap.error(f"unknown speculative scheme {s!r}; choose from snapshot, replay, {', '.join(LP_SCHEMES)}")
     # stock decoding advances the cache's own recurrent states, which the other schemes start from
     schemes = sorted(set(schemes), key=SCHEMES.index)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -484,7 +506,7 @@ def main(argv=None):
                 m, spec_batches, args.contexts, T=args.drafts, accepted=args.accepted, window=args.window,
                 reps=args.reps, dtype=getattr(torch, args.dtype), device=args.device,
                 record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
-                prefill_tokens=args.prefill_tokens, real=args.real_prefill, model=model)
+                prefill_tokens=args.prefill_tokens, real=args.real_prefill, model=model, schemes=spec_schemes)
             write_results(args.out, doc)
         model = None
         _free()
@@ -503,14 +525,14 @@ def main(argv=None):
               f"{r['timing']}")
     if doc["speculative_rows"]:
         print(f"\nspeculative rounds: {doc['speculative']}")
-        print("model               context batch scheme      us/round   tokens/s  vs snapshot  agree  timing")
+        print("model               context batch scheme        us/round   tokens/s  vs snapshot  agree  timing")
         for r in doc["speculative_rows"]:
             if r["us_per_round"] is None:
-                print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:10} {r['timing']}")
+                print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:12} {r['timing']}")
                 continue
             ratio = "-" if r["ratio_vs_snapshot"] is None else f"{r['ratio_vs_snapshot']:.2f}x"
             agree = "-" if r["verify_agreement"] is None else f"{r['verify_agreement']:.2f}"
-            print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:10} {r['us_per_round']:9.1f} "
+            print(f"{r['model']:19} {r['context']:7d} {r['batch']:5d} {r['scheme']:12} {r['us_per_round']:9.1f} "
                   f"{r['tokens_per_s']:10.0f} {ratio:>12} {agree:>6}  {r['timing']}")
     return doc
 
