@@ -31,7 +31,8 @@ each (kernels compile in an engine's first decode steps); one `generate` with `m
 prefill and first token) and one with `1 + --decode` tokens, both with `ignore_eos`; the
 decode throughput is `B * decode / (t_long - t_short)` (`tokens_per_s`), `ratio_vs_stock`
 the plugin's over stock's at the same batch and speculation. `--speculative ngram` adds n-gram
-drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes; its prompts repeat a short
+drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes, `ngram_gpu` the same lookup
+on the GPU (`SPECULATIVE`; not yet run to completion with the plugin); its prompts repeat a short
 pattern so that lookups find drafts, and the rows carry vLLM's draft acceptance where its
 metrics report it. JSON rows: `model`, `batch`, `scheme`, `speculative`, `tokens_per_s`,
 `ratio_vs_stock`, `ratio_vs_stock_fp32` (when that scheme ran), `max_concurrency` (the requests
@@ -62,6 +63,10 @@ from .common import positive_ints
 
 MODELS = ("nemotron3_nano_4b", "qwen3_5_4b")
 SCHEMES = ("stock", "stock-fp32", "replayssm", "replayssm-one-block")
+# vLLM's n-gram drafter on the host (`ngram`: vLLM then turns its asynchronous scheduling off,
+# and the host's drafting and scheduling sit between the GPU's steps) or on the GPU
+# (`ngram_gpu`: asynchronous scheduling stays on, as in plain decoding)
+SPECULATIVE = ("none", "ngram", "ngram_gpu")
 
 
 def model_dir(name: str, layers: int, out: Path) -> Path:
@@ -144,8 +149,8 @@ def worker(args) -> int:
     """One engine: prints a `RESULT {json}` line per batch."""
     from vllm import LLM, SamplingParams
     spec = None
-    if args.speculative == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": args.drafts, "prompt_lookup_max": 3,
+    if args.speculative in SPECULATIVE[1:]:
+        spec = {"method": args.speculative, "num_speculative_tokens": args.drafts, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}
     cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
     extra = {"mamba_ssm_cache_dtype": "float32"} if args.scheme == "stock-fp32" else {}
@@ -260,7 +265,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--decode", type=int, default=128, help="decode tokens timed per request")
     ap.add_argument("--speculative", default="none,ngram",
-                    help="comma-separated of none, ngram (runs of each; 'none,ngram': both)")
+                    help=f"comma-separated of {', '.join(SPECULATIVE)} (runs of each; 'none,ngram': both)")
     ap.add_argument("--drafts", type=int, default=3, help="n-gram draft tokens per step")
     ap.add_argument("--schemes", default="stock,replayssm",
                     help=f"comma-separated of {', '.join(SCHEMES)} (stock always runs: the ratios' base)")
@@ -327,8 +332,8 @@ def main(argv=None) -> int:
         return 0
     specs = args.speculative.split(",")
     for s in specs:
-        if s not in ("none", "ngram"):
-            ap.error(f"--speculative: unknown {s!r}; choose from none, ngram")
+        if s not in SPECULATIVE:
+            ap.error(f"--speculative: unknown {s!r}; choose from {', '.join(SPECULATIVE)}")
     schemes = args.schemes.split(",")
     for s in schemes:
         if s not in SCHEMES:
