@@ -171,7 +171,7 @@ def test_model_benchmark_no_recurrence_skips_the_state_step():
     hf.disable(model)
 
 
-def test_model_benchmark_low_precision_read_schemes(monkeypatch):
+def test_model_benchmark_low_precision_and_floor_schemes(monkeypatch):
     # replay-FMT: the replay scheme with a low-precision copy of the checkpoint that non-flush
     # steps read (the pools built with that lp_format), the row naming the format
     pytest.importorskip("transformers")
@@ -197,6 +197,26 @@ def test_model_benchmark_low_precision_read_schemes(monkeypatch):
                                   reps=1, graphs=False, model=model, schemes=("snapshot", "replay-bf16"))
     assert [(r["scheme"], r["lp_format"]) for r in spec] == [("snapshot", None), ("replay-bf16", "bf16")]
     assert seen[1] == {"bf16"} and spec[1]["ratio_vs_snapshot"] > 0 and spec[1]["verify_agreement"] is not None
+    # the floor of a round: the recurrent layers' verify and commit skipped, the pools untouched
+    hf.enable(model, scheme="replay", num_slots=2, max_draft=3)
+    cache, first = mb.prefill(model, 2, 5, steps=6)
+    hf.attach_cache(model, cache)
+    state = hf.replay_state(model)
+    mb._skip_recurrence(state, 2, first.device, T=3)
+    before = [(layer.pool.cursor.clone(), layer.pool.pending.clone()) for layer in state.layers.values()]
+    state.verifying = True
+    logits = model(input_ids=first.expand(2, 3), past_key_values=cache, cache_position=torch.arange(5, 8),
+                   use_cache=True).logits
+    state.verifying = False
+    state.commit(cache._replayssm_binding, torch.full((2,), 2, dtype=torch.int32))
+    assert logits.shape[:2] == (2, 3) and torch.isfinite(logits).all()
+    assert all(torch.equal(c, layer.pool.cursor) and torch.equal(p, layer.pool.pending)
+               for (c, p), layer in zip(before, state.layers.values()))
+    hf.disable(model)
+    spec = mb.measure_speculative("tiny_nemotron_h", [2], [5], T=3, accepted=2, device="cpu", dtype=torch.float32,
+                                  reps=1, graphs=False, model=model, schemes=("snapshot", "no-recurrence"))
+    assert spec[1]["scheme"] == "no-recurrence" and spec[1]["us_per_round"] > 0
+    assert spec[1]["verify_agreement"] is None and spec[1]["bytes_per_sequence"] is None
     with pytest.raises(ValueError, match="snapshot first"):
         mb.measure_speculative("tiny_nemotron_h", [2], [5], device="cpu", model=model, schemes=("replay",))
 

@@ -22,7 +22,9 @@ most any scheme of the recurrent state can gain in this model. The `replay-fp16`
 (`hf.enable(lp_format=...)`, the rows' `lp_format`): the non-flush steps read a low-precision
 copy of the checkpoint, the flushes the fp32 one, which carries the recurrence; their outputs
 carry the copy's rounding, which `first_token_agreement` shows. `--spec-schemes` adds them to
-the speculative rows (verification on `ops.<family>.lowp_verify`).
+the speculative rows (verification on `ops.<family>.lowp_verify`), and `no-recurrence` there
+the round with the recurrent layers' verify and commit skipped (its `ratio_vs_snapshot` the
+most any scheme can gain over the snapshot scheme).
 Points whose key/value cache would not fit are skipped with the reason in the row.
 The attention layers run `hf.use_gqa_attention` (`--attention gqa`, every scheme alike): each
 key/value head is read once per step, where transformers' own SDPA path (`--attention sdpa`)
@@ -57,6 +59,7 @@ MODELS = {"nemotron3-nano-4b": "nemotron3_nano_4b", "qwen3.5-4b": "qwen3_5_4b"}
 # checkpoint, flushes carry the fp32 one; the outputs differ from fp32 reads by the copy's rounding
 LP_SCHEMES = {"replay-fp16": "fp16", "replay-bf16": "bf16", "replay-fp8": "fp8_e4m3", "replay-nvfp4": "nvfp4"}
 SCHEMES = ("conventional", "replay", *LP_SCHEMES, "stock", "no-recurrence")
+SPEC_SCHEMES = ("snapshot", "replay", *LP_SCHEMES, "no-recurrence")
 ATTENTION = ("gqa", "sdpa")
 
 
@@ -210,14 +213,19 @@ def _capturable_masks():
         mu._ignore_causal_mask_sdpa = original
 
 
-def _skip_recurrence(state, batch: int, device) -> None:
-    """The `no-recurrence` scheme: every recurrent layer's state step replaced by zero outputs
-    (no state read or written), the rest of the model as in the other schemes. Its step time
-    is what the model spends outside the recurrence: conventional / it bounds any scheme's
-    ratio (wrong tokens by design; only its time is reported)."""
+def _skip_recurrence(state, batch: int, device, T: int = 1) -> None:
+    """The `no-recurrence` scheme: every recurrent layer's state step (decode; verify of up to
+    `T` tokens and its commit) replaced by zero outputs (no state read or written), the rest of
+    the model as in the other schemes. Its step time is what the model spends outside the
+    recurrence: conventional / it bounds any scheme's ratio (wrong tokens by design; only its
+    time is reported)."""
     for layer in state.layers.values():
-        zeros = torch.zeros(batch, layer.pool.HV, layer.pool.V, dtype=layer.pool.dtype, device=device)
-        layer.pool.decode = lambda slot_ids, *, out=None, validate=True, _z=zeros, **inputs: _z[:slot_ids.shape[0]]
+        pool = layer.pool
+        zeros = torch.zeros(batch, T, pool.HV, pool.V, dtype=pool.dtype, device=device)
+        pool.decode = lambda slot_ids, *, out=None, validate=True, _z=zeros, **inputs: _z[:slot_ids.shape[0], 0]
+        pool.verify = (lambda slot_ids, *, num_drafts=None, out=None, validate=True, _z=zeros, **inputs:
+                       _z[:slot_ids.shape[0], :next(iter(inputs.values())).shape[1]])
+        pool.commit = lambda slot_ids, accepted, *, validate=True: None
 
 
 def _free() -> None:
@@ -322,9 +330,9 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
     if not 1 <= accepted <= T:
         raise ValueError(f"accepted must lie in 1..T={T}, got {accepted}")
     schemes = tuple(schemes)
-    if schemes[:1] != ("snapshot",) or not set(schemes[1:]) <= {"replay", *LP_SCHEMES}:
-        raise ValueError(f"speculative schemes: snapshot first (the ratios' base), then of replay, "
-                         f"{', '.join(LP_SCHEMES)}; got {schemes}")
+    if schemes[:1] != ("snapshot",) or not set(schemes[1:]) <= set(SPEC_SCHEMES[1:]):
+        raise ValueError(f"speculative schemes: snapshot first (the ratios' base), then of "
+                         f"{', '.join(SPEC_SCHEMES[1:])}; got {schemes}")
     if model is None:
         model = build(name, dtype=dtype, device=device, attention=attention, **overrides)
     steps = step_budget(reps) * accepted + T
@@ -347,7 +355,7 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
         for scheme in schemes:
             rewind(cache, context)
             pos.copy_(torch.arange(context, context + T, device=pos.device))
-            kind = "replay" if scheme in LP_SCHEMES else scheme
+            kind = "replay" if scheme in LP_SCHEMES or scheme == "no-recurrence" else scheme
             try:
                 hf.enable(model, scheme=kind, window=window, max_draft=T, num_slots=batch,
                           record_dtype=record_dtype if kind == "replay" else None, lp_format=LP_SCHEMES.get(scheme))
@@ -361,6 +369,8 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                 continue
             hf.attach_cache(model, cache)
             state, binding = hf.replay_state(model), cache._replayssm_binding
+            if scheme == "no-recurrence":
+                _skip_recurrence(state, batch, first.device, T)
             keep = torch.full((batch,), accepted, dtype=torch.int32, device=first.device)
 
             def round_():
@@ -386,10 +396,10 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
             rows.append(dict(base, scheme=scheme, us_per_round=us, timing=timing, lp_format=LP_SCHEMES.get(scheme),
                              tokens_per_s=batch * accepted / us * 1e6,
                              # the recurrent layers' state per sequence, all layers
-                             bytes_per_sequence=sum(layer.pool.memory_per_sequence()[kind]
-                                                    for layer in state.layers.values()),
+                             bytes_per_sequence=None if scheme == "no-recurrence" else sum(
+                                 layer.pool.memory_per_sequence()[kind] for layer in state.layers.values()),
                              verify_agreement=(float((got[scheme] == got["snapshot"]).float().mean())
-                                               if "snapshot" in got else None)))
+                                               if "snapshot" in got and scheme != "no-recurrence" else None)))
             hf.disable(model)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -457,7 +467,7 @@ def main(argv=None):
     ap.add_argument("--drafts", type=int, default=4, help="T: tokens per verification round")
     ap.add_argument("--spec-schemes", default="snapshot,replay",
                     help=f"the speculative rows' schemes: snapshot (the ratios' base, always run) and of "
-                         f"replay,{','.join(LP_SCHEMES)}")
+                         f"{','.join(SPEC_SCHEMES[1:])}")
     ap.add_argument("--accepted", type=int, default=3, help="tokens a round keeps (1..T), every round")
     ap.add_argument("--out", default="model.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
@@ -469,9 +479,9 @@ def main(argv=None):
     for s in schemes:
         if s not in SCHEMES:
             ap.error(f"unknown scheme {s!r}; choose from {', '.join(SCHEMES)}")
-    spec_schemes = ["snapshot"] + [s for s in ("replay", *LP_SCHEMES) if s in args.spec_schemes.split(",")]
+    spec_schemes = ["snapshot"] + [s for s in SPEC_SCHEMES[1:] if s in args.spec_schemes.split(",")]
     for s in set(args.spec_schemes.split(",")) - set(spec_schemes):
-        ap.error(f"unknown speculative scheme {s!r}; choose from snapshot, replay, {', '.join(LP_SCHEMES)}")
+        ap.error(f"unknown speculative scheme {s!r}; choose from {', '.join(SPEC_SCHEMES)}")
     # stock decoding advances the cache's own recurrent states, which the other schemes start from
     schemes = sorted(set(schemes), key=SCHEMES.index)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
