@@ -197,6 +197,17 @@ def test_model_benchmark_low_precision_and_floor_schemes(monkeypatch):
                                   reps=1, graphs=False, model=model, schemes=("snapshot", "replay-bf16"))
     assert [(r["scheme"], r["lp_format"]) for r in spec] == [("snapshot", None), ("replay-bf16", "bf16")]
     assert seen[1] == {"bf16"} and spec[1]["ratio_vs_snapshot"] > 0 and spec[1]["verify_agreement"] is not None
+    # a scheme whose state does not fit: its row says so, the others still run
+    def no_room(m, **kw):
+        if kw.get("lp_format") == "fp16":
+            raise torch.OutOfMemoryError("no room")
+        enable(m, **kw)
+    monkeypatch.setattr(hf, "enable", no_room)
+    rows = mb.measure("tiny_nemotron_h", [2], [5], ("conventional", "replay-fp16", "replay"), device="cpu",
+                      dtype=torch.float32, reps=1, graphs=False, model=model)
+    assert [r["us_per_step"] is None for r in rows] == [False, True, False]
+    assert rows[1]["timing"].startswith("skipped: the replay-fp16 scheme's state") and rows[2]["ratio_vs_conventional"]
+    monkeypatch.setattr(hf, "enable", spy)
     # the floor of a round: the recurrent layers' verify and commit skipped, the pools untouched
     hf.enable(model, scheme="replay", num_slots=2, max_draft=3)
     cache, first = mb.prefill(model, 2, 5, steps=6)

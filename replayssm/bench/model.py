@@ -284,9 +284,18 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
                 hf.disable(model)
             else:
                 replay = scheme == "no-recurrence" or scheme in LP_SCHEMES
-                hf.enable(model, scheme="replay" if replay else scheme, window=window,
-                          max_draft=1, num_slots=batch, lp_format=LP_SCHEMES.get(scheme),
-                          record_dtype=record_dtype if scheme != "conventional" else None)
+                try:
+                    hf.enable(model, scheme="replay" if replay else scheme, window=window,
+                              max_draft=1, num_slots=batch, lp_format=LP_SCHEMES.get(scheme),
+                              record_dtype=record_dtype if scheme != "conventional" else None)
+                except torch.OutOfMemoryError:
+                    # a low-precision copy beside the fp32 checkpoint may not fit beside the cache
+                    hf.disable(model)
+                    _free()
+                    rows.append(dict(base, scheme=scheme, us_per_step=None, lp_format=LP_SCHEMES.get(scheme),
+                                     timing=f"skipped: the {scheme} scheme's state for {batch} sequences "
+                                            "does not fit beside the weights and key/value cache"))
+                    continue
                 hf.attach_cache(model, cache)
                 if scheme == "no-recurrence":
                     _skip_recurrence(hf.replay_state(model), batch, first.device)
