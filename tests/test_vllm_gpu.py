@@ -5,7 +5,8 @@ tools they use (`replayssm.integrations.vllm.check`).
 Tiny random-weight models (`../shared/vllm/make_models.py`, the folder in
 `REPLAYSSM_VLLM_MODELS`): greedy tokens with the plugin against stock vLLM, eager and with CUDA
 graphs, on requests of different lengths arriving together; speculative decoding (n-gram,
-and NemotronH's multi-token-prediction drafter) against plain decoding.
+and NemotronH's multi-token-prediction drafter) against plain decoding. And the wheel: built
+from this tree and installed offline beside that vLLM, with its entry point and `vllm` extra.
 """
 from __future__ import annotations
 
@@ -201,3 +202,51 @@ def test_vllm_mtp_speculative_equals_plain(tmp_path):
     with_mtp_layer(os.path.join(MODELS, "nemotron_h_tiny"), model)
     spec = '{"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}'
     _equal_or_near_ties("nemotron_h_tiny", _generate(model, "graph", True, spec), _generate(model, "graph", True))
+
+
+_INSTALLED_CHECK = r"""
+import importlib.metadata as md, json, sys
+from packaging.requirements import Requirement
+import replayssm
+dist = md.distribution("replayssm")
+eps = [(e.name, e.value) for e in dist.entry_points if e.group == "vllm.general_plugins"]
+extra = [Requirement(r) for r in dist.requires or [] if "extra" in r and Requirement(r).marker.evaluate({"extra": "vllm"})]
+unmet = [f"{r.name}{r.specifier}" for r in extra if not r.specifier.contains(md.version(r.name), prereleases=True)]
+print(json.dumps({"file": replayssm.__file__, "eps": eps, "extra": [f"{r.name}{r.specifier}" for r in extra],
+                  "unmet": unmet}))
+"""
+
+
+@pytest.mark.gpu
+def test_wheel_installs_beside_vllm(tmp_path):
+    """`pip install replayssm[vllm]` offline beside the vLLM there (the GPU machine has no
+    network): the wheel built from this tree, installed without dependencies into a folder
+    of its own, declares the `vllm.general_plugins` entry point, imports from there (not from
+    the tree), and its `vllm` extra's requirements are met by the installed vLLM."""
+    pytest.importorskip("vllm", reason="vLLM 0.25.0 is installed only on the GPU machine")
+    import shutil
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # built from a copy of what the wheel takes: setuptools keeps a build/ folder in the source
+    # tree, whose stale files would land in the wheel
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(repo, "replayssm"), src / "replayssm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(repo, f), src / f)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"), str(src)],
+                   check=True, cwd=tmp_path)
+    wheel = next((tmp_path / "w").glob("replayssm-*.whl"))
+    subprocess.run(pip + ["install", "--no-deps", "--no-index", "--target", str(tmp_path / "site"), str(wheel)],
+                   check=True, cwd=tmp_path)
+    # the installed copy first; the tree itself off the path
+    path = [str(tmp_path / "site")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                       if p and os.path.abspath(p) != repo]
+    r = subprocess.run([sys.executable, "-c", _INSTALLED_CHECK], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    print(got)
+    assert got["file"].startswith(str(tmp_path / "site"))
+    assert got["eps"] == [["replayssm", "replayssm.integrations.vllm:register"]]
+    assert got["extra"] == ["vllm==0.25.0"] and got["unmet"] == []
