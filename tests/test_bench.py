@@ -169,46 +169,7 @@ def test_model_benchmark_no_recurrence_skips_the_state_step():
     model(input_ids=first, past_key_values=cache, cache_position=torch.tensor([5]), use_cache=True)
     assert all(torch.equal(b, layer.pool.cursor) for b, layer in zip(before, state.layers.values()))
     hf.disable(model)
-
-
-def test_model_benchmark_low_precision_and_floor_schemes(monkeypatch):
-    # replay-FMT: the replay scheme with a low-precision copy of the checkpoint that non-flush
-    # steps read (the pools built with that lp_format), the row naming the format
-    pytest.importorskip("transformers")
-    from replayssm.bench import model as mb
-    from replayssm.integrations import hf
-    model = hf.build("tiny_nemotron_h")
-    seen = {}
-    enable = hf.enable
-
-    def spy(m, **kw):
-        enable(m, **kw)
-        seen[len(seen)] = {getattr(layer.pool, "lp_format", "n/a") for layer in hf.replay_state(m).layers.values()}
-    monkeypatch.setattr(hf, "enable", spy)
-    rows = mb.measure("tiny_nemotron_h", [2], [5], ("conventional", "replay", "replay-fp16", "replay-fp8"),
-                      device="cpu", dtype=torch.float32, reps=1, graphs=False, model=model)
-    assert [r["scheme"] for r in rows] == ["conventional", "replay", "replay-fp16", "replay-fp8"]
-    assert [r["lp_format"] for r in rows] == [None, None, "fp16", "fp8_e4m3"]
-    assert [seen[i] for i in range(4)] == [{"n/a"}, {None}, {"fp16"}, {"fp8_e4m3"}]
-    assert all(r["us_per_step"] > 0 and 0 <= r["first_token_agreement"] <= 1 for r in rows)
-    assert rows[1]["first_token_agreement"] == 1.0          # fp32 reads: the conventional tokens
-    seen.clear()
-    spec = mb.measure_speculative("tiny_nemotron_h", [2], [5], T=3, accepted=2, device="cpu", dtype=torch.float32,
-                                  reps=1, graphs=False, model=model, schemes=("snapshot", "replay-bf16"))
-    assert [(r["scheme"], r["lp_format"]) for r in spec] == [("snapshot", None), ("replay-bf16", "bf16")]
-    assert seen[1] == {"bf16"} and spec[1]["ratio_vs_snapshot"] > 0 and spec[1]["verify_agreement"] is not None
-    # a scheme whose state does not fit: its row says so, the others still run
-    def no_room(m, **kw):
-        if kw.get("lp_format") == "fp16":
-            raise torch.OutOfMemoryError("no room")
-        enable(m, **kw)
-    monkeypatch.setattr(hf, "enable", no_room)
-    rows = mb.measure("tiny_nemotron_h", [2], [5], ("conventional", "replay-fp16", "replay"), device="cpu",
-                      dtype=torch.float32, reps=1, graphs=False, model=model)
-    assert [r["us_per_step"] is None for r in rows] == [False, True, False]
-    assert rows[1]["timing"].startswith("skipped: the replay-fp16 scheme's state") and rows[2]["ratio_vs_conventional"]
-    monkeypatch.setattr(hf, "enable", spy)
-    # the floor of a round: the recurrent layers' verify and commit skipped, the pools untouched
+    # the floor of a speculative round: the recurrent layers' verify and commit skipped too
     hf.enable(model, scheme="replay", num_slots=2, max_draft=3)
     cache, first = mb.prefill(model, 2, 5, steps=6)
     hf.attach_cache(model, cache)
@@ -228,8 +189,54 @@ def test_model_benchmark_low_precision_and_floor_schemes(monkeypatch):
                                   reps=1, graphs=False, model=model, schemes=("snapshot", "no-recurrence"))
     assert spec[1]["scheme"] == "no-recurrence" and spec[1]["us_per_round"] > 0
     assert spec[1]["verify_agreement"] is None and spec[1]["bytes_per_sequence"] is None
+
+
+def test_model_benchmark_low_precision_read_schemes(monkeypatch):
+    # replay-FMT: the replay scheme with a low-precision copy of the checkpoint that non-flush
+    # steps read (the pools built with that lp_format), the row naming the format
+    pytest.importorskip("transformers")
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+    model = hf.build("tiny_nemotron_h")
+    seen = []
+    enable = hf.enable
+
+    def spy(m, **kw):
+        enable(m, **kw)
+        seen.append({getattr(layer.pool, "lp_format", "n/a") for layer in hf.replay_state(m).layers.values()})
+    monkeypatch.setattr(hf, "enable", spy)
+    rows = mb.measure("tiny_nemotron_h", [2], [5], ("conventional", "replay", "replay-fp16", "replay-fp8"),
+                      device="cpu", dtype=torch.float32, reps=1, graphs=False, model=model)
+    assert [r["scheme"] for r in rows] == ["conventional", "replay", "replay-fp16", "replay-fp8"]
+    assert [r["lp_format"] for r in rows] == [None, None, "fp16", "fp8_e4m3"]
+    assert seen == [{"n/a"}, {None}, {"fp16"}, {"fp8_e4m3"}]
+    assert all(r["us_per_step"] > 0 and 0 <= r["first_token_agreement"] <= 1 for r in rows)
+    assert rows[1]["first_token_agreement"] == 1.0          # fp32 reads: the conventional tokens
+    seen.clear()
+    spec = mb.measure_speculative("tiny_nemotron_h", [2], [5], T=3, accepted=2, device="cpu", dtype=torch.float32,
+                                  reps=1, graphs=False, model=model, schemes=("snapshot", "replay-bf16"))
+    assert [(r["scheme"], r["lp_format"]) for r in spec] == [("snapshot", None), ("replay-bf16", "bf16")]
+    assert seen[1] == {"bf16"} and spec[1]["ratio_vs_snapshot"] > 0 and spec[1]["verify_agreement"] is not None
     with pytest.raises(ValueError, match="snapshot first"):
         mb.measure_speculative("tiny_nemotron_h", [2], [5], device="cpu", model=model, schemes=("replay",))
+
+
+def test_model_benchmark_scheme_without_room_gets_a_skipped_row(monkeypatch):
+    pytest.importorskip("transformers")
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+    model = hf.build("tiny_nemotron_h")
+    enable = hf.enable
+
+    def no_room(m, **kw):
+        if kw.get("lp_format") == "fp16":
+            raise torch.OutOfMemoryError("no room")
+        enable(m, **kw)
+    monkeypatch.setattr(hf, "enable", no_room)
+    rows = mb.measure("tiny_nemotron_h", [2], [5], ("conventional", "replay-fp16", "replay"), device="cpu",
+                      dtype=torch.float32, reps=1, graphs=False, model=model)
+    assert [r["us_per_step"] is None for r in rows] == [False, True, False]
+    assert rows[1]["timing"].startswith("skipped: the replay-fp16 scheme's state") and rows[2]["ratio_vs_conventional"]
 
 
 def test_model_benchmark_cli(monkeypatch, capsys):
