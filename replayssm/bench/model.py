@@ -63,6 +63,12 @@ SPEC_SCHEMES = ("snapshot", "replay", *LP_SCHEMES, "no-recurrence")
 ATTENTION = ("gqa", "sdpa")
 
 
+def _pool_scheme(scheme: str) -> str:
+    """The `hf.enable` scheme a benchmark scheme runs on: the low-precision reads and the
+    no-recurrence floor are the replay scheme's pools (with `LP_SCHEMES[scheme]`, or skipped)."""
+    return "replay" if scheme in LP_SCHEMES or scheme == "no-recurrence" else scheme
+
+
 def build(name: str, *, dtype=torch.bfloat16, device="cuda", attention: str = "gqa", **overrides):
     """The random-weight model of `name` (a key of MODELS or a shipped config) with its attention
     layers on `attention`: "gqa" (`hf.use_gqa_attention`: each key/value head read once, as a
@@ -283,9 +289,8 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
             if scheme == "stock":
                 hf.disable(model)
             else:
-                replay = scheme == "no-recurrence" or scheme in LP_SCHEMES
                 try:
-                    hf.enable(model, scheme="replay" if replay else scheme, window=window,
+                    hf.enable(model, scheme=_pool_scheme(scheme), window=window,
                               max_draft=1, num_slots=batch, lp_format=LP_SCHEMES.get(scheme),
                               record_dtype=record_dtype if scheme != "conventional" else None)
                 except torch.OutOfMemoryError:
@@ -364,7 +369,7 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
         for scheme in schemes:
             rewind(cache, context)
             pos.copy_(torch.arange(context, context + T, device=pos.device))
-            kind = "replay" if scheme in LP_SCHEMES or scheme == "no-recurrence" else scheme
+            kind = _pool_scheme(scheme)
             try:
                 hf.enable(model, scheme=kind, window=window, max_draft=T, num_slots=batch,
                           record_dtype=record_dtype if kind == "replay" else None, lp_format=LP_SCHEMES.get(scheme))

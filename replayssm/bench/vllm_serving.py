@@ -362,12 +362,13 @@ def main(argv=None) -> int:
             write_results(args.out, doc)
     print(f"\nvLLM {doc['vllm']} decode throughput, {args.model} ({doc['layers']} layers), "
           f"{args.prompt} prompt + {args.decode} decode tokens per request")
-    print("speculative scheme      batch   tokens/s  vs stock  vs stock-fp32")
+    w = max(len(s) for s in SCHEMES)          # the scheme column holds the longest name
+    print(f"{'speculative':11} {'scheme':{w}} batch   tokens/s  vs stock  vs stock-fp32")
     for r in doc["rows"]:
         tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:10.0f}"
         ratios = [r.get(k) for k in ("ratio_vs_stock", "ratio_vs_stock_fp32")]
         ratios = ["-" if x is None else f"{x:.2f}x" for x in ratios]
-        print(f"{r['speculative']:11} {r['scheme']:10} {r['batch']:5d} {tps:>10} {ratios[0]:>9} {ratios[1]:>14}")
+        print(f"{r['speculative']:11} {r['scheme']:{w}} {r['batch']:5d} {tps:>10} {ratios[0]:>9} {ratios[1]:>14}")
     try:
         plot(doc, Path(args.out).with_suffix(".png"))
     except Exception as e:  # the JSON is the result; a plot that fails must not lose it
