@@ -221,6 +221,30 @@ def test_model_benchmark_low_precision_read_schemes(monkeypatch):
         mb.measure_speculative("tiny_nemotron_h", [2], [5], device="cpu", model=model, schemes=("replay",))
 
 
+def test_model_benchmark_frees_each_scheme_before_the_next(monkeypatch):
+    # every scheme's pools must be gone when the next scheme allocates its own: on the H200 the
+    # snapshot scheme's T + 1 states, still referenced, left no room for the replay pools
+    pytest.importorskip("transformers")
+    import gc
+    import weakref
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+    model = hf.build("tiny_nemotron_h")
+    enable, earlier, alive = hf.enable, [], []
+
+    def spy(m, **kw):
+        gc.collect()
+        alive.append(sum(r() is not None for r in earlier))
+        enable(m, **kw)
+        earlier.extend(weakref.ref(layer.pool) for layer in hf.replay_state(m).layers.values())
+    monkeypatch.setattr(hf, "enable", spy)
+    mb.measure_speculative("tiny_nemotron_h", [2], [5], T=3, accepted=2, device="cpu", dtype=torch.float32,
+                           reps=1, graphs=False, model=model, schemes=("snapshot", "replay", "replay-fp16"))
+    mb.measure("tiny_nemotron_h", [2], [5], ("conventional", "replay"), device="cpu", dtype=torch.float32,
+               reps=1, graphs=False, model=model)
+    assert len(alive) == 5 and alive == [0] * 5
+
+
 def test_model_benchmark_scheme_without_room_gets_a_skipped_row(monkeypatch):
     pytest.importorskip("transformers")
     from replayssm.bench import model as mb

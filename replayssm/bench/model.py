@@ -403,6 +403,7 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                 us, timing = _time_step(round_, reps, graphs)
             except torch.OutOfMemoryError:
                 hf.disable(model)
+                state = binding = None         # round_ reads these cells: the pools go with them
                 _free()
                 rows.append(dict(base, scheme=scheme, us_per_round=None, tokens_per_s=None,
                                  timing="skipped: out of memory in the round"))
@@ -415,8 +416,11 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                              verify_agreement=(float((got[scheme] == got["snapshot"]).float().mean())
                                                if "snapshot" in got and scheme != "no-recurrence" else None)))
             hf.disable(model)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            # the next scheme's pools need this one's memory: `state` (and `round_`, which reads
+            # it) would hold the pools through the next `enable`, and the snapshot scheme's
+            # T + 1 states then left no room for the replay pools at batch 256
+            state = binding = None
+            _free()
         snap = rows[-len(schemes)]
         for r in rows[-len(schemes):]:
             r["ratio_vs_snapshot"] = (r["tokens_per_s"] / snap["tokens_per_s"]
