@@ -282,6 +282,33 @@ def test_model_benchmark_cli(monkeypatch, capsys):
     assert "\n" not in str(exc.value)
 
 
+def test_model_benchmark_batches_zero_and_spec_contexts(monkeypatch, tmp_path, capsys):
+    # `--batches 0` leaves the decode rows out, `--spec-batches 0` the speculative ones (as the
+    # help says), and `--spec-contexts` gives the speculative rows their own contexts
+    pytest.importorskip("transformers")
+    import json
+
+    from replayssm.bench import model as mb
+    monkeypatch.setattr(mb, "eager_time_us", lambda fn, reps=20, warmup=2: (fn(), 1.0)[1])
+    out = tmp_path / "model.json"
+    common = ["--device", "cpu", "--dtype", "float32", "--models", "tiny_nemotron_h", "--contexts", "9",
+              "--reps", "1", "--drafts", "2", "--accepted", "1", "--out", str(out)]
+    mb.main(common + ["--batches", "0", "--spec-batches", "2", "--spec-contexts", "5"])
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == [] and not out.with_suffix(".png").exists()
+    assert [(r["context"], r["batch"]) for r in doc["speculative_rows"]] == [(5, 2), (5, 2)]
+    mb.main(common + ["--batches", "1", "--spec-batches", "0"])
+    doc = json.loads(out.read_text())
+    assert [(r["context"], r["batch"]) for r in doc["rows"]] == [(9, 1), (9, 1)]
+    assert doc["speculative_rows"] == [] and doc["speculative"] == "not measured"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        mb.main(common + ["--batches", "0", "--spec-batches", "0"])
+    assert exc.value.code == 2 and "nothing to measure" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mb.main(common + ["--batches", "0,64"])
+
+
 def test_verify_benchmark_variants_get_their_own_rows(monkeypatch):
     from replayssm.bench import verify
 

@@ -457,12 +457,17 @@ def _plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def _batches(text: str) -> list:
+    """argparse type: comma-separated positive batch sizes, or 0 for none."""
+    return [] if text.strip() == "0" else positive_ints(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="replayssm bench model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS),
                     help="comma-separated: %(default)s, or any shipped config (hf.config_names())")
-    ap.add_argument("--batches", type=positive_ints, default=[1, 64, 256])
+    ap.add_argument("--batches", type=_batches, default=[1, 64, 256], help="batches of the decode rows (0: none)")
     ap.add_argument("--contexts", type=positive_ints, default=[2048, 16384], help="prefilled positions per row")
     ap.add_argument("--schemes", default="conventional,replay",
                     help=f"comma-separated, of {','.join(SCHEMES)} (stock: transformers' own decode path; "
@@ -480,8 +485,11 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true", help="time the steps eagerly (CUDA events)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the weights' dtype")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: the bookkeeping only, timed on the host)")
-    ap.add_argument("--spec-batches", type=positive_ints, default=[64, 256, 512],
+    ap.add_argument("--spec-batches", type=_batches, default=[64, 256, 512],
                     help="batches of the speculative rows (0: none)")
+    ap.add_argument("--spec-contexts", type=positive_ints, default=None,
+                    help="prefilled positions of the speculative rows (default: --contexts); the "
+                         "snapshot scheme's T + 1 states fit beside a smaller cache")
     ap.add_argument("--drafts", type=int, default=4, help="T: tokens per verification round")
     ap.add_argument("--spec-schemes", default="snapshot,replay",
                     help=f"the speculative rows' schemes: snapshot (the ratios' base, always run) and of "
@@ -508,7 +516,9 @@ def main(argv=None):
     import transformers
     transformers.logging.set_verbosity_error()
     doc = header("model")
-    spec_batches = [b for b in args.spec_batches if b > 0]
+    spec_batches = args.spec_batches
+    if not args.batches and not spec_batches:
+        ap.error("--batches 0 and --spec-batches 0 leave nothing to measure")
     if not 1 <= args.accepted <= args.drafts:
         ap.error(f"--accepted must lie in 1..--drafts ({args.drafts}), got {args.accepted}")
     doc.update(attention=args.attention, window=args.window, record_dtype=args.record_dtype, dtype=args.dtype,
@@ -522,16 +532,16 @@ def main(argv=None):
     for m in models:
         # one model for the decode and the speculative points (two would not fit beside the caches)
         model = build(m, dtype=getattr(torch, args.dtype), device=args.device, attention=args.attention)
-        r = measure(m, args.batches, args.contexts, schemes, window=args.window, reps=args.reps,
-                    dtype=getattr(torch, args.dtype), device=args.device,
-                    record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
-                    prefill_tokens=args.prefill_tokens, real=args.real_prefill, model=model)
-        rows += r
+        if args.batches:
+            rows += measure(m, args.batches, args.contexts, schemes, window=args.window, reps=args.reps,
+                            dtype=getattr(torch, args.dtype), device=args.device,
+                            record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
+                            prefill_tokens=args.prefill_tokens, real=args.real_prefill, model=model)
         doc["rows"] = rows
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
         if spec_batches:
             doc["speculative_rows"] += measure_speculative(
-                m, spec_batches, args.contexts, T=args.drafts, accepted=args.accepted, window=args.window,
+                m, spec_batches, args.spec_contexts or args.contexts, T=args.drafts, accepted=args.accepted, window=args.window,
                 reps=args.reps, dtype=getattr(torch, args.dtype), device=args.device,
                 record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
                 prefill_tokens=args.prefill_tokens, real=args.real_prefill, model=model, schemes=spec_schemes)
@@ -540,11 +550,13 @@ def main(argv=None):
         _free()
     path = write_results(args.out, doc)
     try:
-        _plot(rows, path.with_suffix(".png"))
+        if rows:                           # the plot is of the decode rows
+            _plot(rows, path.with_suffix(".png"))
     except Exception as e:  # plotting is a convenience; the JSON is the result
         print("plot failed:", e)
-    print(f"\nwhole-model decode step, {args.dtype} weights, window {args.window}")
-    print("model               context batch scheme        us/step   ratio  agree  timing")
+    if rows:
+        print(f"\nwhole-model decode step, {args.dtype} weights, window {args.window}")
+        print("model               context batch scheme        us/step   ratio  agree  timing")
     for r in rows:
         us = "-" if r["us_per_step"] is None else f"{r['us_per_step']:9.1f}"
         ratio = "-" if r["ratio_vs_conventional"] is None else f"{r['ratio_vs_conventional']:5.2f}x"
