@@ -541,8 +541,8 @@ def main(argv=None):
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
         if spec_batches:
             doc["speculative_rows"] += measure_speculative(
-                m, spec_batches, args.spec_contexts or args.contexts, T=args.drafts, accepted=args.accepted, window=args.window,
-                reps=args.reps, dtype=getattr(torch, args.dtype), device=args.device,
+                m, spec_batches, args.spec_contexts or args.contexts, T=args.drafts, accepted=args.accepted,
+                window=args.window, reps=args.reps, dtype=getattr(torch, args.dtype), device=args.device,
                 record_dtype=getattr(torch, args.record_dtype), graphs=not args.no_graphs,
                 prefill_tokens=args.prefill_tokens, real=args.real_prefill, model=model, schemes=spec_schemes)
             write_results(args.out, doc)
