@@ -35,6 +35,8 @@ ULP = {"fp16": 2.0 ** -10, "bf16": 2.0 ** -7, "fp8_e4m3": 2.0 ** -3}     # relat
 # per head (the NVFP4 head counter, the shared fields of an early flush); K = 48 padded to 64
 SHAPES = {"mamba2": (2, 1, 12, 48), "gdn": (2, 1, 12, 32), "kda": (2, 1, 12, 16)}
 N = 4
+# real shapes, on the GPU
+GPU_SHAPES = {"mamba2": (128, 8, 64, 128), "gdn": (32, 16, 128, 128), "kda": (32, 16, 128, 128)}
 # the batch of each round: slots in another order each time and a padding row
 ROWS = ([2, 0, -1, 1, 3], [3, -1, 1, 0, 2], [1, 3, 2, -1, 0])
 
@@ -326,19 +328,21 @@ def test_sr_hp_write_is_formats_encode_of_the_fold(family, hp):
 
 
 @pytest.mark.parametrize("family,hp,rounding", [("mamba2", "bf16", "stochastic"), ("gdn", "fp16", "nearest"),
+                                                ("mamba2", "nvfp4", "nearest"), ("mamba2", "nvfp4", "stochastic"),
                                                 pytest.param("kda", "fp8_e4m3", "stochastic", marks=slow),
                                                 pytest.param("mamba2", "fp8_e4m3", "nearest", marks=slow)])
 def test_verify_lp_one_narrow_checkpoint(family, hp, rounding):
-    """`verify_lp` of a pool whose one checkpoint is fp16/bf16/fp8: non-flush rows read it, an
-    early flush folds it (GDN/KDA: with the buffered u) and writes it with the pool's rounding;
-    against the reference on the same inputs, two verify + commit rounds."""
+    """`verify_lp` of a pool whose one checkpoint is fp16/bf16/fp8 (Mamba-2: NVFP4 too): non-flush
+    rows read it, an early flush folds it (GDN/KDA: with the buffered u) and writes it with the
+    pool's rounding (NVFP4: the head's last program refolds the head, then writes its draft
+    records); against the reference on the same inputs, two verify + commit rounds."""
     HV, Hk, V, K = shape = SHAPES[family]
     T, window = 3, 4
     params = make_params(family, HV, K, seed=2)
     kw = dict(window=window, max_draft=T, dtype=torch.float32, device=DEV, eager_max_batch=0, seed=5, layer=1,
               hp_format=hp, hp_rounding=rounding, backend="reference")
     fast, ref = (SlotPool(params, N, V, K, Hk, **kw) for _ in range(2))
-    assert backends.verify_lp_covers(hp, rounding, None)
+    assert backends.verify_lp_covers(hp, rounding, None, family)
     g = torch.Generator().manual_seed(0)
     init = (0.3 * torch.randn(N, HV, V, K, generator=g)).to(DEV)
     run = backends.get(family, "verify_lp")
@@ -353,13 +357,80 @@ def test_verify_lp_one_narrow_checkpoint(family, hp, rounding):
         out = torch.full((len(rows), T, HV, V), float("nan"), device=DEV)
         y = run(fast.params, fast.layout, ids, x, window, nd, out, None, rounding)
         want = ref.verify(ids, num_drafts=nd, **x)
-        assert torch.isfinite(y).all() and rel_err(y, want) < 40 * ULP[hp], (r, rel_err(y, want))
+        # (NVFP4: both read the same codes until a flush; then a code may flip where the
+        # tensor scales, from two folds' amax, differ in the last bit)
+        bound = 2.0 ** -5 if hp == "nvfp4" else 40 * ULP[hp]
+        assert torch.isfinite(y).all() and rel_err(y, want) < bound, (r, rel_err(y, want))
         for name in ("cursor", "pending", "epoch"):
             assert torch.equal(getattr(fast, name), getattr(ref, name)), (r, name)
         for p in (fast, ref):
             p.commit(ids, nd)      # cursors 3, 2, 3, 2: round 2 flushes three rows
-    d = _code_distance(fast, ref, hp)
-    assert flushed >= 2 and d["frac"] < 0.02 and d["units"] <= 1, (flushed, d)
+    if hp == "nvfp4":
+        va, vb = formats.decode(fast.ckpt, hp).double(), formats.decode(ref.ckpt, hp).double()
+        top = torch.maximum(va.abs(), vb.abs()).amax(dim=(-1, -2), keepdim=True)
+        frac = (fast.ckpt["data"] != ref.ckpt["data"]).double().mean().item()
+        assert flushed >= 2 and frac < 0.02 and ((va - vb).abs() / top).max() < 2.0 ** -3, (flushed, frac)
+    else:
+        d = _code_distance(fast, ref, hp)
+        assert flushed >= 2 and d["frac"] < 0.02 and d["units"] <= 1, (flushed, d)
+    if family == "mamba2":
+        # the records are copies of the inputs: the drafts behind each cursor, bit for bit
+        for name in ("w", "k"):
+            assert torch.equal(fast.layout.buf[name], ref.layout.buf[name]), name
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_shared_nvfp4_pool_verifies_on_the_kernel(rounding, monkeypatch):
+    """A Mamba-2 pool whose one checkpoint is NVFP4, on the Triton backend: `verify` takes the
+    kernel (the reference's verify_step is never called), and decode, verify and commit rounds
+    with early flushes track the reference pool."""
+    _shared_nvfp4_rounds(rounding, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_nvfp4_pool_verifies_on_the_kernel_gpu(monkeypatch):
+    """The same at Nemotron-3-Super's head shape (64-row heads of four programs), compiled."""
+    monkeypatch.setitem(SHAPES, "mamba2", GPU_SHAPES["mamba2"])
+    _shared_nvfp4_rounds("stochastic", monkeypatch)
+
+
+def _shared_nvfp4_rounds(rounding, monkeypatch):
+    from replayssm.reference import algorithms
+    HV, Hk, V, K = shape = SHAPES["mamba2"]
+    params = make_params("mamba2", HV, K, seed=2)
+    kw = dict(window=4, max_draft=3, dtype=torch.float32, device=DEV, eager_max_batch=0, seed=5, layer=1,
+              hp_format="nvfp4", hp_rounding=rounding)
+    fast, ref = SlotPool(params, N, V, K, Hk, backend="triton", **kw), SlotPool(params, N, V, K, Hk, **kw,
+                                                                              backend="reference")
+    g = torch.Generator().manual_seed(1)
+    init = (0.3 * torch.randn(N, HV, V, K, generator=g)).to(DEV)
+    for p in (fast, ref):
+        p.load(torch.arange(N, device=DEV), init)
+    calls = []
+    step = algorithms.verify_step
+    monkeypatch.setattr(algorithms, "verify_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    flushes = 0
+    for r, rows in enumerate(ROWS):
+        ids = torch.tensor(rows, device=DEV)
+        x = _inputs(params, len(rows), shape, g)
+        assert rel_err(fast.decode(ids, **x), ref.decode(ids, **x)) < 2.0 ** -5, r
+        n_ref = len(calls)
+        nd = torch.tensor([3, 1, 2, 3, 2], dtype=torch.int32, device=DEV)
+        flushes += int(((fast.cursor[ids.clamp(min=0).long()] + nd > 4) & (ids >= 0)).sum())
+        d = _inputs(params, len(rows), shape, g, steps=3)
+        y = fast.verify(ids, num_drafts=nd, **d)
+        assert len(calls) == n_ref                # the kernel, not the reference's verify_step
+        want = ref.verify(ids, num_drafts=nd, **d)
+        assert torch.isfinite(y).all() and rel_err(y, want) < 2.0 ** -5, (r, rel_err(y, want))
+        acc = torch.tensor([2, 1, 1, 3, 1], dtype=torch.int32, device=DEV).minimum(nd)
+        for p in (fast, ref):
+            p.commit(ids, acc)
+        assert torch.equal(fast.cursor, ref.cursor) and torch.equal(fast.epoch, ref.epoch), r
+    va, vb = formats.decode(fast.ckpt, "nvfp4"), formats.decode(ref.ckpt, "nvfp4")
+    assert flushes >= 2 and rel_err(va, vb) < 2.0 ** -5
+    slots = torch.arange(N, device=DEV)
+    assert rel_err(fast.materialize(slots), ref.materialize(slots)) < 2.0 ** -5
 
 
 def test_verify_lp_covers():
@@ -367,15 +438,16 @@ def test_verify_lp_covers():
     assert backends.verify_lp_covers("bf16", "stochastic", "fp8_e4m3")
     assert not backends.verify_lp_covers(None, "nearest", None)          # the fp32 verify kernels'
     assert not backends.verify_lp_covers("bf16", "stochastic", "nvfp4")  # needs the fp32 matrix
-    assert not backends.verify_lp_covers("nvfp4", "nearest", None)
+    # one NVFP4 checkpoint: Mamba-2's kernel refolds the head; GDN/KDA stay on the reference
+    assert backends.verify_lp_covers("nvfp4", "nearest", None, "mamba2")
+    assert backends.verify_lp_covers("nvfp4", "stochastic", None, "mamba2")
+    assert not backends.verify_lp_covers("nvfp4", "nearest", None, "gdn")
+    assert not backends.verify_lp_covers("nvfp4", "nearest", None, "kda")
     assert not backends.verify_lp_covers("fp32", "nearest", "fp8_e5m2")
 
 
 # ----------------------------------------------------------------------------------------------
 # real shapes, on the GPU
-
-
-GPU_SHAPES = {"mamba2": (128, 8, 64, 128), "gdn": (32, 16, 128, 128), "kda": (32, 16, 128, 128)}
 
 
 @pytest.mark.gpu

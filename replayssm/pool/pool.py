@@ -71,8 +71,8 @@ class SlotPool:
             state; with or without a low-precision copy in fp16, bf16, fp8_e4m3 or nvfp4, or
             one narrow checkpoint, the shared design) or "auto" (triton where it applies).
             Operations the kernels do not cover yet run on the reference, on the same tensors:
-            `verify` of a pool whose one checkpoint is nvfp4 is one of them (`backend_note`
-            speaks of decode only).
+            `verify` of a GDN or KDA pool whose one checkpoint is nvfp4 is one of them
+            (`backend_note` speaks of decode only).
         eager_max_batch: `decode` batches of at most this many rows take the eager step
             (window 1: every row flushes, folding the records it still holds, so the
             checkpoint is the state, as in conventional decoding; no record is written).
@@ -281,7 +281,7 @@ class SlotPool:
         `validate=False` make the call free of host synchronisation and allocation (CUDA
         graphs): validate once, outside the graph. A pool with a low-precision copy, or with
         one fp16/bf16/fp8 checkpoint, verifies on `ops.<family>.lowp_verify` there
-        (`backends.verify_lp_covers`; a shared NVFP4 checkpoint on the reference).
+        (`backends.verify_lp_covers`; a GDN/KDA shared NVFP4 checkpoint on the reference).
         """
         if validate:
             slot_ids = check.slots(self, slot_ids)
@@ -301,7 +301,7 @@ class SlotPool:
             # checkpoint: the verify_lp kernels where they cover it, else the reference below
             if self.lp_format is None and self.hp_format in (None, "fp32"):
                 return backends.get(self.family, "verify")(*args)
-            if backends.verify_lp_covers(self.hp_format, self.hp_rounding, self.lp_format):
+            if backends.verify_lp_covers(self.hp_format, self.hp_rounding, self.lp_format, self.family):
                 return backends.get(self.family, "verify_lp")(*args, self.lp_format, self.hp_rounding)
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)

@@ -13,11 +13,15 @@ cursor `h` and `n` drafts:
                  C_LP[s] <- round-to-nearest(S); the drafts' outputs from S itself
 
 The drafts' records go behind the cursor as verify.py writes them, so `commit` is unchanged.
-Without an LP copy (`ckpt_lp` None: a pool whose one checkpoint is fp16, bf16 or fp8) the
-drafts of a non-flush row read the HP parts, and a flush writes those alone (`HP_SR` False:
-round-to-nearest instead of stochastic rounding). NVFP4's scale per head matrix needs the
-whole head: as in precision.py, the head's last program to arrive (a per-(slot, head)
-counter) reads the new fp32 rows back and encodes the matrix.
+Without an LP copy (`ckpt_lp` None: a pool whose one checkpoint is fp16, bf16, fp8 or NVFP4,
+the shared design) the drafts of a non-flush row read the HP parts, and a flush writes those
+alone (`HP_SR` False: round-to-nearest instead of stochastic rounding). NVFP4's scale per head
+matrix needs the whole head: as in precision.py, the head's last program to arrive (a
+per-(slot, head) counter) reads the new fp32 rows back and encodes the matrix; a shared NVFP4
+checkpoint has no fp32 rows to read back, so that program folds the head's rows again from the
+old checkpoint (twice: their amax gives the tensor scale, then they are encoded under it) and
+writes the head's draft values behind them, which the other programs leave to it, as those
+positions still hold the records of the refold.
 
 A program owns `BV` value rows of one head as a plain `[BV, BK]` tile (the layout the LP
 decoder returns) and serves the T drafts with one matrix-vector product each, as verify.py's
@@ -36,7 +40,7 @@ from ..utils.checks import check_window
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
 from ..utils.lowp import head_counter, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
-from ..utils.sround import checkpoint_args, store_sr_rows
+from ..utils.sround import checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows, store_sr_rows
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, draft_decays, given,
                      verify_row_bounds, write_shared_drafts)
 from .verify import _check_verify_inputs
@@ -52,6 +56,51 @@ def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
     stochastic rounding at Nano-4B's 80 rows), not timed on a GPU."""
     return lowp_config(V, dict({"BV": min(16, max(1, triton.next_power_of_2(V) // 2)), "num_warps": 8},
                                **(config or {})))
+
+
+@triton.jit
+def _refold_rows(lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, p_wb, p_kb, b_cf, b_gL, o_l, h,
+                 HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
+    """Rows `o_r` of the shared NVFP4 checkpoint folded as the kernel's early flush folds its
+    tile (the same fp32 operations per element, so the same values)."""
+    b_S = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, V, K, 4) * b_gL
+    for j in range(0, h):
+        c_j = tl.sum(tl.where(o_l == j, b_cf, 0.0), axis=0)
+        w_j = tl.load(p_wb + j * (HV * V) + o_r, mask=m_r, other=0.0).to(tl.float32)
+        k_j = tl.load(p_kb + j * (Hk * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_S += (c_j * w_j)[:, None] * k_j[None, :]
+    return b_S
+
+
+@triton.jit
+def _shared_nvfp4_flush_head(lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_wb, p_kb, b_cf, b_gL, o_l, h,
+                             p_xd, stride_x_t, o_t, m_t, sr_key, st, HV: tl.constexpr, Hk: tl.constexpr,
+                             V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr,
+                             SR: tl.constexpr):
+    """The early flush of one head of a shared NVFP4 checkpoint, by the head's last program:
+    the refold's amax gives the tensor scale, the rows are refolded and encoded under it (each
+    chunk read before it is overwritten), the tensor scale is stored last (the old rows decode
+    with the old one), and then the head's draft values go to positions 0..n-1."""
+    amax = tl.zeros([RC], dtype=tl.float32)
+    for r0 in range(0, V, RC):
+        o_r = r0 + tl.arange(0, RC)
+        b_S = _refold_rows(lp_data, lp_scale, lp_tscale, i_m, o_r, o_r < V, o_k, m_k, p_wb, p_kb, b_cf, b_gL,
+                           o_l, h, HV, Hk, V, K)
+        amax = tl.maximum(amax, tl.max(tl.where(b_S == b_S, tl.abs(b_S), float("inf")), axis=1))
+    ts = nvfp4_tensor_scale(tl.max(amax, axis=0))
+    for r0 in range(0, V, RC):
+        o_r = r0 + tl.arange(0, RC)
+        b_S = _refold_rows(lp_data, lp_scale, lp_tscale, i_m, o_r, o_r < V, o_k, m_k, p_wb, p_kb, b_cf, b_gL,
+                           o_l, h, HV, Hk, V, K)
+        tl.debug_barrier()          # every thread has read these rows before they are overwritten
+        store_nvfp4_rows(b_S, ts, lp_data, lp_scale, i_m, i_h, o_r, o_r < V, o_k, sr_key, st, V, K, BK, RC, SR)
+    tl.debug_barrier()
+    tl.store(lp_tscale + i_m, ts)
+    for r0 in range(0, V, RC):
+        o_r = r0 + tl.arange(0, RC)
+        m_tr = m_t[:, None] & (o_r < V)[None, :]
+        b_X = tl.load(p_xd + o_t[:, None] * stride_x_t + o_r[None, :], mask=m_tr, other=0.0)
+        tl.store(p_wb + o_t[:, None] * (HV * V) + o_r[None, :], b_X.to(p_wb.dtype.element_ty), mask=m_tr)
 
 
 @triton.heuristics(dict(OPTIONAL_INPUTS, HAS_N=given("num_drafts")))
@@ -101,6 +150,9 @@ def _lowp_verify_kernel(
     # a flush folds from the HP checkpoint (it carries the recurrence), other rows read the LP copy
     if flush and HP == 0:
         b_S = tl.load(p_S0 + o_S, mask=m_S, other=0.0, eviction_policy="evict_first")       # [BV, BK]
+    elif flush and HP == 4:
+        # the shared NVFP4 checkpoint: its parts are the lp_* arguments (with the tensor scale)
+        b_S = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V, K, 4)
     elif flush:
         b_S = load_lp_tile(ckpt, hp_scale, hp_scale, i_m, o_v, m_v, o_k, m_k, V, K, HP)
     else:
@@ -178,6 +230,18 @@ def _lowp_verify_kernel(
         # the new checkpoints, once the drafts' tiles are dead (fewer live registers)
         if HP == 0:
             tl.store(p_S0 + o_S, b_S, mask=m_S)
+        elif HP == 4:
+            # release this program's reads; the head's last program refolds and encodes the head
+            tl.debug_barrier()
+            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
+            if n_arrived == NVB - 1:
+                tl.debug_barrier()
+                b_cf4 = tl.where(m_l, tl.exp(b_sfx) * (b_ldc * b_rA), 0.0)
+                _shared_nvfp4_flush_head(lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_wb, p_kb, b_cf4,
+                                         tl.exp(tl.sum(b_ldc, axis=0)), o_l, h, x + i_b * stride_x_b + i_h * stride_x_h,
+                                         stride_x_t, o_t, m_t, sr_key, slot * 4294967296 + tl.load(epoch + slot),
+                                         HV, Hk, V, K, BK, RC, HP_SR)
+                tl.store(head_arrive + i_m, 0)
         elif HP_SR:
             # the stochastic-rounding stream of this write: slot and write count, as pool._write
             st = slot * 4294967296 + tl.load(epoch + slot)
@@ -197,7 +261,10 @@ def _lowp_verify_kernel(
                     tl.store(head_arrive + i_m, 0)
 
     # the drafts' records at h'..h'+n-1, as verify.py: a program's own rows of x (after the barrier)
+    # (a shared NVFP4 flush: the head's last program writes them, after its refold)
     m_tv = m_t[:, None] & m_v[None, :]
+    if HP == 4:
+        m_tv = m_tv & ((o_t * 0 + h + n) <= WINDOW)[:, None]         # (a vector: the interpreter's masks)
     tl.store(p_wb + (hc + o_t)[:, None] * (HV * V) + o_v[None, :], b_Xi.to(buf_w.dtype.element_ty), mask=m_tv)
     if not flush:
         # positions >= h, which no program reads: the owners write them directly
@@ -231,19 +298,25 @@ def lowp_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
     :func:`replayssm.ops.mamba2.precision.lowp_decode`: `ckpt` `[N, HV, V, K]` fp32, or a dict
     of `hp_format`'s parts (fp16, bf16, fp8_e4m3); `ckpt_lp` the parts of the low-precision
     copy in `lp_format` (fp16, bf16, fp8_e4m3, nvfp4; an nvfp4 copy needs an fp32 HP), or both
-    None with a narrow HP (its one checkpoint). A row that flushes early (`h + n > window`)
-    folds its committed records from `ckpt` in fp32 and writes it (`hp_rounding` "stochastic":
+    None with a narrow HP (its one checkpoint: fp16, bf16, fp8_e4m3 or nvfp4). A row that flushes
+    early (`h + n > window`) folds its committed records from `ckpt` in fp32 and writes it (`hp_rounding` "stochastic":
     `formats.encode(S, hp_format, "stochastic", seed=seed, stream=slot * 2**32 + epoch)` bit for
     bit; "nearest": round-to-nearest) and the copy (round-to-nearest); the drafts then read the
     fp32 fold. Other rows' drafts read the copy. `config`: overrides of `verify_lp_config`.
     """
     hp = ckpt.get("data") if isinstance(ckpt, dict) else ckpt
     N, HV, V, K = hp.shape if isinstance(hp, Tensor) and hp.dim() == 4 else (0, 0, 0, 0)
+    shared_nvfp4 = hp_format == "nvfp4" and ckpt_lp is None and lp_format is None
+    if shared_nvfp4:
+        K = C.shape[-1] if isinstance(C, Tensor) and C.dim() == 4 else 0       # (the data packs two per byte)
     if hp_rounding not in ("stochastic", "nearest"):
         raise ValueError(f"hp_rounding must be 'stochastic' or 'nearest', got {hp_rounding!r}")
     if validate:
         Bt, T, HV, V, Hk, K = _check_verify_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
+        if shared_nvfp4 and isinstance(hp, Tensor) and hp.dim() == 4:
+            # the checks see a stand-in of the logical shape (shared_args checks the packed parts)
+            hp = torch.empty((hp.shape[0], HV, V, K), dtype=hp.dtype, device=hp.device)
         N, Lb = check_state(hp, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
                             Hk=Hk, K=K, device=dev, ckpt_dtypes=(getattr(hp, "dtype", None),),
                             pending=pending)
@@ -257,7 +330,10 @@ def lowp_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
         if Lb < window + T:
             raise ValueError(f"buf_ld: capacity Lb={Lb} below window + T = {window + T}")
         check_slots(slot_ids, N)
-    ck = checkpoint_args(ckpt, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
+    if shared_nvfp4:
+        ck = shared_args(ckpt, hp_format, hp_rounding, seed, N, HV, V, K)
+    else:
+        ck = checkpoint_args(ckpt, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
     cfg = verify_lp_config(V, config)
     BV = cfg["BV"]
     if out is None:
