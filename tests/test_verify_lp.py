@@ -328,14 +328,17 @@ def test_sr_hp_write_is_formats_encode_of_the_fold(family, hp):
 
 
 @pytest.mark.parametrize("family,hp,rounding", [("mamba2", "bf16", "stochastic"), ("gdn", "fp16", "nearest"),
-                                                ("mamba2", "nvfp4", "nearest"), ("mamba2", "nvfp4", "stochastic"),
+                                                ("mamba2", "nvfp4", "nearest"), ("gdn", "nvfp4", "stochastic"),
+                                                ("kda", "nvfp4", "nearest"),
+                                                pytest.param("mamba2", "nvfp4", "stochastic", marks=slow),
                                                 pytest.param("kda", "fp8_e4m3", "stochastic", marks=slow),
                                                 pytest.param("mamba2", "fp8_e4m3", "nearest", marks=slow)])
 def test_verify_lp_one_narrow_checkpoint(family, hp, rounding):
-    """`verify_lp` of a pool whose one checkpoint is fp16/bf16/fp8 (Mamba-2: NVFP4 too): non-flush
-    rows read it, an early flush folds it (GDN/KDA: with the buffered u) and writes it with the
-    pool's rounding (NVFP4: the head's last program refolds the head, then writes its draft
-    records); against the reference on the same inputs, two verify + commit rounds."""
+    """`verify_lp` of a pool whose one checkpoint is fp16/bf16/fp8/NVFP4: non-flush rows read it,
+    an early flush folds it (GDN/KDA: with the buffered u) and writes it with the pool's
+    rounding (NVFP4: the head's scale from the whole fold; Mamba-2's last program of the head
+    refolds it, GDN/KDA take it from a launch before); against the reference on the same
+    inputs, two verify + commit rounds."""
     HV, Hk, V, K = shape = SHAPES[family]
     T, window = 3, 4
     params = make_params(family, HV, K, seed=2)
@@ -379,26 +382,28 @@ def test_verify_lp_one_narrow_checkpoint(family, hp, rounding):
             assert torch.equal(fast.layout.buf[name], ref.layout.buf[name]), name
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_shared_nvfp4_pool_verifies_on_the_kernel(rounding, monkeypatch):
-    """A Mamba-2 pool whose one checkpoint is NVFP4, on the Triton backend: `verify` takes the
-    kernel (the reference's verify_step is never called), and decode, verify and commit rounds
-    with early flushes track the reference pool."""
-    _shared_nvfp4_rounds(rounding, monkeypatch)
+@pytest.mark.parametrize("family,rounding", [("mamba2", "nearest"), ("mamba2", "stochastic"),
+                                             ("gdn", "nearest"), ("kda", "stochastic")])
+def test_shared_nvfp4_pool_verifies_on_the_kernel(family, rounding, monkeypatch):
+    """A pool whose one checkpoint is NVFP4, on the Triton backend: `verify` takes the kernel (the
+    reference's verify_step is never called), and decode, verify and commit rounds with early
+    flushes track the reference pool."""
+    _shared_nvfp4_rounds(family, rounding, monkeypatch)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_shared_nvfp4_pool_verifies_on_the_kernel_gpu(monkeypatch):
-    """The same at Nemotron-3-Super's head shape (64-row heads of four programs), compiled."""
-    monkeypatch.setitem(SHAPES, "mamba2", GPU_SHAPES["mamba2"])
-    _shared_nvfp4_rounds("stochastic", monkeypatch)
+@pytest.mark.parametrize("family", ["mamba2", "gdn", "kda"])
+def test_shared_nvfp4_pool_verifies_on_the_kernel_gpu(family, monkeypatch):
+    """The same at real head shapes (Nemotron-3-Super's 64-row heads: four programs each), compiled."""
+    monkeypatch.setitem(SHAPES, family, GPU_SHAPES[family])
+    _shared_nvfp4_rounds(family, "stochastic", monkeypatch)
 
 
-def _shared_nvfp4_rounds(rounding, monkeypatch):
+def _shared_nvfp4_rounds(family, rounding, monkeypatch):
     from replayssm.reference import algorithms
-    HV, Hk, V, K = shape = SHAPES["mamba2"]
-    params = make_params("mamba2", HV, K, seed=2)
+    HV, Hk, V, K = shape = SHAPES[family]
+    params = make_params(family, HV, K, seed=2)
     kw = dict(window=4, max_draft=3, dtype=torch.float32, device=DEV, eager_max_batch=0, seed=5, layer=1,
               hp_format="nvfp4", hp_rounding=rounding)
     fast, ref = SlotPool(params, N, V, K, Hk, backend="triton", **kw), SlotPool(params, N, V, K, Hk, **kw,
@@ -438,11 +443,11 @@ def test_verify_lp_covers():
     assert backends.verify_lp_covers("bf16", "stochastic", "fp8_e4m3")
     assert not backends.verify_lp_covers(None, "nearest", None)          # the fp32 verify kernels'
     assert not backends.verify_lp_covers("bf16", "stochastic", "nvfp4")  # needs the fp32 matrix
-    # one NVFP4 checkpoint: Mamba-2's kernel refolds the head; GDN/KDA stay on the reference
+    # one NVFP4 checkpoint, either rounding, every family
     assert backends.verify_lp_covers("nvfp4", "nearest", None, "mamba2")
-    assert backends.verify_lp_covers("nvfp4", "stochastic", None, "mamba2")
-    assert not backends.verify_lp_covers("nvfp4", "nearest", None, "gdn")
-    assert not backends.verify_lp_covers("nvfp4", "nearest", None, "kda")
+    assert backends.verify_lp_covers("nvfp4", "stochastic", None, "gdn")
+    assert backends.verify_lp_covers("nvfp4", "nearest", None, "kda")
+    assert not backends.verify_lp_covers("nvfp4", "toward_zero", None, "gdn")
     assert not backends.verify_lp_covers("fp32", "nearest", "fp8_e5m2")
 
 

@@ -178,12 +178,12 @@ _VERIFY_LP_COPY = ("fp16", "bf16", "fp8_e4m3", "nvfp4")
 def verify_lp_covers(hp_format, hp_rounding, lp_format, family: str = "mamba2") -> bool:
     """Whether the `verify_lp` kernels take a pool's checkpoints: an fp32 HP beside any copy,
     or an fp16/bf16/fp8_e4m3 HP (stochastic or nearest) beside an fp16/bf16/fp8_e4m3 copy or
-    alone (NVFP4's scale per head needs the fp32 matrix), and for Mamba-2 an NVFP4 checkpoint
-    alone (its early flush refolds the head from the records, which GDN/KDA drafts overwrite
-    while other programs of the head still fold). One fp32 checkpoint is `verify`'s."""
+    alone (NVFP4's scale per head needs the fp32 matrix), or an NVFP4 checkpoint alone (its
+    early flush forms the head's scale from the whole fold: ops/<family>/verify_lp.py). One
+    fp32 checkpoint is `verify`'s. `family`: every family is covered alike."""
     hp = hp_format or "fp32"
     if hp == "nvfp4" and lp_format is None:
-        return family == "mamba2" and hp_rounding in ("stochastic", "nearest")
+        return family in ("mamba2", "gdn", "kda") and hp_rounding in ("stochastic", "nearest")
     if hp not in _VERIFY_LP_HP or lp_format not in (None,) + _VERIFY_LP_COPY:
         return False
     if hp == "fp32":

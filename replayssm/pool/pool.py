@@ -70,9 +70,8 @@ class SlotPool:
         backend: "reference" (plain PyTorch, any device), "triton" (the GPU kernels: CUDA, fp32
             state; with or without a low-precision copy in fp16, bf16, fp8_e4m3 or nvfp4, or
             one narrow checkpoint, the shared design) or "auto" (triton where it applies).
-            Operations the kernels do not cover yet run on the reference, on the same tensors:
-            `verify` of a GDN or KDA pool whose one checkpoint is nvfp4 is one of them
-            (`backend_note` speaks of decode only).
+            Operations the kernels do not cover run on the reference, on the same tensors
+            (`backend_note` speaks of decode; `verify` follows `backends.verify_lp_covers`).
         eager_max_batch: `decode` batches of at most this many rows take the eager step
             (window 1: every row flushes, folding the records it still holds, so the
             checkpoint is the state, as in conventional decoding; no record is written).
@@ -280,8 +279,8 @@ class SlotPool:
         `out` `[B, T, HV, V]` as for `decode`. On the triton backend, `out` and
         `validate=False` make the call free of host synchronisation and allocation (CUDA
         graphs): validate once, outside the graph. A pool with a low-precision copy, or with
-        one fp16/bf16/fp8 checkpoint, verifies on `ops.<family>.lowp_verify` there
-        (`backends.verify_lp_covers`; a GDN/KDA shared NVFP4 checkpoint on the reference).
+        one fp16/bf16/fp8/nvfp4 checkpoint, verifies on `ops.<family>.lowp_verify` there
+        (`backends.verify_lp_covers`).
         """
         if validate:
             slot_ids = check.slots(self, slot_ids)

@@ -19,7 +19,12 @@ verify.py writes its records, so `commit` is unchanged. Without an LP copy (`ckp
 pool whose one checkpoint is fp16, bf16 or fp8, `RECOMPUTE` off) non-flush rows read the HP
 parts, the fold takes the buffered u, and a flush writes the HP parts alone (`HP_SR` False:
 round-to-nearest). NVFP4's scale per head matrix: the head's last program to arrive encodes
-the whole matrix from the new fp32 rows (precision.py).
+the whole matrix from the new fp32 rows (precision.py). One NVFP4 checkpoint (the shared
+design) has no fp32 rows to read back, and a head's programs overwrite the committed records
+with their drafts' u as they go, so no program can fold the head again: a launch before the
+kernel folds each flushing head once for its amax and tensor scale (`_nvfp4_flush_scales`),
+each program then encodes its own rows under it, and the head's last program stores it (the
+old rows decode with the old one until then).
 
 The tile is a plain `[BV, BK]` (the layout the LP decoder returns: verify.py's KS = 1).
 """
@@ -35,8 +40,8 @@ from torch import Tensor
 from ..utils.checks import check_tensor
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import head_counter, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
-from ..utils.sround import checkpoint_args, store_sr_rows
+from ..utils.lowp import head_counter, load_lp_tile, lowp_config, scale_scratch, store_lp_rows, store_nvfp4_head
+from ..utils.sround import checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows, store_sr_rows
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
 from .verify import _check_draft_counts, _fold, _write_shared, check_verify_inputs
@@ -89,10 +94,47 @@ def _write_shared_beta(b, buf_beta, i_b, i_s, n, stride_b_b, stride_b_t, stride_
 
 
 @triton.jit
+def _nvfp4_flush_scales(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, slot_ids, num_drafts, ts_new,
+                        window, T: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
+                        K: tl.constexpr, LBCAP: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr,
+                        IS_KDA: tl.constexpr, HAS_NDRAFT: tl.constexpr):
+    """Grid (HV, Bt): the tensor scale `ts_new[i_b, i_hv]` of a shared NVFP4 head that flushes
+    early, from the amax of its fold (the kernel's fold, chunk by chunk: the same fp32 values)."""
+    i_hv = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_s = tl.load(slot_ids + i_b).to(tl.int64)
+    if i_s >= 0:
+        h = tl.load(cursor + i_s).to(tl.int64)
+        if HAS_NDRAFT:
+            n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b).to(tl.int64), 0), T)
+        else:
+            n = tl.full([], T, tl.int64)
+        if h + n > window:
+            i_hk = i_hv // (HV // HK)
+            i_m = i_s * HV + i_hv
+            o_p0 = i_s * LBCAP
+            o_k = tl.arange(0, BK)
+            m_k = o_k < K
+            if IS_KDA:
+                p_ld = buf_ld + (o_p0 * HV + i_hv) * K + o_k
+            else:
+                p_ld = buf_ld + o_p0 * HV + i_hv
+            amax = tl.zeros([RC], dtype=tl.float32)
+            for r0 in range(0, V, RC):
+                o_r = r0 + tl.arange(0, RC)
+                m_r = o_r < V
+                b_C = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, V, K, 4)
+                b_C = _fold(b_C, h, p_ld, buf_w + (o_p0 * HV + i_hv) * V + o_r, buf_k + (o_p0 * HK + i_hk) * K + o_k,
+                            HV * K if IS_KDA else HV, HV * V, HK * K, m_r, m_k, 1, IS_KDA)
+                amax = tl.maximum(amax, tl.max(tl.where(b_C == b_C, tl.abs(b_C), float("inf")), axis=1))
+            tl.store(ts_new + i_b * HV + i_hv, nvfp4_tensor_scale(tl.max(amax, axis=0)))
+
+
+@triton.jit
 def _lowp_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
     ckpt, hp_scale, sr_key, lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, buf_v, buf_beta,
-    cursor, pending, epoch, arrive, head_arrive, slot_ids, num_drafts,
+    cursor, pending, epoch, arrive, head_arrive, slot_ids, num_drafts, ts_new,
     scale, window,
     stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
     stride_v_b, stride_v_t, stride_v_h, stride_a_b, stride_a_t, stride_a_h,
@@ -141,6 +183,9 @@ def _lowp_verify_kernel(
     # a flush folds from the HP checkpoint (it carries the recurrence), other rows read the LP copy
     if flush and HP == 0:
         b_C = tl.load(p_C + o_C, mask=m_C, other=0., eviction_policy="evict_first")       # [BV, BK]
+    elif flush and HP == 4:
+        # the shared NVFP4 checkpoint: its parts are the lp_* arguments (with the tensor scale)
+        b_C = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_v, m_v, o_k, m_k, V, K, 4)
     elif flush:
         b_C = load_lp_tile(ckpt, hp_scale, hp_scale, i_m, o_v, m_v, o_k, m_k, V, K, HP)
     else:
@@ -253,6 +298,17 @@ def _lowp_verify_kernel(
         # the new checkpoints, once the record tiles are dead (fewer live registers)
         if HP == 0:
             tl.store(p_C + o_C, b_C, mask=m_C)
+        elif HP == 4:
+            # this program's rows under the head's new tensor scale (the launch before); the
+            # head's last program stores the scale, which the other programs' old rows decode with
+            ts = tl.load(ts_new + i_b * HV + i_hv)
+            st = i_s * 4294967296 + tl.load(epoch + i_s)
+            store_nvfp4_rows(b_C, ts, lp_data, lp_scale, i_m, i_hv, o_v, m_v, o_k, sr_key, st, V, K, BK, BV, HP_SR)
+            tl.debug_barrier()
+            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
+            if n_arrived == NV - 1:
+                tl.store(lp_tscale + i_m, ts)
+                tl.store(head_arrive + i_m, 0)
         elif HP_SR:
             # the stochastic-rounding stream of this write: slot and write count, as pool._write
             st = i_s * 4294967296 + tl.load(epoch + i_s)
@@ -299,7 +355,8 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     `ckpt_lp` the parts of the low-precision copy in `lp_format` (fp16, bf16, fp8_e4m3, nvfp4;
     an nvfp4 copy needs an fp32 HP), with `buf_v` `[N, Lb, HV, V]` (record dtype) and
     `buf_beta` `[N, Lb, HV]` fp32, the raw records a flush refolds along the HP path; or
-    `ckpt_lp`, `lp_format`, `buf_v`, `buf_beta` all None with a narrow HP (its one checkpoint).
+    `ckpt_lp`, `lp_format`, `buf_v`, `buf_beta` all None with a narrow HP (its one checkpoint:
+    fp16, bf16, fp8_e4m3 or nvfp4).
     A row that flushes early (`h + n > window`) folds its committed records from `ckpt` and
     writes it (`hp_rounding` "stochastic": `formats.encode(S, hp_format, "stochastic",
     seed=seed, stream=slot * 2**32 + epoch)` bit for bit; "nearest": round-to-nearest) and the
@@ -313,10 +370,14 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     if (buf_v is None) != (buf_beta is None) or (buf_v is None) != (ckpt_lp is None):
         raise ValueError("buf_v and buf_beta come with a low-precision copy (ckpt_lp), and only with one")
     hp_parts = ckpt
+    shared_nvfp4 = hp_format == "nvfp4" and ckpt_lp is None and lp_format is None
     if isinstance(ckpt, dict):
         hp = ckpt.get("data")
+        shape = hp.shape
+        if shared_nvfp4 and hp.dim() == 4:
+            shape = (*hp.shape[:3], q.shape[-1])                # (the data packs two per byte)
         # the checks below see an fp32 stand-in of the HP parts' shape (checkpoint_args checks those)
-        ckpt = torch.empty(hp.shape, dtype=torch.float32, device=hp.device) if validate else hp
+        ckpt = torch.empty(shape, dtype=torch.float32, device=hp.device) if validate else hp
     if validate:
         Bt, T, Hk, K, HV, V = check_verify_inputs(family, q, k, v, a, b, A_log, dt_bias, out, num_drafts)
         if arrive is None:
@@ -338,10 +399,13 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
         check_slot_values(slot_ids, N)
         check_cursor_values(cursor, slot_ids, Lb, window)
         _check_draft_counts(num_drafts, T)
-    N, HV, V, K = ckpt.shape
+    N, HV, V, K = (*ckpt.shape[:3], q.shape[-1])
     Bt, T, Hk = q.shape[0], q.shape[1], q.shape[2]
     LBCAP = buf_w.shape[1]
-    ck = checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
+    if shared_nvfp4:
+        ck = shared_args(hp_parts, hp_format, hp_rounding, seed, N, HV, V, K)
+    else:
+        ck = checkpoint_args(hp_parts, ckpt_lp, lp_format, hp_format, seed, N, HV, V, K)
     cfg = verify_lp_config(V, config)
     BV = cfg["BV"]
     if out is None:
@@ -351,12 +415,20 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     if Bt == 0:
         return out
     recompute = buf_v is not None
+    ts_new = None
+    if shared_nvfp4:
+        ts_new = scale_scratch(q.device, Bt * HV)
+        _nvfp4_flush_scales[(HV, Bt)](
+            ck["lp_data"], ck["lp_scale"], ck["lp_tscale"], buf_ld, buf_w, buf_k, cursor, slot_ids,
+            num_drafts if num_drafts is not None else slot_ids, ts_new, int(window), T=T, HV=HV, HK=Hk, V=V, K=K,
+            LBCAP=LBCAP, BK=triton.next_power_of_2(K), RC=min(16, triton.next_power_of_2(V)),
+            IS_KDA=family == "kda", HAS_NDRAFT=num_drafts is not None, num_warps=4, num_stages=1)
     _lowp_verify_kernel[(HV * triton.cdiv(V, BV), Bt)](
         q, k, v, a, b, A_log, dt_bias, out,
         ck["ckpt"], ck["hp_scale"], ck["sr_key"], ck["lp_data"], ck["lp_scale"], ck["lp_tscale"],
         buf_ld, buf_w, buf_k, buf_v if recompute else buf_w, buf_beta if recompute else buf_ld,
         cursor, pending, epoch, arrive, head_counter(ckpt.device, N * HV), slot_ids,
-        num_drafts if num_drafts is not None else slot_ids,
+        num_drafts if num_drafts is not None else slot_ids, ts_new if ts_new is not None else buf_ld,
         _scale(scale, K), int(window),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),

@@ -145,6 +145,20 @@ def head_counter(device, n: int) -> Tensor:
     return t
 
 
+def scale_scratch(device, n: int) -> Tensor:
+    """An `[n]` fp32 scratch for per-(row, head) tensor scales that one launch writes and the next
+    reads (a shared NVFP4 checkpoint's early flush, ops/gdn/verify_lp.py), cached per
+    (device, n) as `head_counter`: allocate before CUDA-graph capture (first call outside it)."""
+    key = ("scale", torch.device(device), int(n))
+    t = _HEAD_COUNTERS.get(key)
+    if t is None:
+        if capturing():
+            raise ValueError("scale scratch not allocated yet: verify once before capturing a CUDA graph")
+        t = torch.empty(max(n, 1), dtype=torch.float32, device=device)
+        _HEAD_COUNTERS[key] = t
+    return t
+
+
 @triton.jit
 def flush_rows_chunk(slot_ids, cursor, c0, n_rows, seen, WINDOW: tl.constexpr, BT: tl.constexpr):
     """A split step's flush launch (`ROWS=1`), rows `c0 .. c0 + BT`: their positions, slots,
