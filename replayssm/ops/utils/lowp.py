@@ -132,31 +132,31 @@ def flush_programs(cfg: dict, n_items: int, device) -> int:
     return max(1, min(int(g), int(n_items)))
 
 
-def head_counter(device, n: int) -> Tensor:
-    """A zeroed `[n]` int32 per-(slot, head) arrival counter, cached per (device, n); the
-    kernels leave it zeroed. Allocate before CUDA-graph capture (first call outside it)."""
-    key = (torch.device(device), int(n))
+def _cached(kind: str, device, n: int, make, first_call: str) -> Tensor:
+    """A device tensor of `n` elements made by `make(n)`, cached per (kind, device, n): a
+    captured CUDA graph replays its address, so it is made before capture (outside it)."""
+    key = (kind, torch.device(device), int(n))
     t = _HEAD_COUNTERS.get(key)
     if t is None:
         if capturing():
-            raise ValueError("head counter not allocated yet: decode once before capturing a CUDA graph")
-        t = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
-        _HEAD_COUNTERS[key] = t
+            raise ValueError(f"{kind} not allocated yet: {first_call} once before capturing a CUDA graph")
+        t = _HEAD_COUNTERS[key] = make(max(n, 1))
     return t
+
+
+def head_counter(device, n: int) -> Tensor:
+    """A zeroed `[n]` int32 per-(slot, head) arrival counter, cached per (device, n); the
+    kernels leave it zeroed. Allocate before CUDA-graph capture (first call outside it)."""
+    return _cached("head counter", device, n, lambda m: torch.zeros(m, dtype=torch.int32, device=device),
+                   "decode")
 
 
 def scale_scratch(device, n: int) -> Tensor:
     """An `[n]` fp32 scratch for per-(row, head) tensor scales that one launch writes and the next
     reads (a shared NVFP4 checkpoint's early flush, ops/gdn/verify_lp.py), cached per
     (device, n) as `head_counter`: allocate before CUDA-graph capture (first call outside it)."""
-    key = ("scale", torch.device(device), int(n))
-    t = _HEAD_COUNTERS.get(key)
-    if t is None:
-        if capturing():
-            raise ValueError("scale scratch not allocated yet: verify once before capturing a CUDA graph")
-        t = torch.empty(max(n, 1), dtype=torch.float32, device=device)
-        _HEAD_COUNTERS[key] = t
-    return t
+    return _cached("scale scratch", device, n, lambda m: torch.empty(m, dtype=torch.float32, device=device),
+                   "verify")
 
 
 @triton.jit
