@@ -12,7 +12,8 @@
 # (the verify kernels' candidate launch configs at batch 256, drafts all rejected and all
 # accepted, to choose their defaults) | model (the whole-model decode benchmark) | precision
 # (the separate-precision kernel benchmark and the layer-level error study to 131072 tokens)
-# | vllm-ssu (vLLM's Mamba-2 decode kernel beside ours; VLLM_SRC: a folder holding vLLM 0.25.0's
+# | precision-long (the NVFP4 designs of the error study to 131072 tokens, then the model-level
+# study) | vllm-ssu (vLLM's Mamba-2 decode kernel beside ours; VLLM_SRC: a folder holding vLLM 0.25.0's
 # unzipped `vllm/` sources, carried to the GPU machine).
 # Results go to $OUT (default benchmarks/results/, under the names its README.md lists).
 set -uo pipefail
@@ -76,4 +77,14 @@ if [[ "$STAGE" == precision ]]; then
   python3 -m replayssm.bench.precision --out "$OUT/precision_h200.json" 2>&1 | tee "$OUT/precision_h200.log" | tail -30
   python3 -m replayssm.cli study precision --engine batched --device cuda --tokens 131072 \
     --out "$OUT/precision_study_h200.json" 2>&1 | tee "$OUT/precision_study_h200.log" | tail -30
+fi
+if [[ "$STAGE" == precision-long ]]; then
+  # the NVFP4 designs alone (4 of the study's 21 variants), so that each shape can reach 131072
+  # tokens inside one command (all 21 reached 63,744 and 90,368 in 200 s a shape); then the
+  # model-level study on the GPU
+  python3 -m replayssm.cli study precision --engine batched --device cuda --tokens 131072 --formats nvfp4 \
+    --designs shared,separate,separate-fp8sr --time-budget 250 \
+    --out "$OUT/precision_study_nvfp4_h200.json" 2>&1 | tee "$OUT/precision_study_nvfp4_h200.log" | tail -14
+  python3 -m replayssm.cli study precision-model --models nemotron3-nano-4b,qwen3.5-4b --device cuda \
+    --time-budget 120 --out "$OUT/precision_model_h200.json" 2>&1 | tee "$OUT/precision_model_h200.log" | tail -30
 fi
