@@ -59,7 +59,8 @@ _REPLAY_TABLE = {
     # the Gluon kernel (IS_KDA) under the cap of 80 registers, in programs of 128 rows (8 warps)
     # whose flush folds 4 records an iteration (BC): chosen when the flush still re-scanned each
     # record's decay (1.35x the conventional kernel at batch 256 against 1.29x for 64-row programs
-    # folding one, in one run: kda_variants_h200.json); with the staged decayed keys, 1.48x
+    # folding one, in one run: kda_variants_h200.json, in git history at 16d05f1); with the staged
+    # decayed keys, 1.48x
     ("kda", None, None, 128, 128): [(8, {"BV": 32, "num_warps": 4, "recmask": False}),
                                     (1 << 30, {"gluon": True, "BV": 128, "num_warps": 8, "recmask": True,
                                                "maxnreg": _GLUON_CAP, "BC": 4})],

@@ -363,7 +363,7 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
 
     Chosen offline from the code compiled for sm_90a (registers, spills, instruction counts;
     benchmarks/tools/regcount.py `gdn-verify` / `kda-verify`); timed on the H200 in
-    verify_gluon_gdn_h200.json and verify_gluon_kda_h200.json."""
+    verify_gluon_gdn_h200.json and verify_gluon_kda_h200.json (in git history at 16d05f1)."""
     BK = triton.next_power_of_2(K)
     user = dict(config or {})
     unknown = set(user) - set(_CONFIG_KEYS)
