@@ -32,7 +32,7 @@ prefill and first token) and one with `1 + --decode` tokens, both with `ignore_e
 decode throughput is `B * decode / (t_long - t_short)` (`tokens_per_s`), `ratio_vs_stock`
 the plugin's over stock's at the same batch and speculation. `--speculative ngram` adds n-gram
 drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes, `ngram_gpu` the same lookup
-on the GPU (`SPECULATIVE`; not yet run to completion with the plugin); its prompts repeat a short
+on the GPU (`SPECULATIVE`); its prompts repeat a short
 pattern so that lookups find drafts, and the rows carry vLLM's draft acceptance where its
 metrics report it. JSON rows: `model`, `batch`, `scheme`, `speculative`, `tokens_per_s`,
 `ratio_vs_stock`, `ratio_vs_stock_fp32` (when that scheme ran), `max_concurrency` (the requests

@@ -94,6 +94,17 @@ def _write_shared_beta(b, buf_beta, i_b, i_s, n, stride_b_b, stride_b_t, stride_
 
 
 @triton.jit
+def _row_drafts(num_drafts, i_b, T: tl.constexpr, HAS_NDRAFT: tl.constexpr):
+    """Row `i_b`'s draft count; unvalidated counts are clamped to 0..T, so that no draft lands
+    past the buffer."""
+    if HAS_NDRAFT:
+        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b).to(tl.int64), 0), T)
+    else:
+        n = tl.full([], T, tl.int64)
+    return n
+
+
+@triton.jit
 def _nvfp4_flush_scales(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, cursor, slot_ids, num_drafts, ts_new,
                         window, T: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
                         K: tl.constexpr, LBCAP: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr,
@@ -105,11 +116,7 @@ def _nvfp4_flush_scales(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, curs
     i_s = tl.load(slot_ids + i_b).to(tl.int64)
     if i_s >= 0:
         h = tl.load(cursor + i_s).to(tl.int64)
-        if HAS_NDRAFT:
-            n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b).to(tl.int64), 0), T)
-        else:
-            n = tl.full([], T, tl.int64)
-        if h + n > window:
+        if h + _row_drafts(num_drafts, i_b, T, HAS_NDRAFT) > window:
             i_hk = i_hv // (HV // HK)
             i_m = i_s * HV + i_hv
             o_p0 = i_s * LBCAP
@@ -165,11 +172,7 @@ def _lowp_verify_kernel(
                      mask=m_v)
         return
     h = tl.load(cursor + i_s).to(tl.int64)
-    if HAS_NDRAFT:
-        # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
-        n = tl.minimum(tl.maximum(tl.load(num_drafts + i_b).to(tl.int64), 0), T)
-    else:
-        n = tl.full([], T, tl.int64)
+    n = _row_drafts(num_drafts, i_b, T, HAS_NDRAFT)
     flush = h + n > window
     keep = h + n <= window
     hc = tl.where(flush, 0, h)              # committed records the drafts follow (h')

@@ -59,11 +59,19 @@ def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
 
 
 @triton.jit
-def _refold_rows(lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, p_wb, p_kb, b_cf, b_gL, o_l, h,
-                 HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
-    """Rows `o_r` of the shared NVFP4 checkpoint folded as the kernel's early flush folds its
-    tile (the same fp32 operations per element, so the same values)."""
-    b_S = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, V, K, 4) * b_gL
+def _fold_weights(b_ldc, b_sfx, b_rA, m_l):
+    """The early flush's weight of each committed record (its suffix's decay times its dt) and
+    the checkpoint's decay over them all."""
+    return tl.where(m_l, tl.exp(b_sfx) * (b_ldc * b_rA), 0.0), tl.exp(tl.sum(b_ldc, axis=0))
+
+
+@triton.jit
+def _fold_records(b_S, b_cf, b_gL, p_wb, p_kb, o_r, m_r, o_k, m_k, o_l, h,
+                  HV: tl.constexpr, Hk: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
+    """Rows `o_r` of a checkpoint (`b_S`) after the committed records `0..h-1`, verify.py's fold:
+    one exact fp32 rank-1 update per record, so that an fp32 HP checkpoint does not depend on the
+    LP format, and a shared NVFP4 head's refold gives each row the values its program folded."""
+    b_S = b_S * b_gL
     for j in range(0, h):
         c_j = tl.sum(tl.where(o_l == j, b_cf, 0.0), axis=0)
         w_j = tl.load(p_wb + j * (HV * V) + o_r, mask=m_r, other=0.0).to(tl.float32)
@@ -73,25 +81,26 @@ def _refold_rows(lp_data, lp_scale, lp_tscale, i_m, o_r, m_r, o_k, m_k, p_wb, p_
 
 
 @triton.jit
-def _shared_nvfp4_flush_head(lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_wb, p_kb, b_cf, b_gL, o_l, h,
-                             p_xd, stride_x_t, o_t, m_t, sr_key, st, HV: tl.constexpr, Hk: tl.constexpr,
+def _shared_nvfp4_flush_head(lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_wb, p_kb, b_ldc, b_sfx, b_rA, m_l,
+                             o_l, h, p_xd, stride_x_t, o_t, m_t, sr_key, st, HV: tl.constexpr, Hk: tl.constexpr,
                              V: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr,
                              SR: tl.constexpr):
     """The early flush of one head of a shared NVFP4 checkpoint, by the head's last program:
     the refold's amax gives the tensor scale, the rows are refolded and encoded under it (each
     chunk read before it is overwritten), the tensor scale is stored last (the old rows decode
     with the old one), and then the head's draft values go to positions 0..n-1."""
+    b_cf, b_gL = _fold_weights(b_ldc, b_sfx, b_rA, m_l)
     amax = tl.zeros([RC], dtype=tl.float32)
     for r0 in range(0, V, RC):
         o_r = r0 + tl.arange(0, RC)
-        b_S = _refold_rows(lp_data, lp_scale, lp_tscale, i_m, o_r, o_r < V, o_k, m_k, p_wb, p_kb, b_cf, b_gL,
-                           o_l, h, HV, Hk, V, K)
+        b_S = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_r, o_r < V, o_k, m_k, V, K, 4)
+        b_S = _fold_records(b_S, b_cf, b_gL, p_wb, p_kb, o_r, o_r < V, o_k, m_k, o_l, h, HV, Hk, V, K)
         amax = tl.maximum(amax, tl.max(tl.where(b_S == b_S, tl.abs(b_S), float("inf")), axis=1))
     ts = nvfp4_tensor_scale(tl.max(amax, axis=0))
     for r0 in range(0, V, RC):
         o_r = r0 + tl.arange(0, RC)
-        b_S = _refold_rows(lp_data, lp_scale, lp_tscale, i_m, o_r, o_r < V, o_k, m_k, p_wb, p_kb, b_cf, b_gL,
-                           o_l, h, HV, Hk, V, K)
+        b_S = load_lp_tile(lp_data, lp_scale, lp_tscale, i_m, o_r, o_r < V, o_k, m_k, V, K, 4)
+        b_S = _fold_records(b_S, b_cf, b_gL, p_wb, p_kb, o_r, o_r < V, o_k, m_k, o_l, h, HV, Hk, V, K)
         tl.debug_barrier()          # every thread has read these rows before they are overwritten
         store_nvfp4_rows(b_S, ts, lp_data, lp_scale, i_m, i_h, o_r, o_r < V, o_k, sr_key, st, V, K, BK, RC, SR)
     tl.debug_barrier()
@@ -185,15 +194,8 @@ def _lowp_verify_kernel(
     b_sfx = tl.sum(tl.where(o_l[None, :] > o_l[:, None], b_ldc[None, :], 0.0), axis=1)   # [BL]
 
     if flush:
-        # verify.py's fold: one exact fp32 rank-1 update per record, so that an fp32 HP
-        # checkpoint does not depend on the LP format
-        b_cf = tl.where(m_l, tl.exp(b_sfx) * (b_ldc * b_rA), 0.0)
-        b_S = b_S * tl.exp(tl.sum(b_ldc, axis=0))
-        for j in range(0, h):
-            c_j = tl.sum(tl.where(o_l == j, b_cf, 0.0), axis=0)
-            w_j = tl.load(p_wb + j * (HV * V) + o_v, mask=m_v, other=0.0).to(tl.float32)
-            k_j = tl.load(p_kb + j * (Hk * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_S += (c_j * w_j)[:, None] * k_j[None, :]
+        b_cf, b_gL = _fold_weights(b_ldc, b_sfx, b_rA, m_l)
+        b_S = _fold_records(b_S, b_cf, b_gL, p_wb, p_kb, o_v, m_v, o_k, m_k, o_l, h, HV, Hk, V, K)
     b_Lc = tl.sum(tl.where(m_c, b_ldc, 0.0), axis=0)                                   # log g_{0:hc-1}
     b_cc = tl.where(m_c, b_ldc * b_rA, 0.0)                                             # dt_j
 
@@ -236,9 +238,8 @@ def _lowp_verify_kernel(
             n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
             if n_arrived == NVB - 1:
                 tl.debug_barrier()
-                b_cf4 = tl.where(m_l, tl.exp(b_sfx) * (b_ldc * b_rA), 0.0)
-                _shared_nvfp4_flush_head(lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_wb, p_kb, b_cf4,
-                                         tl.exp(tl.sum(b_ldc, axis=0)), o_l, h, x + i_b * stride_x_b + i_h * stride_x_h,
+                _shared_nvfp4_flush_head(lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_wb, p_kb, b_ldc, b_sfx,
+                                         b_rA, m_l, o_l, h, x + i_b * stride_x_b + i_h * stride_x_h,
                                          stride_x_t, o_t, m_t, sr_key, slot * 4294967296 + tl.load(epoch + slot),
                                          HV, Hk, V, K, BK, RC, HP_SR)
                 tl.store(head_arrive + i_m, 0)
