@@ -43,7 +43,8 @@ from ..utils.checks import check_tensor
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
 from ..utils.lowp import (LP_CODES, flush_item_row, flush_programs, flush_rows_chunk, head_counter,
-                          load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head)
+                          last_at_head, load_lp_tile, lowp_config, store_lp_rows,
+                          store_nvfp4_head)
 from ..utils.sround import (SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows,
                            store_sr_rows)
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
@@ -202,10 +203,7 @@ def _shared_flush(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, head_arriv
             else:
                 store_lp_rows(b_S, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
     else:
-        tl.debug_barrier()
-        n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
-        if n_arrived == NV - 1:
-            tl.debug_barrier()
+        if last_at_head(head_arrive, i_m, NV):
             amax = tl.zeros([RC], dtype=tl.float32)
             for r0 in range(0, V, RC):
                 o_r = r0 + tl.arange(0, RC)
@@ -222,7 +220,6 @@ def _shared_flush(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, head_arriv
                                  BK, RC, SR)
             tl.debug_barrier()
             tl.store(lp_tscale + i_m, ts)
-            tl.store(head_arrive + i_m, 0)
 
 
 @triton.jit
@@ -300,12 +297,8 @@ def _lowp_row(
                   ckpt, hp_scale, sr_key, st, HV, HK, V, K, LBCAP, BV, IS_KDA, RC, LP, HP)
         if LP == 4:
             # release this program's rows; the head's last program encodes the whole matrix
-            tl.debug_barrier()
-            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
-            if n_arrived == NV - 1:
-                tl.debug_barrier()
+            if last_at_head(head_arrive, i_m, NV):
                 store_nvfp4_head(p_Ch, lp_data, lp_scale, lp_tscale, i_m, V, K, BK, RC)
-                tl.store(head_arrive + i_m, 0)
     else:
         # the output-only step of decode.py on the decoded LP tile
         b_u, b_o = _output_only(lp_data, lp_scale, lp_tscale, buf_ld, buf_w, buf_k, i_s, i_hv, i_hk, i_m, h,

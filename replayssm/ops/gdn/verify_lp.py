@@ -40,7 +40,8 @@ from torch import Tensor
 from ..utils.checks import check_tensor
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import head_counter, load_lp_tile, lowp_config, scale_scratch, store_lp_rows, store_nvfp4_head
+from ..utils.lowp import (head_counter, last_at_head, load_lp_tile, lowp_config, scale_scratch, store_lp_rows,
+                          store_nvfp4_head)
 from ..utils.sround import checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows, store_sr_rows
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
@@ -307,11 +308,8 @@ def _lowp_verify_kernel(
             ts = tl.load(ts_new + i_b * HV + i_hv)
             st = i_s * 4294967296 + tl.load(epoch + i_s)
             store_nvfp4_rows(b_C, ts, lp_data, lp_scale, i_m, i_hv, o_v, m_v, o_k, sr_key, st, V, K, BK, BV, HP_SR)
-            tl.debug_barrier()
-            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
-            if n_arrived == NV - 1:
+            if last_at_head(head_arrive, i_m, NV):
                 tl.store(lp_tscale + i_m, ts)
-                tl.store(head_arrive + i_m, 0)
         elif HP_SR:
             # the stochastic-rounding stream of this write: slot and write count, as pool._write
             st = i_s * 4294967296 + tl.load(epoch + i_s)
@@ -323,12 +321,8 @@ def _lowp_verify_kernel(
                 store_lp_rows(b_C, lp_data, lp_scale, i_m, o_v, m_v, o_k, m_k, V, K, LP)
             else:
                 # release this program's fp32 rows; the head's last program encodes the matrix
-                tl.debug_barrier()
-                n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
-                if n_arrived == NV - 1:
-                    tl.debug_barrier()
+                if last_at_head(head_arrive, i_m, NV):
                     store_nvfp4_head(p_C, lp_data, lp_scale, lp_tscale, i_m, V, K, BK, RC)
-                    tl.store(head_arrive + i_m, 0)
 
     last = verify_hand_off(arrive, cursor, pending, epoch, i_s, hc, n, flush, HV * NV)
     if last & flush:

@@ -37,7 +37,8 @@ from ..utils.checks import check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
 from ..utils.lowp import (LP_CODES, flush_item_row, flush_programs, flush_rows_chunk, head_counter,
-                          load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head)
+                          last_at_head, load_lp_tile, lowp_config, store_lp_rows,
+                          store_nvfp4_head)
 from ..utils.sround import (HP_CODES, SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args,
                            store_nvfp4_rows, store_sr_rows)
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, check_token_inputs,
@@ -192,23 +193,15 @@ def _lowp_row(
                     store_lp_rows(b_Sr, lp_data, lp_scale, i_m, o_r, m_r, o_k, m_k, V, K, LP)
         if HAS_LP and LP == 4:
             # release this program's rows; the head's last program encodes the whole matrix
-            tl.debug_barrier()
-            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
-            if n_arrived == NVB - 1:
-                tl.debug_barrier()
+            if last_at_head(head_arrive, i_m, NVB):
                 store_nvfp4_head(p_S0 + i_h * (V * K), lp_data, lp_scale, lp_tscale, i_m, V, K, BK, RC)
-                tl.store(head_arrive + i_m, 0)
         if HP == 4:
             # the shared NVFP4 checkpoint: its scale per head needs the whole fold, which the
             # head's last program recomputes from the old checkpoint
-            tl.debug_barrier()
-            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
-            if n_arrived == NVB - 1:
-                tl.debug_barrier()
+            if last_at_head(head_arrive, i_m, NVB):
                 _shared_nvfp4_head(p_Sh, ckpt, hp_scale, lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_xh,
                                    p_wh0, p_kj, b_g, b_dt, b_kc, b_coef, o_l, h, sr_key, st, HV, Hk, V, K, BK,
                                    RC, SR)
-                tl.store(head_arrive + i_m, 0)
     else:
         p_wh = buf_w + slot * (LB * HV * V) + h * (HV * V) + i_h * V + o_v
         tl.store(p_wh, b_xi.to(p_wh.dtype.element_ty), mask=m_v)

@@ -39,7 +39,7 @@ from torch import Tensor
 from ..utils.checks import check_window
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import head_counter, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
+from ..utils.lowp import head_counter, last_at_head, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
 from ..utils.sround import checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows, store_sr_rows
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, draft_decays, given,
                      verify_row_bounds, write_shared_drafts)
@@ -234,15 +234,11 @@ def _lowp_verify_kernel(
             tl.store(p_S0 + o_S, b_S, mask=m_S)
         elif HP == 4:
             # release this program's reads; the head's last program refolds and encodes the head
-            tl.debug_barrier()
-            n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
-            if n_arrived == NVB - 1:
-                tl.debug_barrier()
+            if last_at_head(head_arrive, i_m, NVB):
                 _shared_nvfp4_flush_head(lp_data, lp_scale, lp_tscale, i_m, i_h, o_k, m_k, p_wb, p_kb, b_ldc, b_sfx,
                                          b_rA, m_l, o_l, h, x + i_b * stride_x_b + i_h * stride_x_h,
                                          stride_x_t, o_t, m_t, sr_key, slot * 4294967296 + tl.load(epoch + slot),
                                          HV, Hk, V, K, BK, RC, HP_SR)
-                tl.store(head_arrive + i_m, 0)
         elif HP_SR:
             # the stochastic-rounding stream of this write: slot and write count, as pool._write
             st = slot * 4294967296 + tl.load(epoch + slot)
@@ -254,12 +250,8 @@ def _lowp_verify_kernel(
                 store_lp_rows(b_S, lp_data, lp_scale, i_m, o_v, m_v, o_k, m_k, V, K, LP)
             else:
                 # release this program's fp32 rows; the head's last program encodes the matrix
-                tl.debug_barrier()
-                n_arrived = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel")
-                if n_arrived == NVB - 1:
-                    tl.debug_barrier()
+                if last_at_head(head_arrive, i_m, NVB):
                     store_nvfp4_head(p_S0, lp_data, lp_scale, lp_tscale, i_m, V, K, BK, RC)
-                    tl.store(head_arrive + i_m, 0)
 
     # the drafts' records at h'..h'+n-1, as verify.py: a program's own rows of x (after the barrier)
     # (a shared NVFP4 flush: the head's last program writes them, after its refold)

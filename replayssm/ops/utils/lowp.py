@@ -160,6 +160,20 @@ def scale_scratch(device, n: int) -> Tensor:
 
 
 @triton.jit
+def last_at_head(head_arrive, i_m, n_programs):
+    """This program's arrival at head matrix `i_m`'s counter (`head_counter`), once every thread
+    has finished its stores and its reads of the head's rows: True for the last of the head's
+    `n_programs`, which sees the others' stores (acq_rel), may rewrite the whole head, and has
+    taken the counter back to zero for the next launch (every program has arrived)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(head_arrive + i_m, 1, sem="acq_rel") == n_programs - 1
+    if last:
+        tl.store(head_arrive + i_m, 0)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
 def flush_rows_chunk(slot_ids, cursor, c0, n_rows, seen, WINDOW: tl.constexpr, BT: tl.constexpr):
     """A split step's flush launch (`ROWS=1`), rows `c0 .. c0 + BT`: their positions, slots,
     cursors, which of them flush this step (`h + 1 >= WINDOW`) and each one's rank among the
