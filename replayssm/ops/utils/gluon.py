@@ -3,7 +3,7 @@ ops/gdn/gluon_decode.py): the Triton-version shims, where they apply, and the st
 program that do not depend on the family (the tile's copy into shared memory, the early arrival
 on the slot's counter, the records' weights, the fold of one row chunk, the cursor's move, the
 copy of a verify's key products from the launch before it).
-Gluon kernels run on the GPU only; see docs/decode-kernels.md ("The Gluon kernels")."""
+Gluon kernels run on the GPU only; see docs/kernels.md ("The Gluon kernels")."""
 from __future__ import annotations
 
 try:  # Gluon ships with recent Triton (3.6 on the H200 machine); without it the Triton kernels run

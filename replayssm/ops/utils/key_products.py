@@ -5,7 +5,7 @@ two vectors `x` of that key head (Mamba-2: the query `C`; GDN: the raw key and q
 normalised after). Every program of the key head's value
 heads and V-blocks would otherwise load the same key records (4 KB in bf16 at window 16) and form
 the same products: at a low-precision read that was a sixth of an fp16 step's L2 traffic
-(docs/kernels.md). Triton, so the CPU interpreter runs it too."""
+(docs/precision.md). Triton, so the CPU interpreter runs it too."""
 from __future__ import annotations
 
 import triton
