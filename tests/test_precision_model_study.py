@@ -79,6 +79,30 @@ def test_cli_writes_json_and_plot(tmp_path):
         cli.main(["study", "precision-model", "--designs", "shared,bogus"])
 
 
+def test_cli_config_overrides(tmp_path, capsys):
+    # the tiny NemotronH with the full models' time-step range: recorded, and a key its config
+    # lacks refused before anything runs
+    from replayssm import cli
+    out = tmp_path / "pm.json"
+    cli.main(["study", "precision-model", "--models", "tiny_nemotron_h", "--tokens", "4", "--prefill", "2",
+              "--designs", "separate", "--formats", "fp16", "--device", "cpu", "--no-plot", "--out", str(out),
+              "--config", "time_step_min=0.001", "--config", "time_step_max=0.1"])
+    assert json.loads(out.read_text())["config_overrides"] == {"time_step_min": 0.001, "time_step_max": 0.1}
+    for bad in (["--config", "time_step_minimum=0.001"], ["--config", "novalue"]):
+        with pytest.raises(SystemExit):
+            cli.main(["study", "precision-model", "--models", "tiny_nemotron_h", "--out", str(out)] + bad)
+    assert "time_step_minimum" in capsys.readouterr().err
+    assert pms._override("a=[1, 2]") == ("a", [1, 2]) and pms._override("b=fast") == ("b", "fast")
+
+
+def test_overrides_reach_the_model():
+    # a shorter memory (larger steps) changes what an fp16 read costs: the override is built in
+    kw = dict(tokens=8, prefill=4, designs=("separate",), lp_formats=("fp16",), backend="reference")
+    base = pms.run("tiny_nemotron_h", **kw)
+    long = pms.run("tiny_nemotron_h", overrides={"time_step_min": 0.001, "time_step_max": 0.1}, **kw)
+    assert [r["kl"] for r in base] != [r["kl"] for r in long]
+
+
 @pytest.mark.interpret
 @pytest.mark.slow          # 30 s of interpreter: the kernels are checked against the reference elsewhere
 def test_kernels_give_the_reference_kl():

@@ -36,6 +36,11 @@ whose argmax token is the reference's; `first_nonfinite`, the first step whose l
 finite (None while all are). Models whose key head dim is not a multiple of 16 cannot keep an
 NVFP4 state: their NVFP4 variants are left out and the document's `skipped` says so.
 
+`--config KEY=VALUE` sets a config value of every model before it is built: the tiny NemotronH
+ships a time-step range of 0.05-0.5, which leaves every head a memory of tens of tokens, so that
+a low-precision state's rounding cannot accumulate; `time_step_min=0.001 time_step_max=0.1`
+(the full models' range) adds heads that remember about a thousand.
+
 Cost: one pass over the sequence per design plus the reference's, eager transformers forwards
 (no CUDA graphs): on the CPU the tiny models take milliseconds a token; `--time-budget S` ends
 each model's rows at the steps the reference pass reached in `S / (designs + 1)` seconds.
@@ -45,6 +50,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import json
 import math
 import time
 import warnings
@@ -134,16 +140,18 @@ def _adapters(model) -> list:
 def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, window: int = 16,
         designs=DESIGNS, lp_formats=LP_FORMATS, device="cpu", dtype: torch.dtype = torch.float32,
         seed: int = 0, backend: str = "auto", time_budget: float = 0.0, progress=None,
-        skipped=None) -> list:
+        skipped=None, overrides=None) -> list:
     """The study for one model (a shipped config name or an alias of `bench.model.MODELS`):
     its rows, one per variant and log-spaced decode-step count (`checkpoints(tokens)`).
     NVFP4 variants of a model whose key head dim is not a multiple of 16 are left out and
-    appended to `skipped` (a list) when given."""
+    appended to `skipped` (a list) when given. `overrides`: config values set before the model is
+    built (`hf.build`), e.g. `time_step_min=0.001, time_step_max=0.1` for the tiny NemotronH,
+    whose shipped range (0.05-0.5) keeps every head's memory to tens of tokens."""
     from ..integrations import hf
 
     device = torch.device(device)
     cfg_name = MODELS.get(name, name)
-    model = hf.build(cfg_name, dtype=dtype, seed=seed, device=device)
+    model = hf.build(cfg_name, dtype=dtype, seed=seed, device=device, **(overrides or {}))
     hf.enable(model, window=window, max_draft=1, eager_max_batch=0, num_slots=batch, backend=backend)
     family = "+".join(sorted({a.family for a in _adapters(model)}))
     vars_ = variants(designs, lp_formats)
@@ -247,6 +255,17 @@ def plot(rows, path) -> None:
     layer_plot(rows, path, group="model", value="kl", xlabel="decode steps", ylabel="KL(fp32 || design)")
 
 
+def _override(text: str) -> tuple:
+    # KEY=VALUE, the value as JSON where it parses (numbers, true, lists), else the string
+    key, sep, val = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(val)
+    except json.JSONDecodeError:
+        return key.strip(), val
+
+
 def _positive(text: str) -> int:
     try:
         val = int(text)
@@ -281,6 +300,8 @@ def main(argv=None) -> dict:
                     help="the pools' backend (default auto: the kernels on CUDA)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where available)")
     ap.add_argument("--seed", type=int, default=0, help="weights, tokens and rounding streams")
+    ap.add_argument("--config", type=_override, action="append", default=[], metavar="KEY=VALUE",
+                    help="a config value for every model, repeatable (e.g. time_step_min=0.001)")
     ap.add_argument("--out", default="benchmarks/results/precision_model_study.json",
                     help="JSON results (a .png plot beside it)")
     ap.add_argument("--no-plot", dest="do_plot", action="store_false")
@@ -296,9 +317,15 @@ def main(argv=None) -> dict:
             ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)} or a shipped config")
     if args.seed < 0:
         ap.error(f"--seed must be >= 0, got {args.seed}")
+    for m in args.models:       # a misspelt key would be kept by the config and change nothing
+        known = hf.config(MODELS.get(m, m)).to_dict()
+        for key, _ in args.config:
+            if key not in known:
+                ap.error(f"--config {key}: {m}'s config has no such key")
     doc = header("precision_model_study")
     doc.update(models=args.models, tokens=args.tokens, prefill=args.prefill, batch=args.batch,
-               window=args.window, dtype=args.dtype, seed=args.seed, time_budget_s=args.time_budget or None,
+               window=args.window, dtype=args.dtype, seed=args.seed, config_overrides=dict(args.config),
+               time_budget_s=args.time_budget or None,
                teacher_forcing="random tokens; stock prefill, then one true token per forward call",
                reference="fp32 replay pools (enable(window=...))", metric="KL(p_fp32 || p_design), nats",
                skipped=[], rows=[])
@@ -307,7 +334,7 @@ def main(argv=None) -> dict:
                            designs=args.designs, lp_formats=args.formats, device=device,
                            dtype=DTYPES[args.dtype], seed=args.seed, backend=args.backend,
                            time_budget=args.time_budget, progress=lambda s: print(s, flush=True),
-                           skipped=doc["skipped"])
+                           skipped=doc["skipped"], overrides=dict(args.config))
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
     print(f"\nmean KL(p_fp32 || p_design) over the decode steps up to each count ({args.prefill} prefilled, "
           f"batch {args.batch}, window {args.window}, {args.dtype} weights, {device}):")
