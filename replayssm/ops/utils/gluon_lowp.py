@@ -138,6 +138,17 @@ if HAVE_GLUON:
         return b.to(gl.float8e4nv, bitcast=True).to(gl.float32)
 
     @gluon.jit
+    def _e2m1_bits(w, sc: gl.constexpr, ss: gl.constexpr):
+        # pair (code i, code i + 4) of int32 words of eight codes as fp16 bits, `e2m1 * 2**-14`
+        # each: the code bits shifted by `sc`, the sign bits by `ss` (`E2M1_PAIRS[i]`)
+        CM: gl.constexpr = 0x0E000E00
+        SG: gl.constexpr = -0x7FFF8000
+        c = (w << sc) if sc >= 0 else (w >> -sc)
+        if ss == 0:
+            return (c & CM) | (w & SG)
+        return (c & CM) | ((w << ss) & SG)
+
+    @gluon.jit
     def _f16_halves(p):
         # the two fp16 halves of int32 words as fp32 (exact converts)
         lo = p.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
@@ -154,15 +165,13 @@ if HAVE_GLUON:
             s_t3 = s_t.reinterpret(gl.float32, [8, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         else:
             s_t3 = s_t._reinterpret(gl.float32, [8, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        CM: gl.constexpr = 0x0E000E00
-        SG: gl.constexpr = -0x7FFF8000
-        lo, hi = _f16_halves(((w << 9) & CM) | ((w << 12) & SG))
+        lo, hi = _f16_halves(_e2m1_bits(w, 9, 12))
         acc = lo * s_t3.index(0).load(LV)[None, :, :] + hi * s_t3.index(4).load(LV)[None, :, :]
-        lo, hi = _f16_halves(((w << 5) & CM) | ((w << 8) & SG))
+        lo, hi = _f16_halves(_e2m1_bits(w, 5, 8))
         acc += lo * s_t3.index(1).load(LV)[None, :, :] + hi * s_t3.index(5).load(LV)[None, :, :]
-        lo, hi = _f16_halves(((w << 1) & CM) | ((w << 4) & SG))
+        lo, hi = _f16_halves(_e2m1_bits(w, 1, 4))
         acc += lo * s_t3.index(2).load(LV)[None, :, :] + hi * s_t3.index(6).load(LV)[None, :, :]
-        lo, hi = _f16_halves(((w >> 3) & CM) | (w & SG))
+        lo, hi = _f16_halves(_e2m1_bits(w, -3, 0))
         acc += lo * s_t3.index(3).load(LV)[None, :, :] + hi * s_t3.index(7).load(LV)[None, :, :]
         return acc
 
@@ -285,11 +294,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _e2m1_pair(w, sc: gl.constexpr, ss: gl.constexpr, b_sc):
         # pair (code i, code i + 4) of every word as two fp16 `e2m1 * 2**-14 * block scale`
-        CM: gl.constexpr = 0x0E000E00
-        SG: gl.constexpr = -0x7FFF8000
-        c = (w << sc) if sc >= 0 else (w >> -sc)
-        g = (w << ss) if ss >= 0 else (w >> -ss)
-        p = (c & CM) | (g & SG)
+        p = _e2m1_bits(w, sc, ss)
         lo = p.to(gl.int16).to(gl.float16, bitcast=True)
         hi = (p >> 16).to(gl.int16).to(gl.float16, bitcast=True)
         return gl.join(lo * b_sc, hi * b_sc)
