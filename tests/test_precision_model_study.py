@@ -87,7 +87,9 @@ def test_cli_config_overrides(tmp_path, capsys):
     cli.main(["study", "precision-model", "--models", "tiny_nemotron_h", "--tokens", "4", "--prefill", "2",
               "--designs", "separate", "--formats", "fp16", "--device", "cpu", "--no-plot", "--out", str(out),
               "--config", "time_step_min=0.001", "--config", "time_step_max=0.1"])
-    assert json.loads(out.read_text())["config_overrides"] == {"time_step_min": 0.001, "time_step_max": 0.1}
+    doc = json.loads(out.read_text())
+    assert doc["config_overrides"] == {"time_step_min": 0.001, "time_step_max": 0.1}
+    assert doc["device"].startswith("CPU: ") and len(doc["device"]) > len("CPU: ")     # the machine, named
     for bad in (["--config", "time_step_minimum=0.001"], ["--config", "novalue"]):
         with pytest.raises(SystemExit):
             cli.main(["study", "precision-model", "--models", "tiny_nemotron_h", "--out", str(out)] + bad)

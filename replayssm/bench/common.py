@@ -71,11 +71,24 @@ def _command_name() -> str:
     return sys.argv[0]
 
 
+def cpu_name() -> str:
+    """The host CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows: on Linux
+    `platform.processor()` is often empty, which left CPU results naming no machine."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def header(benchmark: str) -> dict:
     import triton
 
     return {"benchmark": benchmark,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU: {cpu_name()}",
             "command": " ".join([_command_name()] + sys.argv[1:]),
             "git_commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
