@@ -7,9 +7,9 @@ For each JSON file named in the index's tables (in the index's order, under its 
 headings): the file's own provenance (command, GPU, date, code version) and a compact table of
 its rows, with the columns that matter for its benchmark (`decode`, and its `--variants` runs,
 `eager_sweep`, `tune`, `records`, `verify`, `model`, `precision`, `precision_study`,
-`vllm_ssu`, `cursor_steps`). `--check` writes nothing and exits 1 when a page differs from what would be
-written or a page under docs/results/ is no longer generated (benchmarks/tools/test_tools.py
-runs the same comparison). Reads JSON only: it imports nothing of the package.
+`precision_model_study`, `vllm_ssu`, `cursor_steps`). `--check` writes nothing and exits 1
+when a page differs from what would be written or a page under docs/results/ is no longer
+generated (benchmarks/tools/test_tools.py runs the same comparison). Reads JSON only: it imports nothing of the package.
 """
 from __future__ import annotations
 
@@ -259,6 +259,25 @@ def precision_study_table(rows: list) -> list:
     return _table(header, out)
 
 
+def precision_model_table(rows: list) -> list:
+    """One line per (model, design, formats, rounding): the mean next-token KL divergence over
+    the first log-spaced bin past 1024 steps and over the last bin, top-1 agreement over the
+    last bin, and the first non-finite step."""
+    header = ["model", "design", "read", "HP", "rounding", "steps", "KL near 1K", "KL at the end", "top-1",
+              "non-finite"]
+    groups = defaultdict(dict)
+    for r in rows:
+        groups[(r["model"], r["design"], r["read_format"], r["hp_format"], r["rounding"])][r["tokens"]] = r
+    out = []
+    for key, by in groups.items():
+        ts = sorted(by)
+        near = next((t for t in ts if t >= 1024), ts[-1])
+        bad = next((by[t]["first_nonfinite"] for t in ts if by[t]["first_nonfinite"] is not None), None)
+        out.append([*key, ts[-1], _err(by[near]["kl"]), _err(by[ts[-1]]["kl"]),
+                    f"{by[ts[-1]]['top1_agree']:.3f}", bad or ""])
+    return _table(header, out)
+
+
 # ----------------------------------------------------------------------------------------------
 # The document
 
@@ -322,8 +341,9 @@ def file_section(name: str, data: dict) -> list:
     out = [f"### `{name}`", ""]
     note = f" ({data['git_commit_note']})" if data.get("git_commit_note") else ""
     out.append(f"- command: `{data['command']}`")
-    out.append(f"- GPU: {data['device']} (torch {data['torch']}, triton {data['triton']}); date: {data['date']}; "
-               f"code: {data['git_commit']}{note}")
+    where = "machine" if data["device"].startswith("CPU") else "GPU"
+    out.append(f"- {where}: {data['device']} (torch {data['torch']}, triton {data['triton']}); "
+               f"date: {data['date']}; code: {data['git_commit']}{note}")
     dtypes = [f"{k.replace('_', ' ')} {data[k]}" for k in ("record_dtype", "input_dtype") if k in data]
     if "copy_tb_per_s" in data:
         dtypes.append(f"device-to-device copy {data['copy_tb_per_s']:.2f} TB/s")
@@ -355,6 +375,8 @@ def file_section(name: str, data: dict) -> list:
             out += ["", "(Rows timed under vLLM's profiler, `profiled: true` in the file, are left out.)"]
     elif kind == "precision_study":
         out += precision_study_table(data["rows"])
+    elif kind == "precision_model_study":
+        out += precision_model_table(data["rows"])
     elif kind == "cursor_steps":
         out += cursor_steps_table(data)
     else:
