@@ -86,6 +86,8 @@ if [[ "$STAGE" == precision-long ]]; then
   python3 -m replayssm.cli study precision --engine batched --device cuda --tokens 131072 --formats nvfp4 \
     --designs shared,separate,separate-fp8sr --time-budget 250 \
     --out "$OUT/precision_study_nvfp4_h200.json" 2>&1 | tee "$OUT/precision_study_nvfp4_h200.log" | tail -14
+  # (the 4B models, random weights, eager forwards at batch 1: at 45 s a model the reference
+  # reached 16 steps, so the model-level results are the tiny models' on the CPU, README)
   python3 -m replayssm.cli study precision-model --models nemotron3-nano-4b,qwen3.5-4b --device cuda \
     --time-budget 120 --out "$OUT/precision_model_h200.json" 2>&1 | tee "$OUT/precision_model_h200.log" | tail -30
 fi
