@@ -342,7 +342,7 @@ def _lp_ptr(c):
 def mamba2_gluon_lp(cfg):
     """Mamba-2's low-precision Gluon kernel (ops/mamba2/gluon_lowp.py) at Super's shape (`HV=`,
     `V=` others), `lp=` the read format's code (fp16 by default), `kq=1` with the group's key
-    products loaded (`gluon_kq`), `mma=1` fp8's row sums on the tensor cores (`gluon_mma`)."""
+    products loaded (`gluon_kq`), `mma=1` fp8 and NVFP4 row sums on the tensor cores (`gluon_mma`)."""
     from replayssm.ops.mamba2 import gluon_lowp as m
 
     c = dict(BV=64, num_warps=4, lp=1)
