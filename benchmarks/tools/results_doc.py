@@ -242,21 +242,29 @@ def precision_table(rows: list) -> list:
     return _table(header, out)
 
 
-def precision_study_table(rows: list) -> list:
-    """One line per (family, design, formats, rounding): the mean relative output error over
-    the first log-spaced bin past 1024 tokens and over the last bin, and the first non-finite
-    token."""
-    header = ["family", "design", "read", "HP", "rounding", "tokens", "error near 1K", "error at the end", "non-finite"]
+def _study_bins(rows: list, first: str) -> list:
+    """The studies' rows grouped by (`first`, design, formats, rounding), each group's
+    log-spaced bins: (key, rows by token count, last count, first count past 1024 (else the
+    last), first non-finite token or None)."""
     groups = defaultdict(dict)
     for r in rows:
-        groups[(r["family"], r["design"], r["read_format"], r["hp_format"], r["rounding"])][r["tokens"]] = r
+        groups[(r[first], r["design"], r["read_format"], r["hp_format"], r["rounding"])][r["tokens"]] = r
     out = []
     for key, by in groups.items():
         ts = sorted(by)
         near = next((t for t in ts if t >= 1024), ts[-1])
         bad = next((by[t]["first_nonfinite"] for t in ts if by[t]["first_nonfinite"] is not None), None)
-        out.append([*key, ts[-1], _err(by[near]["rel_error"]), _err(by[ts[-1]]["rel_error"]), bad or ""])
-    return _table(header, out)
+        out.append((key, by, ts[-1], near, bad))
+    return out
+
+
+def precision_study_table(rows: list) -> list:
+    """One line per (family, design, formats, rounding): the mean relative output error over
+    the first log-spaced bin past 1024 tokens and over the last bin, and the first non-finite
+    token."""
+    header = ["family", "design", "read", "HP", "rounding", "tokens", "error near 1K", "error at the end", "non-finite"]
+    return _table(header, [[*key, last, _err(by[near]["rel_error"]), _err(by[last]["rel_error"]), bad or ""]
+                           for key, by, last, near, bad in _study_bins(rows, "family")])
 
 
 def precision_model_table(rows: list) -> list:
@@ -265,17 +273,9 @@ def precision_model_table(rows: list) -> list:
     last bin, and the first non-finite step."""
     header = ["model", "design", "read", "HP", "rounding", "steps", "KL near 1K", "KL at the end", "top-1",
               "non-finite"]
-    groups = defaultdict(dict)
-    for r in rows:
-        groups[(r["model"], r["design"], r["read_format"], r["hp_format"], r["rounding"])][r["tokens"]] = r
-    out = []
-    for key, by in groups.items():
-        ts = sorted(by)
-        near = next((t for t in ts if t >= 1024), ts[-1])
-        bad = next((by[t]["first_nonfinite"] for t in ts if by[t]["first_nonfinite"] is not None), None)
-        out.append([*key, ts[-1], _err(by[near]["kl"]), _err(by[ts[-1]]["kl"]),
-                    f"{by[ts[-1]]['top1_agree']:.3f}", bad or ""])
-    return _table(header, out)
+    return _table(header, [[*key, last, _err(by[near]["kl"]), _err(by[last]["kl"]),
+                            f"{by[last]['top1_agree']:.3f}", bad or ""]
+                           for key, by, last, near, bad in _study_bins(rows, "model")])
 
 
 # ----------------------------------------------------------------------------------------------
