@@ -87,9 +87,9 @@ def test_lowp_config_split_keys():
     assert cfg["gluon"] is True and cfg["gluon_BV"] == 64 and cfg["split"] is False
     assert cfg["flush_programs"] is None and cfg["gluon_maxnreg"] == 0
     assert default_gluon_bv(80) == 16 and default_gluon_bv(96) == 32 and default_gluon_bv(128) == 64
-    assert cfg["gluon_recmask"] is None and cfg["gluon_kq"] is None and cfg["gluon_mma"] is None
+    assert cfg["gluon_recmask"] is None and cfg["gluon_kq"] is None
     for bad in ({"gluon": 1}, {"split": "yes"}, {"gluon_BV": 48}, {"gluon_BV": True}, {"gluon_maxnreg": 300},
-                {"flush_programs": 0}, {"flush_programs": 2.0}, {"gluon_recmask": 1}, {"gluon_kq": 1}, {"gluon_mma": 1},
+                {"flush_programs": 0}, {"flush_programs": 2.0}, {"gluon_recmask": 1}, {"gluon_kq": 1},
                 {"glon": True}):
         with pytest.raises(ValueError, match=next(iter(bad)) if "glon" not in bad else "unknown"):
             lowp_config(64, bad)
@@ -266,7 +266,6 @@ def test_split_matches_single_launch_interpreter(design):
 
 
 GPU_SHAPES = {"super": (128, 8, 64, 128), "nano4b": (96, 8, 80, 128)}
-MMA_DESIGNS = (2, 3, 4, 7, 8, 9)           # every design that reads fp8 or NVFP4
 gpu = pytest.mark.skipif(not GPU, reason="needs CUDA and Gluon")
 
 
@@ -307,21 +306,6 @@ def test_split_gpu_key_products_off(shape, lp):
     gaps = _run_split(("fp32", lp, "stochastic"), GPU_SHAPES[shape], 8, 16, 40,
                       {"gluon": True, "gluon_kq": False}, False)
     assert gaps["flushes"] >= 8 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("design", [DESIGNS[i] for i in MMA_DESIGNS], ids=[DESIGN_IDS[i] for i in MMA_DESIGNS])
-@pytest.mark.parametrize("shape", list(GPU_SHAPES))
-def test_split_gpu_mma(shape, design):
-    """fp8 and NVFP4 reads (a copy beside an fp32 or bf16 checkpoint, or the one shared
-    checkpoint) with the row sums on the tensor cores (`gluon_mma`: the tile's columns renumbered,
-    the query in two fp16 parts): the same state as the single launch, steady outputs within fp32
-    rounding of it and of the reference pool."""
-    gaps = _run_split(design, GPU_SHAPES[shape], 8, 16, 40, {"gluon": True, "gluon_mma": True}, False, ref_every=3)
-    print(shape, design, gaps)
-    assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["ref_steps"] == 14, gaps
-    assert gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
 
 
 @pytest.mark.gpu

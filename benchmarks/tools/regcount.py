@@ -342,7 +342,7 @@ def _lp_ptr(c):
 def mamba2_gluon_lp(cfg):
     """Mamba-2's low-precision Gluon kernel (ops/mamba2/gluon_lowp.py) at Super's shape (`HV=`,
     `V=` others), `lp=` the read format's code (fp16 by default), `kq=1` with the group's key
-    products loaded (`gluon_kq`), `mma=1` fp8 and NVFP4 row sums on the tensor cores (`gluon_mma`)."""
+    products loaded (`gluon_kq`)."""
     from replayssm.ops.mamba2 import gluon_lowp as m
 
     c = dict(BV=64, num_warps=4, lp=1)
@@ -350,7 +350,7 @@ def mamba2_gluon_lp(cfg):
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
     ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "kq")}, **_lp_ptr(c))
     vals = dict(HV=c.pop("HV", 128), Hk=8, V=c.pop("V", 64), K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True,
-                LP=c["lp"], KQ=bool(c.pop("kq", 0)), MMA=bool(c.pop("mma", 0)))
+                LP=c["lp"], KQ=bool(c.pop("kq", 0)))
     return _gluon(m._gluon_lp_kernel, "mamba2 gluon lp", ptr, vals, c)
 
 

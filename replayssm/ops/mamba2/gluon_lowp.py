@@ -36,8 +36,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import _arrive_early, _barrier, _move_cursor, _record_weights, _softplus
-    from ..utils.gluon_lowp import (lp_block_scales, lp_block_scales_mma, lp_row_factor, lp_row_sums,
-                                    lp_row_sums_mma, lp_tile_mma, lp_tile_to_shared, lp_vector, mma_vector)
+    from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_tile_to_shared,
+                                    lp_vector)
 
 __all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
 
@@ -72,7 +72,7 @@ if HAVE_GLUON:
         HV: gl.constexpr, Hk: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, LP: gl.constexpr,
         HAS_D: gl.constexpr, HAS_Z: gl.constexpr, NW: gl.constexpr, RECMASK: gl.constexpr,
-        KQ: gl.constexpr, MMA: gl.constexpr,
+        KQ: gl.constexpr,
     ):
         # the fp32 kernel's layouts (gluon_decode.py) for everything but the tile: LW value
         # records [BL, BV], LK key records [BL, K], LY outputs [BV], LA1 [BL] one position per lane
@@ -98,15 +98,9 @@ if HAVE_GLUON:
             gl.store(p_o, gl.zeros([BV], gl.float32, LY).to(out.dtype.element_ty))
             return
 
-        # 1. the LP tile's bytes, to shared memory (on the tensor cores, `MMA`: to registers)
+        # 1. the LP tile's bytes, to shared memory
         i_m = slot * HV + i_h                                       # this head's matrix in the pool
-        if MMA:
-            b_T = lp_tile_mma(lp_data + i_m * (V * KE) + v0 * KE, NW, LP)
-            # issued before every other load, as the copy's are (without the barrier the
-            # compiler placed them after the records' loads)
-            _barrier()
-        else:
-            s_T = lp_tile_to_shared(lp_data + i_m * (V * KE) + v0 * KE, BV, K, LP, NW)
+        s_T = lp_tile_to_shared(lp_data + i_m * (V * KE) + v0 * KE, BV, K, LP, NW)
 
         # 2. every other load, as the fp32 kernel issues them (the records over the window's
         # positions unless RECMASK), plus the row scales
@@ -128,20 +122,14 @@ if HAVE_GLUON:
         if HAS_D:
             b_D = gl.load(D + i_h).to(gl.float32)
         b_fac = lp_row_factor(lp_scale, lp_tscale, i_m, v0 + o_y, V, LP)
-        if MMA and LP == 4:
-            b_sca = lp_block_scales_mma(lp_scale, i_m, v0, V, NW)
-            b_scb = 0
-        elif LP == 4:
+        if LP == 4:
             RC4: gl.constexpr = 8 * NW
             b_sca = lp_block_scales(lp_scale, i_m, v0, V, K, RC4, NW)
             b_scb = lp_block_scales(lp_scale, i_m, v0 + RC4, V, K, RC4, NW)
         else:
             b_sca = 0
             b_scb = 0
-        if MMA:
-            b_Bq, b_qs = mma_vector(p_Ct, NW, LP)
-        else:
-            b_qv = lp_vector(b_qK, p_Ct, K, LP, NW)
+        b_qv = lp_vector(b_qK, p_Ct, K, LP, NW)
 
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
         o_l = gl.arange(0, BL, layout=LA1)
@@ -181,16 +169,12 @@ if HAVE_GLUON:
         b_w = b_dt * b_x
 
         # 4. the tile, once landed, decoded in row chunks; the row sums through shared memory
-        if MMA:
-            b_s = gl.convert_layout(lp_row_sums_mma(b_T, b_Bq, b_sca, NW, LP), LY) * b_qs
-        else:
-            cp.wait_group(0)
-            _barrier()
-            s_y = gl.allocate_shared_memory(gl.float32, [BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            lp_row_sums(s_T, b_qv, s_y, b_sca, b_scb, BV, K, LP, NW)
-            _barrier()
-            b_s = s_y.load(LY)
-        b_y = b_g * (b_s * b_fac) + gl.convert_layout(b_rec, LY) + b_kcq * b_w
+        cp.wait_group(0)
+        _barrier()
+        s_y = gl.allocate_shared_memory(gl.float32, [BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        lp_row_sums(s_T, b_qv, s_y, b_sca, b_scb, BV, K, LP, NW)
+        _barrier()
+        b_y = b_g * (s_y.load(LY) * b_fac) + gl.convert_layout(b_rec, LY) + b_kcq * b_w
         if HAS_D:
             b_y += b_D * b_x
         if HAS_Z:
@@ -213,16 +197,13 @@ if HAVE_GLUON:
 
 
 def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
-                    cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=None, kq=None, mma=None):
+                    cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=None, kq=None):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) on the LP parts of
     `lowp.lp_views` under format code `LP`; the caller checked `gluon_lp_unsupported` and runs
     the flush rows first (precision.py, `ROWS=1`). `recmask`: the record loads wait for the
     cursor and skip positions past it (None: off, Mamba-2's default). `kq` (None: on, Mamba-2's
     default): the group's key products formed first (`utils.key_products`, a launch of `Bt * Hk`
-    programs), which the kernel then loads instead of the key records. `mma` (None: off): fp8
-    and NVFP4 rows on the tensor cores (`utils.gluon_lowp.lp_row_sums_mma`); other formats ignore
-    it. Measured slower (`precision_gluon_mma_h200.json`, batch 256: Super fp8 2.14x -> 1.80x fp32
-    reads, NVFP4 1.96x -> 1.79x; Nano-4B fp8 2.02x -> 1.67x, NVFP4 1.88x -> 1.71x), so off."""
+    programs), which the kernel then loads instead of the key records."""
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     LB = buf_ld.shape[1]
@@ -241,5 +222,4 @@ def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale,
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=int(window), BV=BV, BL=BL, LP=int(LP),
-        NW=nw, num_warps=nw, RECMASK=bool(recmask), KQ=kq, MMA=bool(mma) and int(LP) in (3, 4),
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        NW=nw, num_warps=nw, RECMASK=bool(recmask), KQ=kq, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -361,8 +361,7 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
         if gluon:
             launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, ck["lp_data"], ck["lp_scale"], ck["lp_tscale"],
                             ck["LP"], buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, out, int(window),
-                            cfg["gluon_BV"], cfg["gluon_maxnreg"], cfg["gluon_recmask"], cfg["gluon_kq"],
-                            cfg["gluon_mma"])
+                            cfg["gluon_BV"], cfg["gluon_maxnreg"], cfg["gluon_recmask"], cfg["gluon_kq"])
         else:
             _lowp_decode_kernel[(HV * nvb, Bt)](**args, ROWS=2)
     else:

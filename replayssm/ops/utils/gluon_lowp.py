@@ -33,7 +33,6 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from .gluon import _async_load, _barrier
 
@@ -138,17 +137,6 @@ if HAVE_GLUON:
         return b.to(gl.float8e4nv, bitcast=True).to(gl.float32)
 
     @gluon.jit
-    def _e2m1_bits(w, sc: gl.constexpr, ss: gl.constexpr):
-        # pair (code i, code i + 4) of int32 words of eight codes as fp16 bits, `e2m1 * 2**-14`
-        # each: the code bits shifted by `sc`, the sign bits by `ss` (`E2M1_PAIRS[i]`)
-        CM: gl.constexpr = 0x0E000E00
-        SG: gl.constexpr = -0x7FFF8000
-        c = (w << sc) if sc >= 0 else (w >> -sc)
-        if ss == 0:
-            return (c & CM) | (w & SG)
-        return (c & CM) | ((w << ss) & SG)
-
-    @gluon.jit
     def _f16_halves(p):
         # the two fp16 halves of int32 words as fp32 (exact converts)
         lo = p.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
@@ -165,13 +153,15 @@ if HAVE_GLUON:
             s_t3 = s_t.reinterpret(gl.float32, [8, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         else:
             s_t3 = s_t._reinterpret(gl.float32, [8, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        lo, hi = _f16_halves(_e2m1_bits(w, 9, 12))
+        CM: gl.constexpr = 0x0E000E00
+        SG: gl.constexpr = -0x7FFF8000
+        lo, hi = _f16_halves(((w << 9) & CM) | ((w << 12) & SG))
         acc = lo * s_t3.index(0).load(LV)[None, :, :] + hi * s_t3.index(4).load(LV)[None, :, :]
-        lo, hi = _f16_halves(_e2m1_bits(w, 5, 8))
+        lo, hi = _f16_halves(((w << 5) & CM) | ((w << 8) & SG))
         acc += lo * s_t3.index(1).load(LV)[None, :, :] + hi * s_t3.index(5).load(LV)[None, :, :]
-        lo, hi = _f16_halves(_e2m1_bits(w, 1, 4))
+        lo, hi = _f16_halves(((w << 1) & CM) | ((w << 4) & SG))
         acc += lo * s_t3.index(2).load(LV)[None, :, :] + hi * s_t3.index(6).load(LV)[None, :, :]
-        lo, hi = _f16_halves(_e2m1_bits(w, -3, 0))
+        lo, hi = _f16_halves(((w >> 3) & CM) | (w & SG))
         acc += lo * s_t3.index(3).load(LV)[None, :, :] + hi * s_t3.index(7).load(LV)[None, :, :]
         return acc
 
@@ -214,111 +204,6 @@ if HAVE_GLUON:
                 else:
                     b_f = e4m3_to_f32(b)
                 s_y.slice(r0, RC, dim=0).store(gl.sum(b_f * b_v[None, :], axis=1))
-
-    # fp8 and NVFP4 rows on the tensor cores (`gluon_mma`): the tile loaded straight into
-    # registers, 16 bytes a load, so that each thread's bytes of a row are the elements its
-    # `mma.m16n8k16` A fragments hold once the row's columns are renumbered. A dot product may
-    # take its columns in any order, the vector's the same, and that order is chosen so the A
-    # operand is a renaming of registers, not a data movement: thread t of a quad holds bytes
-    # 32t.. of rows g and g + 8 (fp8; NVFP4 16 bytes, codes 32t..32t+31), and column k' of the
-    # product is element `_mma_perm(k')`. The vector is split in two fp16 parts after a
-    # power-of-two scale (B's columns 0 and 1, the other six zero); the elements are exact in
-    # fp16 (e4m3; e2m1 * 2**-14 times its e4m3 block scale: six significant bits, at least
-    # 2**-24), and the products accumulate in fp32: the row sums keep about 22 of fp32's 24 bits.
-
-    @gluon.constexpr_function
-    def mma_tile_layout(NW, LP):
-        """The `[16 NW, 128]` fp8 tile's register layout (uint8; NVFP4: int32 words `[16 NW,
-        16]`): a thread's 32 bytes (4 words) of a row first, then row + 8; lanes: the quad's
-        thread t at byte 32t (word 4t), rows by 4."""
-        if LP == 4:
-            reg, lane = [[0, 1], [0, 2], [8, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
-        else:
-            reg, lane = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]], [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]]
-        warp = [[16 << i, 0] for i in range(NW.bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg, lane, warp, [], [16 * NW, 16 if LP == 4 else 128])
-
-    @gluon.jit
-    def _mma_perm(kp, LP: gl.constexpr):
-        # the element of column k'. fp8: k' bits (b6 b5 b4 b3 t1 t0 b0) -> byte bits (t1 t0 b6 b5
-        # b4 b3 b0); NVFP4: k' bits (w1 w0 i1 i0 t1 t0 h) -> code bits (t1 t0 w1 w0 h i1 i0),
-        # code i + 4h of word 4t + 2w1 + w0, i = 2i1 + i0 (`E2M1_PAIRS`' pair i, half h)
-        if LP == 4:
-            return 32 * ((kp >> 1) & 3) + 16 * ((kp >> 6) & 1) + 8 * ((kp >> 5) & 1) + 4 * (kp & 1) \
-                + 2 * ((kp >> 4) & 1) + ((kp >> 3) & 1)
-        else:
-            return (kp & 1) + 2 * ((kp >> 3) & 1) + 4 * ((kp >> 4) & 7) + 32 * ((kp >> 1) & 3)
-
-    @gluon.jit
-    def _f32_pow2(e):
-        # 2**e for an int32 e, exact (the exponent field, clamped to normal numbers)
-        return (gl.minimum(gl.maximum(e + 127, 1), 254) << 23).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def lp_tile_mma(p_T, NW: gl.constexpr, LP: gl.constexpr):
-        """Issue the loads of the `[16 NW, 128]` tile at `p_T` (fp8 bytes, NVFP4 int32 words of
-        `lp_gluon_views`) into registers in `mma_tile_layout`; `lp_row_sums_mma` takes them."""
-        LX: gl.constexpr = mma_tile_layout(NW, LP)
-        C: gl.constexpr = 16 if LP == 4 else 128
-        o_r = gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, LX))
-        o_c = gl.arange(0, C, layout=gl.SliceLayout(0, LX))
-        return gl.load(p_T + (o_r[:, None] * C + o_c[None, :]), eviction_policy="evict_first")
-
-    @gluon.jit
-    def lp_block_scales_mma(lp_scale, i_m, r0, V: gl.constexpr, NW: gl.constexpr):
-        """NVFP4: the raw e4m3 block scales of the tile's rows from `r0`, one per word of
-        `lp_tile_mma`'s tile (`[16 NW, 16]`, word w in block w // 2)."""
-        LX: gl.constexpr = mma_tile_layout(NW, 4)
-        o_r = r0 + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, LX))
-        o_w = gl.arange(0, 16, layout=gl.SliceLayout(0, LX))
-        return gl.load(lp_scale + i_m * (V * 8) + o_r[:, None] * 8 + o_w[None, :] // 2)
-
-    @gluon.jit
-    def mma_vector(p_v, NW: gl.constexpr, LP: gl.constexpr):
-        """The vector `v[128]` at `p_v` as the B operand of `lp_row_sums_mma` (columns 0 and 1:
-        the high and low fp16 parts of `v * 2**s`, in the order of `_mma_perm`), and `2**-s`,
-        which multiplies the row sums: `s` puts the largest `|v|` in [2**13, 2**14)."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        LB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])
-        o_k = gl.arange(0, 128, layout=gl.SliceLayout(1, LB))
-        o_n = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-        b_v = gl.load(p_v + _mma_perm(o_k, LP)).to(gl.float32)
-        e = ((gl.max(gl.abs(b_v), axis=0).to(gl.int32, bitcast=True) >> 23) & 255) - 127
-        b_v = b_v * _f32_pow2(13 - e)
-        hi = b_v.to(gl.float16)
-        lo = (b_v - hi.to(gl.float32)).to(gl.float16)
-        z = gl.zeros([128, 8], gl.float16, LB)
-        b = gl.where(o_n[None, :] == 0, hi[:, None] + z, gl.where(o_n[None, :] == 1, lo[:, None] + z, z))
-        return gl.convert_layout(b, gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)), _f32_pow2(e - 13)
-
-    @gluon.jit
-    def _e2m1_pair(w, sc: gl.constexpr, ss: gl.constexpr, b_sc):
-        # pair (code i, code i + 4) of every word as two fp16 `e2m1 * 2**-14 * block scale`
-        p = _e2m1_bits(w, sc, ss)
-        lo = p.to(gl.int16).to(gl.float16, bitcast=True)
-        hi = (p >> 16).to(gl.int16).to(gl.float16, bitcast=True)
-        return gl.join(lo * b_sc, hi * b_sc)
-
-    @gluon.jit
-    def lp_row_sums_mma(b_T, b_B, b_sc, NW: gl.constexpr, LP: gl.constexpr):
-        """The rows' products `sum_k T[r, k] v_k` of `lp_tile_mma`'s tile with `mma_vector`'s B,
-        before its `2**-s` and the row factor (`lp_row_factor`): fp8 elements; NVFP4 e2m1 codes
-        times 2**-14 and their block scales (`b_sc`, `lp_block_scales_mma`; fp8 ignores it).
-        fp32 `[16 NW]`, in the slice of the mma layout."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        R: gl.constexpr = 16 * NW
-        if LP == 4:
-            s16 = b_sc.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-            b = gl.join(gl.join(_e2m1_pair(b_T, 9, 12, s16), _e2m1_pair(b_T, 5, 8, s16)),
-                        gl.join(_e2m1_pair(b_T, 1, 4, s16), _e2m1_pair(b_T, -3, 0, s16)))
-            # [R, word (t1 t0 w1 w0), h, i0, i1] -> k' bits (w1 w0 i1 i0 t1 t0 h)
-            b = gl.permute(gl.reshape(b, [R, 2, 2, 2, 2, 2, 2, 2]), (0, 3, 4, 7, 6, 1, 2, 5))
-        else:
-            b = b_T.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-            # byte bits (t1 t0 b6 b5 b4 b3 b0) -> k' bits (b6 b5 b4 b3 t1 t0 b0)
-            b = gl.permute(gl.reshape(b, [R, 2, 2, 2, 2, 2, 2, 2]), (0, 3, 4, 5, 6, 1, 2, 7))
-        a = gl.convert_layout(gl.reshape(b, [R, 128]), gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
-        return gl.sum(mma_v2(a, b_B, gl.zeros([R, 8], gl.float32, MMA)), axis=1)
 
     @gluon.jit
     def lp_row_factor(lp_scale, lp_tscale, i_m, o_r, V: gl.constexpr, LP: gl.constexpr):

@@ -85,15 +85,13 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     `gluon_kq` (the records' key products with the token's query (Mamba-2) or key and query (GDN)
     formed once per row and key head by a launch before the Gluon kernel, `utils.key_products`,
     instead of by each of its programs; None: the family's default, Mamba-2 yes, GDN no; KDA,
-    whose record weights are per value head, ignores it), `gluon_mma` (Mamba-2's fp8 and NVFP4
-    reads: the row sums on the tensor cores, `utils.gluon_lowp.lp_row_sums_mma`; None: the
-    default, off, as it measured slower; other formats and families ignore it),
+    whose record weights are per value head, ignores it),
     `split` (the two launches even without Gluon, the second the Triton kernel: the split's test
     on the interpreter), `flush_programs` (the
     flush launch's programs, None: 8 per SM, 8 off CUDA, at most one per (row, head, V-block)).
     The split's keys are returned where given, all of them (defaults filled) with `split=True`."""
     split_keys = {"gluon": True, "gluon_BV": default_gluon_bv(V), "gluon_maxnreg": 0, "gluon_recmask": None,
-                  "gluon_kq": None, "gluon_mma": None, "split": False, "flush_programs": None}
+                  "gluon_kq": None, "split": False, "flush_programs": None}
     cfg = dict({"BV": default_bv(V), "num_warps": 4}, **split_keys)
     if config:
         unknown = set(config) - set(cfg)
@@ -114,7 +112,7 @@ def lowp_config(V: int, config: Optional[dict], split: bool = False) -> dict:
     nreg = cfg["gluon_maxnreg"]
     if isinstance(nreg, bool) or not isinstance(nreg, int) or not (nreg == 0 or 24 <= nreg <= 255):
         raise ValueError(f"config: gluon_maxnreg must be 0 (none) or in 24..255, got {nreg!r}")
-    for key in ("gluon_recmask", "gluon_kq", "gluon_mma"):
+    for key in ("gluon_recmask", "gluon_kq"):
         if cfg[key] is not None and not isinstance(cfg[key], bool):
             raise ValueError(f"config: {key} must be None or a bool, got {cfg[key]!r}")
     fp = cfg["flush_programs"]
