@@ -37,7 +37,7 @@ from ..utils.checks import check_window
 from ..utils.cursor import hand_off
 from ..utils.launch import arrive_counter
 from ..utils.lowp import (LP_CODES, flush_item_row, flush_programs, flush_rows_chunk, head_counter,
-                          last_at_head, load_lp_tile, lowp_config, store_lp_rows,
+                          last_at_head, load_lp_tile, lowp_config, nvfp4_stand_in, store_lp_rows,
                           store_nvfp4_head)
 from ..utils.sround import (HP_CODES, SHARED_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args,
                            store_nvfp4_rows, store_sr_rows)
@@ -313,9 +313,8 @@ def lowp_decode(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
     if validate:
         Bt, HV, V, Hk, K = check_token_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
-        if shared and hp_format == "nvfp4" and isinstance(hp, Tensor) and hp.dim() == 4:
-            # the checks see a stand-in of the logical shape (shared_args checks the packed parts)
-            hp = torch.empty((hp.shape[0], HV, V, K), dtype=hp.dtype, device=hp.device)
+        if shared and hp_format == "nvfp4":
+            hp = nvfp4_stand_in(hp, K)
         N, Lb = check_state(hp, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
                             Hk=Hk, K=K, device=dev, ckpt_dtypes=(getattr(hp, "dtype", None),))
         if out is not None:

@@ -39,7 +39,8 @@ from torch import Tensor
 from ..utils.checks import check_window
 from ..utils.cursor import verify_hand_off
 from ..utils.launch import arrive_counter
-from ..utils.lowp import head_counter, last_at_head, load_lp_tile, lowp_config, store_lp_rows, store_nvfp4_head
+from ..utils.lowp import (head_counter, last_at_head, load_lp_tile, lowp_config, nvfp4_stand_in, store_lp_rows,
+                          store_nvfp4_head)
 from ..utils.sround import checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows, store_sr_rows
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, draft_decays, given,
                      verify_row_bounds, write_shared_drafts)
@@ -307,9 +308,8 @@ def lowp_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
     if validate:
         Bt, T, HV, V, Hk, K = _check_verify_inputs(x, dt, B, C, A, dt_bias, D, z)
         dev = x.device
-        if shared_nvfp4 and isinstance(hp, Tensor) and hp.dim() == 4:
-            # the checks see a stand-in of the logical shape (shared_args checks the packed parts)
-            hp = torch.empty((hp.shape[0], HV, V, K), dtype=hp.dtype, device=hp.device)
+        if shared_nvfp4:
+            hp = nvfp4_stand_in(hp, K)
         N, Lb = check_state(hp, buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, Bt=Bt, HV=HV, V=V,
                             Hk=Hk, K=K, device=dev, ckpt_dtypes=(getattr(hp, "dtype", None),),
                             pending=pending)

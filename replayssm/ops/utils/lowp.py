@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .launch import capturing
 
-__all__ = ["LP_CODES", "lp_views", "default_bv", "default_gluon_bv", "lowp_config", "flush_programs", "head_counter",
+__all__ = ["LP_CODES", "lp_views", "nvfp4_stand_in", "default_bv", "default_gluon_bv", "lowp_config", "flush_programs", "head_counter",
            "flush_rows_chunk", "flush_item_row", "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
 
 LP_CODES = {"fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
@@ -60,6 +60,15 @@ def lp_views(parts, fmt: str, N: int, HV: int, V: int, K: int):
     if scale is not None and scale.dtype == torch.float8_e4m3fn:
         scale = scale.view(torch.uint8)
     return data, scale, parts.get("tensor_scale")
+
+
+def nvfp4_stand_in(data, K: int):
+    """What the shape checks see of a shared NVFP4 checkpoint's `data` (`[N, HV, V, K / 2]`
+    bytes, two codes each): an empty `[N, HV, V, K]` tensor of its dtype and device (`lp_views`
+    checks the packed parts themselves); anything that is not a 4-d tensor as it is."""
+    if isinstance(data, Tensor) and data.dim() == 4:
+        return torch.empty((*data.shape[:3], K), dtype=data.dtype, device=data.device)
+    return data
 
 
 def default_bv(V: int) -> int:
