@@ -24,11 +24,12 @@ from torch import Tensor
 
 from .launch import capturing
 
-__all__ = ["LP_CODES", "lp_views", "nvfp4_stand_in", "default_bv", "default_gluon_bv", "lowp_config", "flush_programs", "head_counter",
-           "flush_rows_chunk", "flush_item_row", "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
+__all__ = ["LP_CODES", "lp_views", "nvfp4_stand_in", "default_bv", "default_gluon_bv", "lowp_config",
+           "flush_programs", "head_counter", "scale_scratch", "last_at_head", "flush_rows_chunk", "flush_item_row",
+           "load_lp_tile", "store_lp_rows", "store_nvfp4_head"]
 
 LP_CODES = {"fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
-_HEAD_COUNTERS: dict = {}
+_CACHED: dict = {}
 
 
 def lp_views(parts, fmt: str, N: int, HV: int, V: int, K: int):
@@ -145,11 +146,11 @@ def _cached(kind: str, device, n: int, make, first_call: str) -> Tensor:
     """A device tensor of `n` elements made by `make(n)`, cached per (kind, device, n): a
     captured CUDA graph replays its address, so it is made before capture (outside it)."""
     key = (kind, torch.device(device), int(n))
-    t = _HEAD_COUNTERS.get(key)
+    t = _CACHED.get(key)
     if t is None:
         if capturing():
             raise ValueError(f"{kind} not allocated yet: {first_call} once before capturing a CUDA graph")
-        t = _HEAD_COUNTERS[key] = make(max(n, 1))
+        t = _CACHED[key] = make(max(n, 1))
     return t
 
 
