@@ -213,3 +213,86 @@ def test_decode_verify_commit_in_one_cuda_graph(family):
     assert int((pools[1].epoch - e0[1]).min()) > 0          # every row flushed (verify rows early)
     all_ids = torch.arange(N_, device="cuda")
     assert torch.equal(pools[0].materialize(all_ids), pools[1].materialize(all_ids))
+
+
+# ------------------------------------------------------------------ draft counts on every backend
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"    # of the triton backend (CPU: interpreted)
+# inputs that reach the output outside the recurrence (Mamba-2's skip term and gate) and inside it
+UNVERIFIED = {"mamba2": ("x", "z", "dt"), "gdn": ("v", "q", "a"), "kda": ("v", "q", "a")}
+
+
+def _pair(family):
+    """The same layer on both backends: a float64 reference pool and an fp32 triton pool."""
+    params = make_params(family, HV, K, seed=3)
+    ref = SlotPool(params, N, V, K, HK, window=L, max_draft=T, dtype=torch.float64, backend="reference")
+    fast = SlotPool(params, N, V, K, HK, window=L, max_draft=T, backend="triton", device=DEV)
+    init = 0.1 * torch.randn(N, HV, V, K, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for p in (ref, fast):
+        p.load(torch.arange(N, device=p.device), init.to(p.device))
+        # cursors 0, 2, 4, 5 (slots 0..3): rows at 4 and 5 flush early with 2 and 1 drafts
+        for s, h in ((1, 2), (2, 4), (3, 5)):
+            for i in range(h):
+                x = make_inputs(params, 1, V, K, HK, generator=torch.Generator().manual_seed(10 * s + i))
+                p.decode(torch.tensor([s], device=p.device), **{k: v.to(p.device, p.dtype) for k, v in x.items()})
+    return params, ref, fast
+
+
+def _on(pool, x):
+    return {k: v.to(pool.device, pool.dtype) for k, v in x.items()}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("family", ["mamba2", "gdn", "kda"])
+def test_outputs_past_num_drafts_are_zero_whatever_those_tokens_hold(family, value):
+    # an engine's unused draft positions can hold anything: the outputs past each row's count
+    # are exact zeros and the rest equal a clean call's, on the reference path (which applied
+    # Mamba-2's skip term and gate to every token and then masked: NaN * 0) and the kernels
+    params, ref, fast = _pair(family)
+    clean = {k: v for k, v in make_inputs(params, N, V, K, HK, steps=T,
+                                          generator=torch.Generator().manual_seed(5)).items()}
+    n = torch.tensor([1, T, 2, 1])
+    dirty = {k: v.clone() for k, v in clean.items()}
+    for b, nb in enumerate(n.tolist()):
+        for field in UNVERIFIED[family]:
+            dirty[field][b, nb:] = float(value)
+    ids = torch.tensor([0, 1, 2, 3])
+    outs = {}
+    for name, pool in (("reference", ref), ("triton", fast)):
+        snap = [t.clone() for t in (*pool.ckpt.values(), *pool.buf.values(), pool.cursor, pool.epoch)]
+        d = pool.device
+        y_clean = pool.verify(ids.to(d), num_drafts=n.to(d), **_on(pool, clean))
+        for t, s in zip((*pool.ckpt.values(), *pool.buf.values(), pool.cursor, pool.epoch), snap):
+            t.copy_(s)                                            # the same state for the dirty call
+        y = pool.verify(ids.to(d), num_drafts=n.to(d), **_on(pool, dirty))
+        for b, nb in enumerate(n.tolist()):
+            assert torch.equal(y[b, nb:], torch.zeros_like(y[b, nb:])), (name, b)
+            assert torch.equal(y[b, :nb], y_clean[b, :nb]), (name, b)
+        outs[name] = y
+    assert rel_err(outs["triton"].double().cpu(), outs["reference"]) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn", "kda"])
+def test_unvalidated_draft_counts_are_clamped_to_0_T_on_every_backend(family):
+    # validate=False takes counts as an engine hands them: each backend clamps them to 0..T
+    # (docs/state-layout.md), so no row's pending count passes the drafts it wrote and a row
+    # with 0 (or fewer) verifies nothing; both backends end in the same state
+    params, ref, fast = _pair(family)
+    x = make_inputs(params, N, V, K, HK, steps=T, generator=torch.Generator().manual_seed(6))
+    ids = torch.tensor([0, 1, 2, 3])
+    n = torch.tensor([T + 2, 0, -3, T])
+    acc = torch.tensor([T + 5, 2, 1, 1])
+    ys = {}
+    for name, pool in (("reference", ref), ("triton", fast)):
+        d = pool.device
+        ys[name] = pool.verify(ids.to(d), num_drafts=n.to(d, torch.int32), validate=False, **_on(pool, x))
+        assert pool.pending.tolist() == [T, 0, 0, T], name
+        assert torch.equal(ys[name][1:3], torch.zeros_like(ys[name][1:3])), name
+        pool.commit(ids.to(d), acc.to(d, torch.int32), validate=False)
+        # slot 0 keeps its T drafts; slots 1, 2 had nothing pending; slot 3 (cursor 5) flushed early
+        assert pool.cursor.tolist() == [T, 2, 4, 1], name
+        assert int(pool.pending.abs().sum()) == 0, name
+    assert rel_err(ys["triton"].double().cpu(), ys["reference"]) < 1e-5
+    assert torch.equal(ref.epoch.cpu(), fast.epoch.cpu())
+    all_ids = torch.arange(N)
+    assert rel_err(fast.materialize(all_ids.to(DEV)).double().cpu(), ref.materialize(all_ids)) < 1e-5

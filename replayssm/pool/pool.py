@@ -272,7 +272,9 @@ class SlotPool:
         Inputs `[B, T, ...]`, `1 <= T <= max_draft`. Returns `[B, T, HV, V]`, the outputs the
         conventional recurrence would give for the tokens in order. `num_drafts` `[B]` int
         (default: `T` for every row): row b verifies its first `num_drafts[b]` tokens
-        (`1..T`), its outputs past them are zero. The tokens stay pending until `commit`; a row
+        (`1..T`), its outputs past them are zero whatever those tokens hold (NaN and Inf
+        included; with `validate=False` a count outside `0..T` is clamped to it, on every
+        backend, as the kernels do). The tokens stay pending until `commit`; a row
         whose cursor `h` has `h + num_drafts[b] > window` first folds its committed records
         into the checkpoint (the early flush, decided from the cursor alone).
 
@@ -304,12 +306,17 @@ class SlotPool:
                 return backends.get(self.family, "verify_lp")(*args, self.lp_format, self.hp_rounding)
         raw = {k: v for k, v in inputs.items() if k != "z"}
         prep = self.params.prepare(**raw)
-        ns = [T] * B if num_drafts is None else num_drafts.tolist()
+        # unvalidated counts are clamped to 0..T as the kernels clamp them, so that no row's
+        # pending count passes the drafts it wrote; a row with none verifies nothing
+        ns = [T] * B if num_drafts is None else [min(max(int(n), 0), T) for n in num_drafts.tolist()]
         y_all = torch.zeros(B, T, self.HV, self.V, dtype=self.dtype, device=self.device)
         for b, s in enumerate(slot_ids.tolist()):
             if s < 0:
                 continue
-            n = int(ns[b])
+            n = ns[b]
+            if n == 0:
+                self.pending[s] = 0
+                continue
             toks = {k: v[b, :n] for k, v in prep.items()}
             Y, S, start = R.verify_step(self.params, self._read(self.ckpt, self.hp_format, s),
                                         self._read(self.ckpt_lp, self.lp_format, s), self.layout.slot_records(s),
@@ -321,8 +328,11 @@ class SlotPool:
             self.pending[s] = n
         y_all = self._finish(y_all, slot_ids, inputs)
         if num_drafts is not None:
-            keep = torch.arange(T, device=self.device)[None, :] < num_drafts[:, None].to(self.device)
-            y_all = y_all * keep[:, :, None, None]
+            # a select, not a product: the skip term and gate of an unverified token may be
+            # NaN or Inf (an engine's unused draft positions hold anything), and NaN * 0 is NaN
+            keep = torch.arange(T, device=self.device)[None, :] < torch.tensor(ns, device=self.device)[:, None]
+            y_all = torch.where(keep[:, :, None, None], y_all, torch.zeros((), dtype=y_all.dtype,
+                                                                           device=y_all.device))
         return y_all if out is None else out.copy_(y_all)
 
     @torch.no_grad()
