@@ -249,3 +249,60 @@ def test_model_benchmark_batches_zero_and_spec_contexts(monkeypatch, tmp_path, c
     assert exc.value.code == 2 and "nothing to measure" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         mb.main(common + ["--batches", "0,64"])
+
+
+def _forward_fails_above(model, tokens: int, calls: list):
+    """Make `model`'s forward raise CUDA's out-of-memory error on more than `tokens` tokens a
+    forward, as transformers' torch scans do at serving batches; `calls` records the sizes."""
+    forward = model.forward
+
+    def guarded(*args, input_ids=None, **kwargs):
+        calls.append(input_ids.shape[1])
+        if input_ids.shape[1] > tokens:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 GiB")
+        return forward(*args, input_ids=input_ids, **kwargs)
+    model.forward = guarded
+
+
+def test_model_benchmark_prefill_out_of_memory_retries_with_fewer_tokens():
+    # a prefill forward that runs out of memory is retried from a fresh cache with half the
+    # tokens a forward, down to what fits: the same cache as a prefill at that size
+    pytest.importorskip("transformers")
+    from transformers.cache_utils import StaticLayer
+
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+    model = hf.build("tiny_nemotron_h")
+    want, want_first = mb.prefill(model, 3, 9, prefill_tokens=6)           # 2 positions a forward
+    calls = []
+    _forward_fails_above(model, 2, calls)
+    got, first = mb.prefill(model, 3, 9, prefill_tokens=1000)
+    assert calls[:3] == [9, 4, 2] and got._replayssm_prefill_tokens == 2
+    assert torch.equal(first, want_first)
+    layers = [(a, b) for a, b in zip(got.layers, want.layers) if isinstance(a, StaticLayer)]
+    assert layers and all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in layers)
+
+
+def test_model_benchmark_point_whose_prefill_cannot_fit_is_skipped_with_its_reason(monkeypatch, tmp_path):
+    # a point whose stock prefill fails even at one token a forward is a row that says so,
+    # decode and speculative alike, and the run goes on to write its results
+    pytest.importorskip("transformers")
+    import json
+
+    from replayssm.bench import model as mb
+    from replayssm.integrations import hf
+    build = hf.build
+
+    def failing(*a, **k):
+        m = build(*a, **k)
+        _forward_fails_above(m, 0, [])
+        return m
+    monkeypatch.setattr(hf, "build", failing)
+    out = tmp_path / "model.json"
+    mb.main(["--device", "cpu", "--dtype", "float32", "--models", "tiny_qwen3_5", "--batches", "2",
+             "--contexts", "5", "--reps", "1", "--spec-batches", "2", "--drafts", "2", "--accepted", "1",
+             "--out", str(out)])
+    doc = json.loads(out.read_text())
+    rows = doc["rows"] + doc["speculative_rows"]
+    assert len(rows) == 4
+    assert all(r["timing"] == mb.PREFILL_OOM and r.get("us_per_step", r.get("us_per_round")) is None for r in rows)

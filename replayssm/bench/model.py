@@ -25,7 +25,10 @@ carry the copy's rounding, which `first_token_agreement` shows. `--spec-schemes`
 the speculative rows (verification on `ops.<family>.lowp_verify`), and `no-recurrence` there
 the round with the recurrent layers' verify and commit skipped (its `ratio_vs_snapshot` the
 most any scheme can gain over the snapshot scheme).
-Points whose key/value cache would not fit are skipped with the reason in the row.
+Points whose key/value cache would not fit are skipped with the reason in the row. A prefill
+forward that runs out of memory (transformers' torch scans grow with batch x tokens^2) is
+retried with half the tokens, from a fresh cache; a point whose prefill does not fit at one
+token a forward is skipped with its reason too (rows: `prefill_tokens_per_forward`).
 The attention layers run `hf.use_gqa_attention` (`--attention gqa`, every scheme alike): each
 key/value head is read once per step, where transformers' own SDPA path (`--attention sdpa`)
 writes a copy of the cache per query head and step, which at batch 256 takes most of the step.
@@ -151,17 +154,42 @@ def prefill(model, batch: int, context: int, *, prefill_tokens: int = 131072, se
     full prefill, at the cost of its timing only: a decode step's work does not depend on the
     cached values, and the recurrent states (fixed size) come from the `real` tokens. Without
     fast prefill kernels (fla-core, mamba-ssm) a full prefill of 256 x 16384 tokens through
-    transformers' torch path takes minutes."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
+    transformers' torch path takes minutes.
+
+    At most `prefill_tokens // batch` tokens a forward, halved (from a fresh cache) each time a
+    forward runs out of memory; the cache's `_replayssm_prefill_tokens` says what ran."""
     device = next(model.parameters()).device
     if real < 0:
         raise ValueError(f"real must be >= 0, got {real}")
     real = context if real == 0 else min(real, context)
     ids = torch.randint(3, model.config.vocab_size, (batch, real),
                         generator=torch.Generator().manual_seed(seed)).to(device)
-    cache = StaticCache(config=model.config, max_cache_len=context + steps)
     chunk = max(1, min(real, prefill_tokens // batch))
+    while True:
+        try:
+            return _prefill_chunks(model, ids, context, steps, chunk, seed)
+        except torch.OutOfMemoryError:
+            # transformers' torch paths of the recurrent layers (no mamba-ssm / fla-core here)
+            # build products that grow with batch x chunk^2 (Mamba-2's scan asked for 768 GiB at
+            # batch 256 with 512 tokens a forward): fewer tokens a forward, from a fresh cache
+            # (the layers before the failing one already advanced their states). The retry
+            # happens outside this handler so that the traceback's frames, which hold the
+            # partial cache, are gone first.
+            if chunk == 1:
+                raise
+        chunk //= 2
+        _free()
+        print(f"prefill: out of memory at batch {batch}; retrying with {chunk} tokens a forward")
+
+
+def _prefill_chunks(model, ids, context: int, steps: int, chunk: int, seed: int):
+    """`prefill`'s work at `chunk` tokens per forward (the first `ids.shape[1]` positions
+    through the model, the rest of `context` random keys and values)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+    device = ids.device
+    real = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=context + steps)
     with _short_scan_chunks(model, chunk):
         for start in range(0, real, chunk):
             end = min(real, start + chunk)
@@ -176,7 +204,22 @@ def prefill(model, batch: int, context: int, *, prefill_tokens: int = 131072, se
                     std = buf[:, :, :real].float().std().clamp_min(1e-3)
                     fill.copy_(torch.randn(fill.shape, generator=g, device=device) * std)
         rewind(cache, context)
+    cache._replayssm_prefill_tokens = chunk          # tokens a forward: the rows record it
     return cache, out.logits[:, -1:].argmax(-1)
+
+
+PREFILL_OOM = "skipped: out of memory in the stock prefill, even at one token a forward"
+
+
+def _prefill_or_none(model, batch: int, context: int, prefill_tokens: int, steps: int, real: int):
+    """`prefill`, or `(None, None)` when it cannot fit at one token a forward (the point is
+    skipped with `PREFILL_OOM`, as a cache that does not fit is, not a traceback)."""
+    try:
+        return prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=steps, real=real)
+    except torch.OutOfMemoryError:
+        pass
+    _free()                                # outside the handler: its frames held the cache
+    return None, None
 
 
 @contextlib.contextmanager
@@ -279,8 +322,12 @@ def measure(name: str, batches, contexts, schemes=("conventional", "replay"), *,
                      for s in schemes]
             continue
         hf.disable(model)
-        cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=step_budget(reps),
-                               real=real)
+        cache, first = _prefill_or_none(model, batch, context, prefill_tokens, step_budget(reps), real)
+        if cache is None:
+            rows += [dict(base, scheme=s, us_per_step=None, ratio_vs_conventional=None, timing=PREFILL_OOM)
+                     for s in schemes]
+            continue
+        base["prefill_tokens_per_forward"] = cache._replayssm_prefill_tokens
         pos = torch.tensor([context], device=first.device)
         got = {}
         for scheme in schemes:
@@ -362,7 +409,12 @@ def measure_speculative(name: str, batches, contexts, *, T: int = 4, accepted: i
                      for s in schemes]
             continue
         hf.disable(model)
-        cache, first = prefill(model, batch, context, prefill_tokens=prefill_tokens, steps=steps, real=real)
+        cache, first = _prefill_or_none(model, batch, context, prefill_tokens, steps, real)
+        if cache is None:
+            rows += [dict(base, scheme=s, us_per_round=None, tokens_per_s=None, ratio_vs_snapshot=None,
+                          timing=PREFILL_OOM) for s in schemes]
+            continue
+        base["prefill_tokens_per_forward"] = cache._replayssm_prefill_tokens
         tokens = first.expand(batch, T).contiguous()
         pos = torch.arange(context, context + T, device=first.device)
         got = {}
