@@ -89,15 +89,21 @@ def test_tiny_qwen3_5(tmp_path):
 MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's output folder
 
 
-def _generate(path, mode, enabled, extra="{}", **switches):
-    env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0", **switches)
-    cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", str(path), mode, extra]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+def _run_engine(cmd, env, **kw):
+    """`cmd` (a process that starts a vLLM engine) run to its end."""
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, **kw)
     from replayssm.integrations.vllm._compat import START_UP_MEMORY_ERRORS
     if r.returncode != 0 and any(m in r.stdout + r.stderr for m in START_UP_MEMORY_ERRORS):
         # engines started side by side (pytest-xdist) can trip vLLM's start-up memory checks
         # when another one takes or frees memory meanwhile: once more
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, **kw)
+    return r
+
+
+def _generate(path, mode, enabled, extra="{}", **switches):
+    env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0", **switches)
+    cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", str(path), mode, extra]
+    r = _run_engine(cmd, env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = {x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
            if x.startswith(("TOKENS ", "TOP2 "))}
@@ -250,3 +256,69 @@ def test_wheel_installs_beside_vllm(tmp_path):
     assert got["file"].startswith(str(tmp_path / "site"))
     assert got["eps"] == [["replayssm", "replayssm.integrations.vllm:register"]]
     assert got["extra"] == ["vllm==0.25.0"] and got["unmet"] == []
+
+
+_FRONT_END = r"""
+import json, torch
+from vllm.plugins import load_general_plugins
+load_general_plugins()                    # what vLLM's front-end runs at start, replayssm's register() among them
+from replayssm.integrations import vllm as plugin
+# the model classes vLLM's front-end resolves to size a hybrid model's blocks
+from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
+from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+patched = hasattr(NemotronHForCausalLM.__dict__["get_mamba_state_shape_from_config"].__func__, "_replayssm_original")
+print("FRONT " + json.dumps({"cuda": torch.cuda.is_initialized(), "registered": plugin.status()["registered"],
+                             "patched": patched}))
+"""
+
+
+@pytest.mark.gpu
+def test_plugin_leaves_cuda_uninitialised_in_the_front_end():
+    """vLLM's front-end with the plugin on, as stock: after its plugins are loaded and the model
+    classes resolved, CUDA is not initialised (vLLM would otherwise spawn its workers, which
+    fails in a script without an `if __name__ == "__main__":` guard); the model classes'
+    declarations are patched all the same."""
+    pytest.importorskip("vllm", reason="vLLM 0.25.0 is installed only on the GPU machine")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    got = {}
+    for on in ("1", "0"):
+        r = subprocess.run([sys.executable, "-c", _FRONT_END], env=dict(os.environ, REPLAYSSM_VLLM=on),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        got[on] = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("FRONT "))[6:])
+    assert got["1"] == {"cuda": False, "registered": True, "patched": True}
+    assert got["0"] == {"cuda": False, "registered": False, "patched": False}
+
+
+_NO_GUARD = """\
+import json, os, sys
+from vllm import LLM, SamplingParams
+share = float(os.environ.get("REPLAYSSM_VLLM_CHECK_GPU_MEMORY", "0.3"))
+llm = LLM(model=sys.argv[1], gpu_memory_utilization=share, max_model_len=512, max_num_seqs=16, seed=0)
+outs = llm.generate([{"prompt_token_ids": list(range(10, 14 + 3 * i))} for i in range(8)],
+                    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+@pytest.mark.gpu
+def test_offline_script_without_main_guard_runs_with_the_plugin(tmp_path):
+    """A user's offline script as stock vLLM runs it, with no `if __name__ == "__main__":`
+    guard: with the plugin on it starts (vLLM keeps forking its engine process), the plugin
+    is active there (its state blocks give the KV cache another size than stock's), and its
+    greedy tokens equal stock's (CUDA graphs)."""
+    _needs_vllm()
+    script = tmp_path / "offline.py"
+    script.write_text(_NO_GUARD)
+    runs = {}
+    for on in ("1", "0"):
+        r = _run_engine([sys.executable, str(script), os.path.join(MODELS, "nemotron_h_tiny")],
+                        env=dict(os.environ, REPLAYSSM_VLLM=on), cwd=tmp_path)
+        text = r.stdout + r.stderr
+        assert r.returncode == 0, text[-4000:]
+        assert "CUDA is initialized" not in text and "bootstrapping phase" not in text
+        size = [x.split("GPU KV cache size:")[1].strip() for x in text.splitlines() if "GPU KV cache size:" in x]
+        runs[on] = (json.loads(next(x for x in r.stdout.splitlines() if x.startswith("TOKENS "))[7:]), size)
+    assert runs["1"][0] == runs["0"][0]
+    assert runs["1"][1] and runs["1"][1] != runs["0"][1]

@@ -26,6 +26,7 @@ __all__ = ["register", "enabled", "settings", "status"]
 log = logging.getLogger(__name__)
 
 _STATUS = {"registered": False, "reason": "register() not called"}
+_HOOKED = False                  # the import hooks are installed once per process
 
 
 def status() -> dict:
@@ -34,9 +35,11 @@ def status() -> dict:
 
 
 def register(environ=None) -> bool:
-    """The entry point vLLM calls in each of its processes. Returns whether the layers were
-    patched: False (and nothing touched) when `REPLAYSSM_VLLM` is not set, or when vLLM is not
-    importable (with a message saying so). Safe to call more than once."""
+    """The entry point vLLM calls in each of its processes. Returns whether the layers are
+    patched (each class when vLLM imports its module, in whichever process does: `register()`
+    itself imports nothing of vLLM, so a front-end process leaves CUDA uninitialised): False
+    (and nothing touched) when `REPLAYSSM_VLLM` is not set, or when vLLM is not installed (with
+    a message saying so). Safe to call more than once."""
     if not enabled(environ):
         _STATUS.update(registered=False, reason=f"{ENV_ENABLE} is not set to 1")
         return False
@@ -52,18 +55,40 @@ def register(environ=None) -> bool:
         warnings.warn(f"replayssm: vLLM {version} is not one of the checked versions {_compat.CHECKED_VERSIONS}; "
                       "the plugin's touch points (replayssm/integrations/vllm/_compat.py) may need an update",
                       RuntimeWarning, stacklevel=2)
+    # nothing of vLLM is imported here (vLLM's front-end process must leave CUDA alone): each
+    # class is patched when vLLM imports its module, and the symbols are read on first use
     from . import layers
     ns = _compat.load()
-    layers.declare_layer(ns, ns.MambaMixer2, "mamba2", cfg)
-    layers.declare_layer(ns, ns.GDN, "gdn", cfg)
-    if cfg.spec_blocks == "one":
-        layers.one_block_per_request(ns.MambaMixer2)
-        layers.one_block_per_request(ns.GDN)
-    for family, cls in ns.models:
-        layers.declare_model(ns, cls, family, cfg)
-    _compat.patch_method(ns.MambaMixer2, "conv_ssm_forward", layers.mamba2_forward(ns, cfg))
-    _compat.patch_method(ns.GDN, "_forward_core", layers.gdn_forward(ns, cfg))
-    _compat.patch_method(ns.GPUModelRunner, "initialize_kv_cache_tensors", layers.bind_states(ns, cfg))
+
+    def layer(name, family, forward, make_forward):
+        def patch(module):
+            cls = getattr(module, name)
+            layers.declare_layer(ns, cls, family, cfg)
+            if cfg.spec_blocks == "one":
+                layers.one_block_per_request(cls)
+            _compat.patch_method(cls, forward, make_forward(ns, cfg))
+        return patch
+
+    def runner(module):
+        _compat.patch_method(module.GPUModelRunner, "initialize_kv_cache_tensors", layers.bind_states(ns, cfg))
+
+    def model(name, family):
+        def patch(module):
+            cls = getattr(module, name, None)
+            if cls is not None:
+                layers.declare_model(ns, cls, family, cfg)
+        return patch
+
+    global _HOOKED
+    if not _HOOKED:
+        _compat.when_imported(_compat.MAMBA2_MODULE, layer("MambaMixer2", "mamba2", "conv_ssm_forward",
+                                                           layers.mamba2_forward))
+        _compat.when_imported(_compat.GDN_MODULE, layer("QwenGatedDeltaNetAttention", "gdn", "_forward_core",
+                                                        layers.gdn_forward))
+        _compat.when_imported(_compat.RUNNER_MODULE, runner)
+        for module, name, family in _compat.MODEL_CLASSES:
+            _compat.when_imported(module, model(name, family))
+        _HOOKED = True
     _STATUS.update(registered=True, reason=f"vLLM {version}: Mamba-2 and GDN layers on replayssm ({cfg})")
     log.info("replayssm: %s", _STATUS["reason"])
     return True

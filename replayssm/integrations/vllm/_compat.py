@@ -29,7 +29,8 @@ A newer vLLM should need changes here only. The plugin touches:
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
+import importlib.abc
+import sys
 
 CHECKED_VERSIONS = ("0.25.0",)
 
@@ -68,33 +69,109 @@ def _get(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 
 
-def load() -> SimpleNamespace:
-    """The vLLM symbols, imported now (in a vLLM process, after vLLM itself)."""
+# The modules whose classes the plugin patches. `register()` imports none of them: vLLM's
+# front-end process must not initialise CUDA (vLLM then forks its workers; importing the model
+# runner's module chain there made it switch to spawn, which breaks a user's script without an
+# `if __name__ == "__main__":` guard). Each patch is applied when vLLM itself imports the module
+# (`when_imported`), in whichever process does.
+MAMBA2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
+GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+# model classes whose state declarations vLLM reads from the config: (module, class, family)
+MODEL_CLASSES = (("vllm.model_executor.models.nemotron_h", "NemotronHForCausalLM", "mamba2"),
+                 ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM", "gdn"),
+                 ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration", "gdn"))
+
+# the symbols the patched methods read at run time: (module, attribute)
+_SYMBOLS = {
+    "MambaMixer2": (MAMBA2_MODULE, "MambaMixer2"),
+    "GDN": (GDN_MODULE, "QwenGatedDeltaNetAttention"),
+    "get_forward_context": ("vllm.forward_context", "get_forward_context"),
+    "GPUModelRunner": (RUNNER_MODULE, "GPUModelRunner"),
+    "causal_conv1d_update": ("vllm.model_executor.layers.mamba.ops.causal_conv1d", "causal_conv1d_update"),
+    "is_conv_state_dim_first": ("vllm.model_executor.layers.mamba.mamba_utils", "is_conv_state_dim_first"),
+    "extra_groups": ("vllm.model_executor.layers.mamba.mamba_utils",
+                     "MambaStateShapeCalculator.extra_groups_for_head_shards"),
+    "compute_conv_metadata": ("vllm.v1.attention.backends.utils", "compute_causal_conv1d_metadata"),
+    "NULL_BLOCK_ID": ("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID"),
+}
+
+
+class Symbols:
+    """vLLM's symbols, each imported on first use (in a worker, at forward or binding time,
+    where vLLM has imported its module already), never at `register()`."""
+
+    def __getattr__(self, name: str):
+        if name not in _SYMBOLS:
+            raise AttributeError(name)
+        module, path = _SYMBOLS[name]
+        value = importlib.import_module(module)
+        for part in path.split("."):
+            value = getattr(value, part)
+        setattr(self, name, value)
+        return value
+
+
+def load() -> Symbols:
+    """The vLLM symbols the plugin reads, resolved lazily (see `Symbols`)."""
     if vllm_version() is None:
         raise VLLMUnavailable("vLLM is not installed")
-    ns = SimpleNamespace(
-        MambaMixer2=_get("vllm.model_executor.layers.mamba.mamba_mixer2", "MambaMixer2"),
-        GDN=_get("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention"),
-        get_forward_context=_get("vllm.forward_context", "get_forward_context"),
-        GPUModelRunner=_get("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-        causal_conv1d_update=_get("vllm.model_executor.layers.mamba.ops.causal_conv1d", "causal_conv1d_update"),
-        is_conv_state_dim_first=_get("vllm.model_executor.layers.mamba.mamba_utils", "is_conv_state_dim_first"),
-        extra_groups=_get("vllm.model_executor.layers.mamba.mamba_utils",
-                          "MambaStateShapeCalculator").extra_groups_for_head_shards,
-        compute_conv_metadata=_get("vllm.v1.attention.backends.utils", "compute_causal_conv1d_metadata"),
-        NULL_BLOCK_ID=_get("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID"),
-    )
-    # model classes whose state declarations vLLM reads from the config: (family, class)
-    models = []
-    for module, name, family in (("vllm.model_executor.models.nemotron_h", "NemotronHForCausalLM", "mamba2"),
-                                 ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM", "gdn"),
-                                 ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration", "gdn")):
-        try:
-            models.append((family, _get(module, name)))
-        except (ImportError, AttributeError):
-            continue
-    ns.models = models
-    return ns
+    return Symbols()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks on a module right after its first import: the spec found by the other
+    finders, its loader wrapped so that `exec_module` is followed by the callbacks."""
+
+    def __init__(self):
+        self.waiting = {}                        # module name -> [callback]
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.waiting:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _ThenCall(spec.loader, self.waiting.pop(fullname))
+        return spec
+
+
+class _ThenCall(importlib.abc.Loader):
+    def __init__(self, loader, callbacks):
+        self.loader, self.callbacks = loader, callbacks
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        for callback in self.callbacks:
+            callback(module)
+
+    def __getattr__(self, name):                 # get_source, get_filename, is_package, ...
+        return getattr(self.loader, name)
+
+
+_HOOK = _AfterImport()
+
+
+def when_imported(module: str, callback) -> None:
+    """`callback(module object)` now if `module` is imported already, else right after vLLM
+    (or anything) first imports it, in this process."""
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        callback(loaded)
+        return
+    _HOOK.waiting.setdefault(module, []).append(callback)
+    if _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
 
 
 def patch_method(cls, name: str, make):
