@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check in one command: the GPU tests at real shapes, the 16K-step record-precision
-# study and the decode benchmark behind the README's table (window 16, bf16 records and token
+# study and the decode benchmark behind docs/kernels.md's table (window 16, bf16 records and token
 # inputs, staggered and lock-step rows). Under 10 minutes on an H200. Run from the repository
 # root on the GPU machine:
 #   OUT=/some/dir STAGE=all bash benchmarks/run_h200.sh
@@ -87,7 +87,7 @@ if [[ "$STAGE" == precision-long ]]; then
     --designs shared,separate,separate-fp8sr --time-budget 250 \
     --out "$OUT/precision_study_nvfp4_h200.json" 2>&1 | tee "$OUT/precision_study_nvfp4_h200.log" | tail -14
   # (the 4B models, random weights, eager forwards at batch 1: at 45 s a model the reference
-  # reached 16 steps, so the model-level results are the tiny models' on the CPU, README)
+  # reached 16 steps, so the model-level results are the tiny models' on the CPU, docs/precision.md)
   python3 -m replayssm.cli study precision-model --models nemotron3-nano-4b,qwen3.5-4b --device cuda \
     --time-budget 120 --out "$OUT/precision_model_h200.json" 2>&1 | tee "$OUT/precision_model_h200.log" | tail -30
 fi

@@ -259,36 +259,30 @@ def test_wheel_installs_beside_vllm(tmp_path):
 
 
 _FRONT_END = r"""
-import json, torch
+import json, sys, torch
+from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
-load_general_plugins()                    # what vLLM's front-end runs at start, replayssm's register() among them
+load_general_plugins()                    # vLLM's plugins, replayssm's register() among them
 from replayssm.integrations import vllm as plugin
-# the model classes vLLM's front-end resolves to size a hybrid model's blocks
-from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
-from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration
-patched = hasattr(NemotronHForCausalLM.__dict__["get_mamba_state_shape_from_config"].__func__, "_replayssm_original")
-print("FRONT " + json.dumps({"cuda": torch.cuda.is_initialized(), "registered": plugin.status()["registered"],
-                             "patched": patched}))
+EngineArgs(model=sys.argv[1], max_model_len=512).create_engine_config()   # what LLM() does before its engine starts
+print("FRONT " + json.dumps({"cuda": torch.cuda.is_initialized(), "registered": plugin.status()["registered"]}))
 """
 
 
 @pytest.mark.gpu
 def test_plugin_leaves_cuda_uninitialised_in_the_front_end():
-    """vLLM's front-end with the plugin on, as stock: after its plugins are loaded and the model
-    classes resolved, CUDA is not initialised (vLLM would otherwise spawn its workers, which
-    fails in a script without an `if __name__ == "__main__":` guard); the model classes'
-    declarations are patched all the same."""
-    pytest.importorskip("vllm", reason="vLLM 0.25.0 is installed only on the GPU machine")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+    """vLLM's front-end with the plugin on, as stock: once its plugins are loaded and the
+    engine's config made, CUDA is not initialised (vLLM would otherwise spawn its workers,
+    which fails in a script without an `if __name__ == "__main__":` guard)."""
+    _needs_vllm()
     got = {}
     for on in ("1", "0"):
-        r = subprocess.run([sys.executable, "-c", _FRONT_END], env=dict(os.environ, REPLAYSSM_VLLM=on),
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run([sys.executable, "-c", _FRONT_END, os.path.join(MODELS, "nemotron_h_tiny")],
+                           env=dict(os.environ, REPLAYSSM_VLLM=on), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         got[on] = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("FRONT "))[6:])
-    assert got["1"] == {"cuda": False, "registered": True, "patched": True}
-    assert got["0"] == {"cuda": False, "registered": False, "patched": False}
+    assert got["0"] == {"cuda": False, "registered": False}
+    assert got["1"] == {"cuda": False, "registered": True}
 
 
 _NO_GUARD = """\

@@ -2,12 +2,12 @@
 GPU only: the per-head program of `decode._replay_decode_kernel` (records summed inside each
 warp), with the checkpoint tile staged in shared memory by asynchronous copies.
 
-Why (docs/kernels.md, "What limits them", item 1): in the Triton kernel each program is
-a chain of memory round trips taken one after another, because every load is written after a
-barrier that a layout conversion or a cross-warp sum brings, and the compiler does not move a
-load across one; issuing the loads earlier in Triton kept their values in registers (the
-compiler picks their layouts) and cost more occupancy than it saved. Here every layout is
-chosen, so the program
+Why (docs/kernels.md, "What limits them", the Triton kernels at batch 256): in the Triton
+kernel each program is a chain of memory round trips taken one after another, because every
+load is written after a barrier that a layout conversion or a cross-warp sum brings, and the
+compiler does not move a load across one; issuing the loads earlier in Triton kept their
+values in registers (the compiler picks their layouts) and cost more occupancy than it saved.
+Here every layout is chosen, so the program
   1. issues the tile's copy into shared memory (`cp.async`, no registers held while in flight),
   2. issues every other load its outputs need (cursor first, then the token's inputs and the
      records, each in the layout of its first use),
