@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from replayssm.ops.mamba2 import conventional_decode, replay_decode, replay_verify  # noqa: E402
 from replayssm.reference import Mamba2Params, replay  # noqa: E402
-from replayssm.testing import make_inputs, make_params  # noqa: E402
+from replayssm.testing import RelErr, make_inputs, make_params  # noqa: E402
 from replayssm.testing.mamba2_harness import model_shape  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -34,21 +34,6 @@ KEYS = ("x", "dt", "B", "C", "z")
 
 SMALL = dict(HV=4, Hk=2, V=16, K=32)
 ODD = dict(HV=6, Hk=2, V=12, K=24)        # V, K not powers of two, three heads per group
-
-
-class _Err:
-    """Accumulates `||a - ref||^2` and `||ref||^2`: a relative error over many steps."""
-
-    def __init__(self):
-        self.num = self.den = 0.0
-
-    def add(self, a, ref):
-        self.num += float(((a.double() - ref) ** 2).sum())
-        self.den += float((ref ** 2).sum())
-
-    @property
-    def rel(self):
-        return (self.num / self.den) ** 0.5 if self.den > 0 else self.num ** 0.5
 
 
 def _bits(t):
@@ -174,7 +159,7 @@ def test_one_launch_every_cursor(T):
     assert y is out
     assert (y[2] == 0).all(), "padding row not zero"
 
-    ver, conv = _Err(), _Err()
+    ver, conv = RelErr(), RelErr()
     S = torch.stack([S0[slots[b]] for b in live])
     y_ref, _ = _truth(ref, S, inp, live, T)
     y_conv, _ = _conventional(A, dt_bias, D, S.float(), {k: v[live] for k, v in inp.items()},
@@ -235,7 +220,7 @@ def _rounds(shape, *, window, T, rounds, n_slots, seed, record_dtype=torch.float
     S64 = pool["ckpt"].double()
     conv_state = pool["ckpt"].clone()
     h_m, e_m = [0] * N, [0] * N
-    err = {k: _Err() for k in ("verify", "conventional", "state", "conv_state")}
+    err = {k: RelErr() for k in ("verify", "conventional", "state", "conv_state")}
     flushes = verifies = 0
     for r in range(rounds):
         for s in range(n_slots):

@@ -134,3 +134,91 @@ def test_cursor_steps_says_it_needs_a_gpu():
     if "needs a CUDA device" not in r.stderr and r.returncode == 0:
         pytest.skip("a CUDA device is present: the tool ran")
     assert r.returncode != 0 and "needs a CUDA device" in r.stderr, r.stderr[-2000:]
+
+
+def _fork_tools():
+    # imported when a test runs, not at collection (the modules import the package's kernels)
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import fork_peer
+    import fork_verify
+    return fork_peer, fork_verify
+
+
+def test_fork_verify_lays_out_tokens_rings_and_flags_as_the_fork_does():
+    """fork_verify.py's bridges to the public fork's layouts, without the fork's source: the
+    packed token channels (x | B | C, q | k | v, row b's token t at b * T + t), the ring length
+    vLLM allocates, the flush flag its commit sets, and records written into a ring that wraps
+    read back and folded to the state our linear buffer holds."""
+    import torch
+    from replayssm import shapes
+    from replayssm.reference import replay
+    from replayssm.testing import make_inputs, make_params
+
+    fp, fv = _fork_tools()
+    for window, T in [(16, 2), (16, 8), (8, 8), (15, 1), (16, 16), (5, 3)]:
+        buf = fp.fork_buffer_len(window, T)
+        assert buf & (buf - 1) == 0 and window + T <= buf < 2 * (window + T), (window, T, buf)
+    assert [fp.fork_buffer_len(16, T) for T in (1, 2, 4, 8)] == [32, 32, 32, 32]
+    wp = torch.arange(17, dtype=torch.int32)
+    assert fp.fork_flush_flags(wp, 16, 4).tolist() == [int(h + 4 > 16) for h in range(17)]
+    hs = fv.history_lengths(16, 16, 4)
+    assert sum(h + 4 > 16 for h in hs) == 8 and min(hs) >= 0 and max(hs) == 16
+
+    g = torch.Generator().manual_seed(0)
+    Bt, T, HV, V, Hk, K = 2, 3, 4, 5, 2, 6
+    x, B, C = torch.randn(Bt, T, HV, V, generator=g), torch.randn(Bt, T, Hk, K, generator=g), \
+        torch.randn(Bt, T, Hk, K, generator=g)
+    co = fp.pack_tokens(x, B, C)
+    assert co.shape == (Bt * T, HV * V + 2 * Hk * K)
+    b, t, h, d, grp, n = 1, 2, 3, 4, 1, 5
+    assert co[b * T + t, h * V + d] == x[b, t, h, d]
+    assert co[b * T + t, HV * V + grp * K + n] == B[b, t, grp, n]
+    assert co[b * T + t, HV * V + Hk * K + grp * K + n] == C[b, t, grp, n]
+
+    window, T, origin, hist = 8, 4, 13, 7           # a ring of 16: positions 13, 14, 15, 0, 1, 2, 3
+    sid = torch.tensor([1], dtype=torch.int32)
+    for fam in ("mamba2", "gdn"):
+        sh = shapes.Shape(fam, 4, 2, 8, 16)
+        p = make_params(fam, sh.HV, sh.K, dtype=torch.float32, seed=1)
+        refp = make_params(fam, sh.HV, sh.K, dtype=torch.float32, seed=1)
+        for name in ("A", "dt_bias", "D", "A_log"):
+            if getattr(refp, name, None) is not None:
+                setattr(refp, name, getattr(refp, name).double())
+        fk = fp.make_fork(None, sh, p, 2, 1, window, T, sid, torch.float32, torch.float32, False, "cpu")
+        fk.set_cursors(torch.tensor([0, hist], dtype=torch.int32), torch.tensor([0, origin], dtype=torch.int32))
+        assert fk.buf == 16 and fk.is_flush.tolist() == [0, 1]
+        C0 = 0.1 * torch.randn(sh.HV, sh.V, sh.K, generator=g, dtype=torch.float64)
+        fk.ckpt[1] = C0.float()
+        tok = make_inputs(refp, hist, sh.V, sh.K, sh.Hk, gate=False, generator=g)
+        tok = {k: v.float().double() for k, v in tok.items()}
+        if fam == "mamba2":
+            fk.set_history(1, tok["x"], tok["dt"], tok["B"])
+            # ours: ld = A softplus(dt + dt_bias), the values dt x, the keys B
+            ld = refp.prepare(tok["x"], tok["dt"], tok["B"], tok["C"])["ld"]
+            w, k = refp.record_values(ld, tok["x"]), tok["B"]
+            assert torch.equal(fk.post_conv[1, 2, :sh.HV * sh.V], tok["x"][5].flatten().float())
+            assert torch.equal(fk.dt_cache[1, :, 0], tok["dt"][3].float())
+            written = fk.post_conv[1].abs().sum(1) > 0
+        else:
+            ld, w = -0.1 * torch.rand(hist, sh.HV, generator=g, dtype=torch.float64), tok["v"]
+            k = tok["k"] / tok["k"].norm(dim=-1, keepdim=True)
+            fk.set_history(1, ld.float(), w.float(), k.float())
+            assert torch.equal(fk.d_cache[1, 3, 15], w[2, 3].float())
+            assert torch.equal(fk.k_cache[1, 1, 1], k[4, 1].float())
+            written = fk.k_cache[1, 0].abs().sum(1) > 0
+            ld, w, k = ld.float().double(), w.float().double(), k.float().double()
+        assert written.nonzero().flatten().tolist() == [0, 1, 2, 3, 13, 14, 15], fam
+        rl, rw, rk = fk.history(1, refp)
+        torch.testing.assert_close(rl, ld, rtol=1e-6, atol=0)
+        torch.testing.assert_close(rw, w, rtol=1e-6, atol=0)
+        assert torch.equal(rk, k)
+        S = replay(C0.float().double(), ld, w, k)
+        torch.testing.assert_close(fk.materialize(1, refp), S, rtol=1e-6, atol=1e-12)
+
+
+def test_fork_verify_names_the_fork_files_it_lacks(tmp_path):
+    # a checkout without the fork's kernel files is refused with their names, not a traceback
+    fp, fv = _fork_tools()
+    with pytest.raises(SystemExit, match="selective_state_update_replayssm_spec.py"):
+        fp.load_fork(str(tmp_path))

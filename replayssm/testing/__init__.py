@@ -66,3 +66,24 @@ def make_inputs(params, batch: int, head_v_dim: int, head_k_dim: int, num_k_head
             t = 0.5 * t            # around the bias: softplus keeps most steps small
         out[name] = t.to(dtype=dtype, device=device)
     return out
+
+
+class RelErr:
+    """`||a - ref|| / ||ref||` over many calls of `add` (sums of squares, float64): the relative
+    error of a kernel across steps or rows against the float64 reference; `rel` is None before
+    any `add`, and the absolute error where every reference was zero."""
+
+    def __init__(self):
+        self.num = self.den = 0.0
+        self.n = 0
+
+    def add(self, a: torch.Tensor, ref: torch.Tensor) -> None:
+        self.num += float(((a.double() - ref.double()) ** 2).sum())
+        self.den += float((ref.double() ** 2).sum())
+        self.n += 1
+
+    @property
+    def rel(self) -> Optional[float]:
+        if self.n == 0:
+            return None
+        return (self.num / self.den) ** 0.5 if self.den > 0 else self.num ** 0.5
