@@ -4,8 +4,12 @@ A random-weight model (vLLM's `load_format="dummy"`) at a real layer shape: the 
 transformers config of Nemotron-3-Nano-4B (`--model nemotron3_nano_4b`; NemotronH, 21 Mamba-2
 layers) or of Qwen3.5-4B (`--model qwen3_5_4b`: 24 GDN layers, served as vLLM serves Qwen3.5,
 `Qwen3_5ForConditionalGeneration` with `language_model_only`, its vision tower a one-layer
-stand-in that is never built; GDN prefill on Triton), optionally cut to its first `--layers`
-layers. No tokenizer
+stand-in that is never built; GDN prefill on Triton), or a 120B-class slice at its full model's
+widths (`--model nemotron3_super_slice`: 11 of Nemotron-3-Super's 88 layers, all 512 experts;
+`--model qwen3_5_122b_slice`: 8 of Qwen3.5-122B-A10B's 48, all 256 experts, served as
+`Qwen3_5MoeForConditionalGeneration`; `slices.py` says what was cut, and `--composition` prints
+a decode step's composition beside the full model's without vLLM), optionally cut to its first
+`--layers` layers. No tokenizer
 (`skip_tokenizer_init`): prompts are token ids. Each (scheme, speculation) pair runs in its own
 process, since the plugin registers when vLLM starts (`REPLAYSSM_VLLM=1` for `replayssm`, 0
 for `stock`); within it every batch size is timed on the same engine.
@@ -61,7 +65,7 @@ from pathlib import Path
 from ..integrations.vllm import _compat
 from .common import positive_ints
 
-MODELS = ("nemotron3_nano_4b", "qwen3_5_4b")
+MODELS = ("nemotron3_nano_4b", "qwen3_5_4b", "nemotron3_super_slice", "qwen3_5_122b_slice")
 SCHEMES = ("stock", "stock-fp32", "replayssm", "replayssm-one-block")
 # vLLM's n-gram drafter on the host (`ngram`: vLLM then turns its asynchronous scheduling off,
 # and the host's drafting and scheduling sit between the GPU's steps) or on the GPU
@@ -89,13 +93,29 @@ def model_dir(name: str, layers: int, out: Path) -> Path:
             if "linear_attention" not in kinds:
                 raise ValueError(f"the first {layers} layers of {name} hold no GDN layer")
             cfg.update(layer_types=kinds, num_hidden_layers=len(kinds))
-        from ..integrations.vllm.check import qwen3_5_config
-        cfg = qwen3_5_config(cfg).to_dict()
-        cfg["torch_dtype"] = "bfloat16"
+        cfg = qwen3_5_served(cfg)
     d = out / f"{name}_{layers or 'all'}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return d
+
+
+def qwen3_5_served(text: dict) -> dict:
+    """The config vLLM serves a Qwen3.5 text config `text` from: the multimodal class around it
+    (`Qwen3_5ForConditionalGeneration`, or `Qwen3_5MoeForConditionalGeneration` for the MoE
+    text model), with a one-layer vision tower that `language_model_only` leaves unbuilt."""
+    if text.get("model_type") == "qwen3_5_moe_text":
+        from transformers import Qwen3_5MoeConfig
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+        cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision,
+                               tie_word_embeddings=text.get("tie_word_embeddings", False))
+        cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    else:
+        from ..integrations.vllm.check import qwen3_5_config
+        cfg = qwen3_5_config(text)
+    out = cfg.to_dict()
+    out["torch_dtype"] = "bfloat16"
+    return out
 
 
 def _vocab(cfg: dict) -> int:
@@ -280,6 +300,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     ap.add_argument("--out", default="vllm.json", help="the JSON results file (a plot beside it)")
     ap.add_argument("--replot", metavar="FILE", help="only draw FILE's plot (FILE.png) from its rows")
+    ap.add_argument("--composition", action="store_true",
+                    help="only print what a decode step of --model moves at each of --batches (recurrent state, "
+                         "attention KV, experts, other weights), beside its full model's for a slice, and the "
+                         "requests its cache holds on one 80 GB card (no vLLM, no GPU)")
+    ap.add_argument("--context", type=int, default=2048, help="tokens of KV each request reads (--composition)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--scheme", default="stock", help=argparse.SUPPRESS)
@@ -325,6 +350,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.composition:
+        from .slices import report
+        print(report(args.model, args.batches, args.context))
+        return 0
     if args.replot:
         src = Path(args.replot)
         plot(json.loads(src.read_text()), src.with_suffix(".png"))

@@ -1,6 +1,8 @@
 """Shipped model configurations (JSON beside this file) and random-weight models built from
 them: `nemotron3_nano_4b` and `qwen3_5_4b` (the real architectures; sources in each file's
-`_source` entry) and `tiny_<model_type>` for CPU tests.
+`_source` entry), `nemotron3_super_slice` and `qwen3_5_122b_slice` (120B-class models at full
+width with fewer layers, for the serving benchmark: `replayssm.bench.slices`; too large to build
+here but on the meta device) and `tiny_<model_type>` for CPU tests.
 
     model = build("tiny_qwen3_5", dtype=torch.float32, seed=0)
 """
