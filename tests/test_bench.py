@@ -76,6 +76,37 @@ def test_verify_benchmark_variants_get_their_own_rows(monkeypatch):
     assert "us_per_step" in good[0] and "BV" in bad[0]["error"]   # a refused config is a row, not a crash
 
 
+@pytest.mark.parametrize("shape", ["mamba2/4/2/16/32", "gdn/4/2/16/32", "kda/2/2/16/16"])
+def test_verify_benchmark_times_the_fork_beside_ours(monkeypatch, shape):
+    # with the fork's functions (here stand-ins that record their calls: its source is not in
+    # this tree) each accepted count gets a `fork` row, run with that count, and the replay rows
+    # their ratio to it; KDA, which the fork has no kernel for, gets none
+    from types import SimpleNamespace
+
+    from replayssm.bench import verify
+
+    calls = []
+
+    def fake(name):
+        def run(*args, **kwargs):
+            calls.append((name, [a.tolist() for a in args if isinstance(a, torch.Tensor) and a.dim() == 1]))
+        return run
+    fork = SimpleNamespace(**{f: fake(f) for f in ("m2_verify", "m2_commit", "gdn_verify", "gdn_commit")})
+    times = iter([4.0, 1.0, 3.0, 2.0, 1.5])                 # conventional, replay at 1, 2, fork at 1, 2
+    monkeypatch.setattr(verify, "graph_time_us", lambda fn, reps=20, warmup=2: (fn(), next(times))[1])
+    rows = verify.measure(shape, 3, 4, 2, [1, 2], rounds=1, reps=1, device="cpu", snapshot=False, fork=fork)
+    got = [(r["scheme"], r["accepted"]) for r in rows]
+    if shape.startswith("kda"):
+        assert got == [("conventional", 1), ("replay", 1), ("replay", 2)] and not calls
+        return
+    assert got == [("conventional", 1), ("replay", 1), ("replay", 2), ("fork", 1), ("fork", 2)]
+    assert [r.get("ratio_vs_fork") for r in rows if r["scheme"] == "replay"] == [0.5, 2.0]
+    commits = [c for c in calls if c[0].endswith("commit")]
+    # one verify and one commit a timed step, the commit given that point's accepted counts
+    assert len(commits) == 2 and [1, 1, 1] in commits[0][1] and [2, 2, 2] in commits[1][1]
+    assert len(calls) == 4 and all(r["finite"] for r in rows)
+
+
 # ----------------------------------------------------------------------------------------------
 # bench precision: separate state precisions (issue 18)
 

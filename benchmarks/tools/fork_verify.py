@@ -8,8 +8,8 @@ outputs and committed states against the float64 reference.
 
 The fork is not a dependency and none of its code is in this tree: its kernel modules are loaded
 from a checked-out copy (`--fork-src DIR`, the folder holding `vllm/`), with vLLM's package
-imports stood in as `vllm_ssu.py` stands them in. It needs these files of the fork (commit
-a84849410ab56cc2b23432969eb2ecfc42a13d9c, FORK_FILES below):
+imports stood in (`replayssm.bench.peers`). It needs these files of the fork (commit
+a84849410ab56cc2b23432969eb2ecfc42a13d9c, `replayssm.bench.peers.fork.FORK_FILES`):
 
     vllm/model_executor/layers/mamba/ops/triton_helpers.py
     vllm/model_executor/layers/mamba/ops/mamba_ssm.py
@@ -45,18 +45,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from fork_peer import FORK_COMMIT, SHAPES, layer_kwargs, load_fork, make_fork  # noqa: E402
 from replayssm import shapes  # noqa: E402
 from replayssm.bench.common import call_accepting, family_ops, header, write_results  # noqa: E402
+from replayssm.bench.peers.fork import (FORK_COMMIT, SHAPES, fork_for_case, layer_kwargs,  # noqa: E402
+                                        load_fork, make_fork)
 from replayssm.bench.verify import Case, _time_steps  # noqa: E402
 from replayssm.reference import expand_heads, replay  # noqa: E402
 from replayssm.testing import RelErr, make_inputs, make_params  # noqa: E402
@@ -222,31 +220,6 @@ def accuracy(fork, name, batch, window, T, dtype, gate, seed, device) -> tuple:
 # Timing
 
 
-def _fork_for_case(fork, case: Case, gate: bool, seed: int):
-    """The fork's state beside a bench `Case`: the same layer, token inputs, slots, checkpoint and
-    staggered cursors (write_pos of slot s = s mod window), random records in its own layout."""
-    dev = case.ckpt.device
-    sh = shapes.parse(case.shape)
-    dtype = case.drafts["v" if case.family == "gdn" else "x"].dtype
-    fk = make_fork(fork, sh, case.params, case.ckpt.shape[0], case.batch, case.window, case.T, case.slot_ids,
-                   dtype, dtype, gate, dev)
-    fk.ckpt.copy_(case.ckpt)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    if case.family == "mamba2":
-        fk.post_conv.copy_(0.1 * torch.randn(fk.post_conv.shape, generator=g, device=dev))
-        fk.dt_cache.copy_(0.5 * torch.randn(fk.dt_cache.shape, generator=g, device=dev))
-        fk.set_tokens(*(case.drafts[n] for n in ("x", "dt", "B", "C")), case.drafts.get("z") if gate else None)
-    else:
-        fk.d_cache.copy_(0.1 * torch.randn(fk.d_cache.shape, generator=g, device=dev))
-        k = torch.randn(fk.k_cache.shape, generator=g, device=dev)
-        fk.k_cache.copy_(k / k.norm(dim=-1, keepdim=True))
-        fk.g_cache.copy_(-0.05 * torch.rand(fk.g_cache.shape, generator=g, device=dev))
-        fk.set_tokens(*(case.drafts[n] for n in ("q", "k", "v", "a", "b")))
-    fk.set_cursors(case.cursor, torch.randint(0, fk.buf, case.cursor.shape, generator=g, device=dev,
-                                              dtype=torch.int32))
-    return fk
-
-
 def measure(fork, name, batch, window, T, accepted_list, *, rounds, reps, repeats, gate, seed=0):
     """Rows of one (shape, T): the conventional step, then the fork's and our verify step at each
     accepted count, timed `repeats` times each, interleaved (median kept)."""
@@ -254,7 +227,7 @@ def measure(fork, name, batch, window, T, accepted_list, *, rounds, reps, repeat
     if case.family == "mamba2" and not gate:
         case.drafts["z"] = None
         case.token["z"] = None
-    fk = _fork_for_case(fork, case, gate, seed)
+    fk = fork_for_case(fork, case, gate, seed)
     t_conv = sorted(_time_steps(case.conventional_step, rounds, reps) for _ in range(repeats))[repeats // 2]
     base = dict(shape=name, family=case.family, batch=batch, window=window, T=T, record_dtype="bfloat16",
                 input_dtype="bfloat16", gate=gate)

@@ -140,9 +140,10 @@ def _fork_tools():
     # imported when a test runs, not at collection (the modules import the package's kernels)
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
-    import fork_peer
     import fork_verify
-    return fork_peer, fork_verify
+
+    from replayssm.bench.peers import fork
+    return fork, fork_verify
 
 
 def test_fork_verify_lays_out_tokens_rings_and_flags_as_the_fork_does():

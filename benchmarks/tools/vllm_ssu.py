@@ -15,28 +15,16 @@ may be left out.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import logging
-import os
-import sys
-import types
 
 import torch
 
 from replayssm import shapes
 from replayssm.bench.common import graph_time_us, header, positive_ints, write_results
 from replayssm.bench.decode import Case
+from replayssm.bench.peers import vllm_stand_ins
 
 _SSU = "vllm/model_executor/layers/mamba/ops/mamba_ssm.py"
 _HELPERS = "vllm/model_executor/layers/mamba/ops/triton_helpers.py"
-
-
-def _module(name, **attrs):
-    m = types.ModuleType(name)
-    m.__path__ = []          # a package, so that submodules can be registered beneath it
-    m.__dict__.update(attrs)
-    sys.modules[name] = m
-    return m
 
 
 def load_ssu(src: str | None):
@@ -45,44 +33,9 @@ def load_ssu(src: str | None):
     if src is None:
         from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
         return selective_state_update
-    import triton
-    import triton.language as tl
-
-    class _Logger(logging.LoggerAdapter):
-        def info_once(self, msg, *a, **k):
-            self.info(msg, *a)
-
-        def warning_once(self, msg, *a, **k):
-            self.warning(msg, *a)
-
-    class _Platform:
-        @staticmethod
-        def is_xpu():
-            return False
-
-        @staticmethod
-        def get_device_name():
-            return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-    for pkg in ("vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.mamba",
-                "vllm.model_executor.layers.mamba.ops", "vllm.v1", "vllm.v1.attention",
-                "vllm.v1.attention.backends"):
-        _module(pkg)
-    _module("vllm.envs", VLLM_TUNED_CONFIG_FOLDER=None)
-    _module("vllm._custom_ops")
-    _module("vllm.logger", init_logger=lambda name: _Logger(logging.getLogger(name), {}))
-    _module("vllm.platforms", current_platform=_Platform())
-    _module("vllm.triton_utils", HAS_TRITON=True, tl=tl, triton=triton)
-    _module("vllm.v1.attention.backends.utils", NULL_BLOCK_ID=0)
-    mods = {}
-    for rel in (_HELPERS, _SSU):
-        name = rel[:-3].replace("/", ".")
-        spec = importlib.util.spec_from_file_location(name, os.path.join(src, rel))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        mods[name] = mod
-    return mods[_SSU[:-3].replace("/", ".")].selective_state_update
+    vllm_stand_ins.install()
+    vllm_stand_ins.load(src, _HELPERS)
+    return vllm_stand_ins.load(src, _SSU).selective_state_update
 
 
 def _vllm_window(ssu, case: Case):

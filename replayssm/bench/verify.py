@@ -14,6 +14,11 @@ steps the early flushes fall as they would at that acceptance length (all accept
   token by token, one full state written per verified token into `T + 1` state slots per
   sequence, the next step starting from the accepted token's state.
 - `conventional`: one `conventional_decode` step (the unit of `ratio_vs_conventional_step`).
+- `fork` (`--fork-src DIR`, Mamba-2 and GDN): the public ReplaySSM fork's verify kernels and
+  cursor commit as vLLM drives them (`peers.fork`), on the same layer, token inputs (the gate
+  too), slots, checkpoint and staggered cursors, its records in its own layout; the replay
+  rows then carry `ratio_vs_fork`. Its accuracy against the float64 reference is
+  `benchmarks/tools/fork_verify.py`'s check.
 
 `--windows` takes window lengths and `star`: the traffic model's `L*` for the shape and `T`
 (`traffic.l_star` at mean acceptance `(T + 1) / 2`, KDA's records with their decay vectors;
@@ -121,12 +126,19 @@ def _time_steps(step, rounds, reps):
 
 
 def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record_dtype=torch.bfloat16,
-            input_dtype=torch.bfloat16, snapshot=True, device="cuda", variants=None):
+            input_dtype=torch.bfloat16, snapshot=True, device="cuda", variants=None, fork=None):
     """Rows of one (shape, batch, T) point: the conventional step, and replay (and snapshot) at
     each accepted count of `accepted_list`; with `variants` (a list of launch-config overrides
-    of the verify kernel) one replay row per variant and count as well, its `config` named."""
+    of the verify kernel) one replay row per variant and count as well, its `config` named;
+    with `fork` (`peers.fork.load_fork`) the public fork's verify step as scheme `fork` (Mamba-2
+    and GDN), and the replay rows' `ratio_vs_fork`."""
     case = Case(shape, batch, window, T, record_dtype=record_dtype, input_dtype=input_dtype,
                 device=device, snapshot=snapshot)
+    fk = None
+    if fork is not None and case.family in ("mamba2", "gdn"):
+        from .peers.fork import fork_for_case
+
+        fk = fork_for_case(fork, case, gate=True)
     t_conv = _time_steps(case.conventional_step, rounds, reps)
     mem = case.memory_per_sequence()
     base = dict(shape=shape, family=case.family, batch=batch, window=window, T=T,
@@ -135,9 +147,12 @@ def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record
     rows = [dict(base, scheme="conventional", accepted=1, us_per_step=t_conv, ratio_vs_conventional_step=1.0,
                  us_per_accepted_token=t_conv, bytes_per_sequence=mem["conventional"])]
     schemes = [("replay", None, case.replay_step)] + ([("snapshot", None, case.snapshot_step)] if snapshot else [])
+    schemes += [("fork", None, fk.step)] if fk is not None else []
     schemes += [("replay", cfg, lambda cfg=cfg: case.replay_step(cfg)) for cfg in variants or []]
     for (name, cfg, step), a in itertools.product(schemes, accepted_list):
         case.accepted.fill_(a)
+        if fk is not None:
+            fk.accepted.fill_(a)
         try:
             t = _time_steps(step, rounds, reps)
         except Exception as e:  # a variant that does not compile or launch is reported, not fatal
@@ -146,14 +161,19 @@ def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record
             rows.append(dict(base, scheme=name, config=cfg, accepted=a, error=repr(e)[:300]))
             continue
         row = dict(base, scheme=name, accepted=a, us_per_step=t, ratio_vs_conventional_step=t / t_conv,
-                   us_per_accepted_token=t / a, bytes_per_sequence=mem[name])
+                   us_per_accepted_token=t / a, bytes_per_sequence=mem.get(name))
         if cfg is not None:
             row["config"] = cfg
         rows.append(row)
-    finite = case.finite()
+    if fk is not None:
+        forks = {r["accepted"]: r["us_per_step"] for r in rows if r["scheme"] == "fork"}
+        for r in rows:
+            if r["scheme"] == "replay" and "config" not in r and r["accepted"] in forks:
+                r["ratio_vs_fork"] = r["us_per_step"] / forks[r["accepted"]]
+    finite = case.finite() and (fk is None or bool(torch.isfinite(fk.ckpt).all()))
     for r in rows:
         r["finite"] = finite
-    case = None        # free this point's tensors before the next one is allocated
+    case = fk = None   # free this point's tensors before the next one is allocated
     torch.cuda.empty_cache()
     return rows
 
@@ -222,6 +242,10 @@ def main(argv=None):
     ap.add_argument("--variants", default=None,
                     help="JSON list of verify launch configs to time beside the defaults at every point "
                          '(e.g. \'[{"BV": 64, "num_warps": 4}]\'); their rows carry `config`')
+    ap.add_argument("--fork-src", default=None, metavar="DIR",
+                    help="a checkout of the public ReplaySSM fork (github.com/Johnny-Liou/ReplaySSM; the "
+                         "folder holding vllm/, with replayssm.bench.peers.fork.FORK_FILES): its verify "
+                         "kernels timed beside ours as scheme `fork` (Mamba-2 and GDN shapes)")
     ap.add_argument("--out", default="verify.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
     variants = None
@@ -244,7 +268,14 @@ def main(argv=None):
         raise SystemExit(f"{ap.prog}: error: the verify benchmark needs a CUDA device "
                          "(torch.cuda.is_available() is False on this machine)")
     rdt, idt = getattr(torch, args.record_dtype), getattr(torch, args.input_dtype)
+    fork = None
+    if args.fork_src:
+        from .peers.fork import FORK_COMMIT, load_fork
+
+        fork = load_fork(args.fork_src)
     doc = header("verify")
+    if fork is not None:
+        doc.update(fork="Johnny-Liou/ReplaySSM", fork_commit=FORK_COMMIT)
     doc.update(record_dtype=args.record_dtype, input_dtype=args.input_dtype, windows=args.windows,
                rounds=args.rounds)
     rows = []
@@ -256,7 +287,7 @@ def main(argv=None):
                 print(f"{shape:18} B={batch:3d} T={T} L={L}: skipped (the pool needs L >= T)", flush=True)
                 continue
             r = measure(shape, batch, L, T, acc, rounds=args.rounds, reps=args.reps, record_dtype=rdt,
-                        input_dtype=idt, snapshot=not args.no_snapshot, variants=variants)
+                        input_dtype=idt, snapshot=not args.no_snapshot, variants=variants, fork=fork)
             rows += r
             doc["rows"] = rows
             write_results(args.out, doc)      # after every point: a run cut short keeps what it measured
@@ -268,6 +299,9 @@ def main(argv=None):
             if snap:
                 line += (f" | snapshot {snap[min(snap)]['ratio_vs_conventional_step']:.2f}-"
                          f"{snap[max(snap)]['ratio_vs_conventional_step']:.2f}x")
+            vs = sorted(x["ratio_vs_fork"] for x in rep.values() if "ratio_vs_fork" in x)
+            if vs:
+                line += f" | replay / fork {vs[0]:.2f}-{vs[-1]:.2f}x"
             print(line, flush=True)
     path = write_results(args.out, doc)
     try:
@@ -285,7 +319,7 @@ def main(argv=None):
         sel = [r for r in rows_default if (r["shape"], r["batch"], r["T"], r["window"]) == (shape, batch, T, L)]
         conv = next(r for r in sel if r["scheme"] == "conventional")
         rng = {}
-        for scheme in ("replay", "snapshot"):
+        for scheme in ("replay", "snapshot", "fork"):
             s = sorted((r["accepted"], r["ratio_vs_conventional_step"]) for r in sel if r["scheme"] == scheme)
             rng[scheme] = f"{s[0][1]:.2f}-{s[-1][1]:.2f}x" if s else "-"
         per = ""
@@ -293,8 +327,9 @@ def main(argv=None):
             a3 = {r["scheme"]: r["us_per_accepted_token"] for r in sel if r["accepted"] == 3}
             if "replay" in a3 and "snapshot" in a3:
                 per = f"{a3['snapshot'] / a3['replay']:.2f}x fewer us"
+        fork = f"  fork {rng['fork']}" if rng["fork"] != "-" else ""
         print(f"{shape:18} {batch:5d} {T:2d} {L:3d} {conv['us_per_step']:8.1f}   {rng['replay']:12} "
-              f"{rng['snapshot']:12} {per}")
+              f"{rng['snapshot']:12} {per}{fork}")
     return doc
 
 

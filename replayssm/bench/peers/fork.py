@@ -1,22 +1,23 @@
-"""The public reference implementation's speculative verify kernels, loaded and driven as vLLM
-drives them: the fork of vLLM at github.com/Johnny-Liou/ReplaySSM (FORK_COMMIT), its modules
-loaded from a checked-out copy (none of its code is in this tree), with vLLM's package imports
-stood in as `vllm_ssu.py` stands them in; the layouts it keeps (packed tokens, rings, flush
-flags) built from our inputs, each convention bridged below. Used by `fork_verify.py`.
+"""The public ReplaySSM fork's speculative verify kernels (github.com/Johnny-Liou/ReplaySSM at
+FORK_COMMIT: `selective_state_update_replayssm_spec` for Mamba-2, `gdn_replayssm_spec_decode` for
+GDN, each followed by its cursor commit), loaded from a checked-out copy over
+`vllm_stand_ins` and driven as vLLM drives them with `--use-replayssm-spec`: its verify launches
+per layer and step, and the commit of the accepted counts that vLLM's metadata builders run once
+per step before them (the fork's mamba_attn.py, gdn_attn.py). The layouts it keeps (packed
+tokens, circular rings, flush flags) are built from our inputs, each convention bridged below.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import sys
 import types
 
 import torch
 
-from replayssm.reference import replay
+from ... import shapes
+from ...reference import replay
+from . import vllm_stand_ins
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FORK_COMMIT = "a84849410ab56cc2b23432969eb2ecfc42a13d9c"
 _OPS = "vllm/model_executor/layers/mamba/ops/"
 FORK_FILES = (_OPS + "triton_helpers.py", _OPS + "mamba_ssm.py", _OPS + "replayssm_config.py",
@@ -34,34 +35,20 @@ class _TorchWithoutCuda(types.ModuleType):
 
 
 def load_fork(src: str) -> types.SimpleNamespace:
-    """The fork's spec verify and commit functions, loaded from the checkout at `src`."""
+    """The fork's spec verify and commit functions, loaded from the checkout at `src` (the
+    folder holding `vllm/`, with FORK_FILES)."""
     missing = [f for f in FORK_FILES if not os.path.isfile(os.path.join(src, f))]
     if missing:
-        raise SystemExit(f"--fork-src {src}: missing {', '.join(missing)} (the fork at {FORK_COMMIT[:9]})")
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    import vllm_ssu
-
-    # registers the stand-ins of vLLM's package modules and loads triton_helpers.py and
-    # mamba_ssm.py (the Mamba-2 spec module takes its softplus from there)
-    vllm_ssu.load_ssu(src)
-    major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
-    # the fork's launch tables ask whether the card is a Blackwell (family 100)
-    sys.modules["vllm.platforms"].current_platform.is_device_capability_family = lambda fam: major == fam // 10
-    vllm_ssu._module("vllm.model_executor.layers.fla")
-    vllm_ssu._module("vllm.model_executor.layers.fla.ops")
+        raise SystemExit(f"fork source {src}: missing {', '.join(missing)} (the fork at {FORK_COMMIT[:9]})")
+    vllm_stand_ins.install()
     mods = {}
-    for rel in FORK_FILES[2:]:
-        name = rel[:-3].replace("/", ".")
-        spec = importlib.util.spec_from_file_location(name, os.path.join(src, rel))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+    for rel in FORK_FILES:
+        # triton_helpers.py and mamba_ssm.py first: the Mamba-2 spec module takes its softplus there
+        mod = mods[os.path.basename(rel)[:-3]] = vllm_stand_ins.load(src, rel)
         if not torch.cuda.is_available():
             # the Mamba-2 wrapper enters torch.cuda.device(index), which a CPU build of torch
             # refuses: under the interpreter that context is a no-op
             mod.torch = _TorchWithoutCuda("torch")
-        mods[os.path.basename(rel)[:-3]] = mod
     m2, gdn = mods["selective_state_update_replayssm_spec"], mods["gdn_replayssm_spec_decode"]
     return types.SimpleNamespace(m2_verify=m2.selective_state_update_replayssm_spec,
                                  m2_commit=m2.commit_replayssm_spec,
@@ -273,3 +260,29 @@ def layer_kwargs(family, p) -> dict:
     if family == "mamba2":
         return dict(A=p.A, dt_bias=p.dt_bias, D=p.D)
     return dict(A_log=p.A_log, dt_bias=p.dt_bias, scale=None, use_qk_l2norm=True)
+
+
+def fork_for_case(fork, case, gate: bool, seed: int = 0):
+    """The fork's state beside a `replayssm.bench.verify.Case`: the same layer, token inputs,
+    slots, checkpoint and staggered cursors (write_pos of slot s = s mod window), random records
+    in its own layout; the gate `z` given to it when `gate` (Mamba-2)."""
+    dev = case.ckpt.device
+    sh = shapes.parse(case.shape)
+    dtype = case.drafts["v" if case.family == "gdn" else "x"].dtype
+    fk = make_fork(fork, sh, case.params, case.ckpt.shape[0], case.batch, case.window, case.T, case.slot_ids,
+                   dtype, dtype, gate, dev)
+    fk.ckpt.copy_(case.ckpt)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    if case.family == "mamba2":
+        fk.post_conv.copy_(0.1 * torch.randn(fk.post_conv.shape, generator=g, device=dev))
+        fk.dt_cache.copy_(0.5 * torch.randn(fk.dt_cache.shape, generator=g, device=dev))
+        fk.set_tokens(*(case.drafts[n] for n in ("x", "dt", "B", "C")), case.drafts.get("z") if gate else None)
+    else:
+        fk.d_cache.copy_(0.1 * torch.randn(fk.d_cache.shape, generator=g, device=dev))
+        k = torch.randn(fk.k_cache.shape, generator=g, device=dev)
+        fk.k_cache.copy_(k / k.norm(dim=-1, keepdim=True))
+        fk.g_cache.copy_(-0.05 * torch.rand(fk.g_cache.shape, generator=g, device=dev))
+        fk.set_tokens(*(case.drafts[n] for n in ("q", "k", "v", "a", "b")))
+    fk.set_cursors(case.cursor, torch.randint(0, fk.buf, case.cursor.shape, generator=g, device=dev,
+                                              dtype=torch.int32))
+    return fk
