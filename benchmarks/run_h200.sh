@@ -14,7 +14,10 @@
 # (the separate-precision kernel benchmark and the layer-level error study to 131072 tokens)
 # | precision-long (the NVFP4 designs of the error study to 131072 tokens, then the model-level
 # study) | vllm-ssu (vLLM's Mamba-2 decode kernel beside ours; VLLM_SRC: a folder holding vLLM 0.25.0's
-# unzipped `vllm/` sources, carried to the GPU machine).
+# unzipped `vllm/` sources, carried to the GPU machine) | fork (the public ReplaySSM fork's verify
+# kernels beside ours, batch 256, T = 2, 4, 8, every acceptance count, then their accuracy
+# against the float64 reference; FORK_SRC: a checkout of the fork holding the files of
+# replayssm.bench.peers.fork.FORK_FILES, carried to the GPU machine).
 # Results go to $OUT (default benchmarks/results/, under the names its README.md lists).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -62,6 +65,14 @@ fi
 if [[ "$STAGE" == vllm-ssu ]]; then
   python3 benchmarks/tools/vllm_ssu.py --vllm-src "${VLLM_SRC:?VLLM_SRC: the unzipped vLLM sources}" \
     --out "$OUT/vllm_ssu_h200.json" 2>&1 | grep -v -i "warning\|config file" | tail -20
+fi
+if [[ "$STAGE" == fork ]]; then
+  FORK="${FORK_SRC:?FORK_SRC: a checkout of the public ReplaySSM fork}"
+  python3 -m replayssm.bench.verify --shapes nemotron3-super,nemotron3-nano-4b,qwen3.5-4b,qwen3.5-122b \
+    --batches 256 --drafts 2,4,8 --no-snapshot --fork-src "$FORK" --out "$OUT/verify_fork_h200.json" 2>&1 \
+    | tee "$OUT/verify_fork_h200.log" | tail -16
+  python3 benchmarks/tools/fork_verify.py --fork-src "$FORK" --check-only --drafts 2,4,8 \
+    --out "$OUT/fork_accuracy_h200.json" 2>&1 | tail -14
 fi
 if [[ "$STAGE" == model ]]; then
   python3 -m replayssm.bench.model --out "$OUT/model_h200.json" 2>&1 | tee "$OUT/model_h200.log" | tail -20
