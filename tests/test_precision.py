@@ -140,3 +140,55 @@ def test_shared_lowp_pool_drifts_more_than_two_precisions():
     out_n, _, s_n = drive(naive, n_ops=40)
     out_t, _, s_t = drive(two, n_ops=40)
     assert rel_err(s_t, s_e) < 1e-12 < rel_err(s_n, s_e)
+
+
+# ------------------------------------------------------------------ copies read slower than fp32
+
+def test_slow_low_precision_reads_name_their_measurement():
+    # every entry is the committed measurement it cites (same card, same ratio at batch 256,
+    # below 1), and the warning's text names the shapes, ratios, card and file
+    import json
+    import pathlib
+    import re
+
+    from replayssm.pool import backends
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for (family, fmt), (card, path, points) in backends.SLOW_LP_READS.items():
+        doc = json.loads((root / path).read_text())
+        assert doc["device"] == card
+        for shape, ratio in points:
+            got = [r["ratio_vs_fp32_read"] for r in doc["rows"] if r.get("shape") == shape
+                   and r.get("family") == family and r.get("read_format") == fmt and r.get("batch") == 256
+                   and r.get("window", 16) == 16 and "ratio_vs_fp32_read" in r]
+            assert got and round(got[0], 2) == ratio < 1, (family, fmt, shape, got)
+        text = backends.slow_lp_read(family, fmt)
+        assert card in text and path in text and fmt in text
+        assert all(re.search(rf"{re.escape(s)} {r:.2f}x", text) for s, r in points)
+    assert backends.slow_lp_read("mamba2", "fp8_e4m3") is None and backends.slow_lp_read("gdn", "fp16") is None
+    assert backends.slow_lp_read("gdn", None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pool_warns_where_its_copy_reads_slower_than_fp32():
+    import warnings
+
+    from replayssm import SlotPool, SlowReadWarning
+    from replayssm.testing import make_params
+    params = make_params("gdn", 8, 128)
+    with pytest.warns(SlowReadWarning, match="qwen3.5-4b 0.34x"):
+        SlotPool(params, 4, 128, 128, 2, device="cuda", lp_format="fp8_e4m3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowReadWarning)
+        SlotPool(params, 4, 128, 128, 2, device="cuda", lp_format="fp16")
+        SlotPool(make_params("mamba2", 8, 128), 4, 64, 128, 2, device="cuda", lp_format="fp8_e4m3")
+
+
+def test_pool_off_the_gpu_does_not_warn_of_gpu_read_speed():
+    import warnings
+
+    from replayssm import SlotPool, SlowReadWarning
+    from replayssm.testing import make_params
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowReadWarning)
+        SlotPool(make_params("gdn", 4, 16), 2, 8, 16, 2, lp_format="fp8_e4m3", backend="reference")

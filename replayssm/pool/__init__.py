@@ -2,6 +2,6 @@
 a `Layout` (layout.py), validates every call at one place (validate.py) and runs each
 operation on the kernels registered for it (backends.py) or on the reference."""
 from .layout import Layout
-from .pool import SlotPool
+from .pool import SlotPool, SlowReadWarning
 
-__all__ = ["SlotPool", "Layout"]
+__all__ = ["SlotPool", "Layout", "SlowReadWarning"]

@@ -6,7 +6,7 @@ imported when first called, so a pool on the reference never needs Triton.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -165,6 +165,36 @@ for _family, _run in (("mamba2", _mamba2_verify), ("gdn", _delta_verify(_gdn)), 
     register(_family, "verify")(_run)
     register(_family, "commit")(_commit)
     register(_family, "clear_pending")(_clear_pending)
+
+
+# ---------------------------------------------------------------------------------------------
+# Low-precision copies read slower than the fp32 checkpoint: the point of a copy is a faster
+# read, so a pool that would read one slower says so when it is built (SlotPool warns).
+# Measured non-flush steps at batch 256, window 16 (`replayssm bench precision`), the copy's
+# read over fp32 reads in the same run: (family, lp_format) -> (card, results file, [(shape,
+# ratio)]). GDN reads fp8 and NVFP4 copies on the Triton precision kernel (its Gluon kernel reads
+# fp16 and bf16 copies only). KDA takes the same Triton kernel for them; no run has measured it,
+# so no entry names a figure for it. An entry goes once a run measures the pair at or above 1.
+
+SLOW_LP_READS = {
+    ("gdn", "fp8_e4m3"): ("NVIDIA H200", "benchmarks/results/precision_gluon_kq_h200.json",
+                          [("qwen3.5-4b", 0.34), ("qwen3.5-122b", 0.33)]),
+    ("gdn", "nvfp4"): ("NVIDIA H200", "benchmarks/results/precision_gluon_kq_h200.json",
+                       [("qwen3.5-4b", 0.23), ("qwen3.5-122b", 0.23)]),
+}
+
+
+def slow_lp_read(family: str, lp_format) -> Optional[str]:
+    """Why reading an `lp_format` copy is slower than reading the fp32 checkpoint for `family`
+    (the measured ratios, their card and file), or None where no run measured it slower."""
+    entry = SLOW_LP_READS.get((family, lp_format))
+    if entry is None:
+        return None
+    card, path, points = entry
+    ratios = ", ".join(f"{shape} {ratio:.2f}x" for shape, ratio in points)
+    return (f"a {family} pool reads its {lp_format} copy slower than the fp32 checkpoint: {ratios} the "
+            f"speed of fp32 reads on an {card} (batch 256, window 16, non-flush steps; {path}); "
+            "an fp16 or bf16 copy reads faster than fp32")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,6 +38,11 @@ _KERNEL_HP_FORMATS = (None, "fp32", "fp16", "bf16", "fp8_e4m3", "nvfp4")
 _LAYER_IDS = itertools.count()
 
 
+class SlowReadWarning(UserWarning):
+    """A pool's low-precision copy reads slower than its fp32 checkpoint on the GPU (measured:
+    `backends.SLOW_LP_READS`): the copy costs memory and buys no speed there."""
+
+
 class SlotPool:
     """Recurrent state of one layer for `num_slots` sequences, kept as ReplaySSM state.
 
@@ -172,6 +177,9 @@ class SlotPool:
         self.backend_note = why
         if backend == "auto" and why and self.device.type == "cuda":
             warnings.warn(f"SlotPool on {self.device} decodes on the reference: {why}", stacklevel=3)
+        slow = backends.slow_lp_read(self.family, self.lp_format)
+        if slow and not why and self.device.type == "cuda":
+            warnings.warn(f"SlotPool on {self.device}: {slow}", SlowReadWarning, stacklevel=3)
         return "reference" if why else "triton"
 
     # ------------------------------------------------------------------ storage helpers
