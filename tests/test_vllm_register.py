@@ -99,6 +99,8 @@ after_register = dict(runner=getattr(builtins, "REPLAYSSM_TEST_RUNNER_IMPORTED",
                       cuda=torch.cuda.is_initialized())
 print("FRONT " + json.dumps(after_register), flush=True)
 plugin.register({{"REPLAYSSM_VLLM": "1"}})          # vLLM may call it again: nothing twice
+import importlib.util
+importlib.util.find_spec("vllm.v1.worker.gpu_model_runner")   # a lookup, no import: nothing taken
 for m in {front!r} + {worker!r}:
     importlib.import_module(m)
 

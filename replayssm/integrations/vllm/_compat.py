@@ -139,20 +139,22 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _ThenCall(spec.loader, self.waiting.pop(fullname))
+            spec.loader = _ThenCall(spec.loader, self, fullname)
         return spec
 
 
 class _ThenCall(importlib.abc.Loader):
-    def __init__(self, loader, callbacks):
-        self.loader, self.callbacks = loader, callbacks
+    # the callbacks are taken when the module runs, not when its spec is found: a lookup
+    # without an import (`importlib.util.find_spec`) must leave them for the import itself
+    def __init__(self, loader, hook, name):
+        self.loader, self.hook, self.name = loader, hook, name
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        for callback in self.callbacks:
+        for callback in self.hook.waiting.pop(self.name, []):
             callback(module)
 
     def __getattr__(self, name):                 # get_source, get_filename, is_package, ...
