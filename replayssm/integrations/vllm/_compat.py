@@ -65,14 +65,11 @@ def version_checked(v) -> bool:
     return v is not None and v.split("+")[0] in CHECKED_VERSIONS
 
 
-def _get(module: str, name: str):
-    return getattr(importlib.import_module(module), name)
-
-
 # The modules whose classes the plugin patches. `register()` imports none of them: vLLM's
-# front-end process must not initialise CUDA (vLLM then forks its workers; importing the model
-# runner's module chain there made it switch to spawn, which breaks a user's script without an
-# `if __name__ == "__main__":` guard). Each patch is applied when vLLM itself imports the module
+# front-end process must not initialise CUDA, or vLLM spawns its workers instead of forking
+# them, which breaks a user's script without an `if __name__ == "__main__":` guard. Importing
+# these modules there did (vLLM itself imports model modules in its front-end only in a
+# subprocess, for that reason). Each patch is applied when vLLM itself imports the module
 # (`when_imported`), in whichever process does.
 MAMBA2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
