@@ -1,4 +1,4 @@
-"""The `replayssm` command line: `demo`, `traffic`, `bench`, `study`, `tune`."""
+"""The `replayssm` command line: `demo`, `traffic`, `bench`, `study`, `tune`, `train`."""
 from __future__ import annotations
 
 import argparse
@@ -185,6 +185,13 @@ def _tune(args) -> int:
     return 0
 
 
+def _train(args, argv) -> int:
+    from .train import command
+
+    # the card records the command as typed (main's argv, which is not sys.argv when called)
+    return command.run(args, argv)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="replayssm", description=__doc__, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,6 +239,13 @@ def main(argv=None) -> int:
                         add_help=False)
     tu.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the tuner's arguments")
     tu.set_defaults(func=_tune)
+    tr = sub.add_parser("train", help="train a small byte-level hybrid model of one family on the Python stdlib's sources",
+                        description="Train a small byte-level hybrid model (NemotronH, Qwen3.5 or Kimi Linear classes) "
+                                    "on the running interpreter's standard library sources; writes safetensors, "
+                                    "config, tokenizer, a model card and a loss plot into --out. GPU; CPU too, slowly.")
+    from .train.command import add_arguments as _train_arguments
+    _train_arguments(tr)
+    tr.set_defaults(func=lambda a: _train(a, argv))
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["test"]:
         # `./run.sh test` is the documented way in; typed here it deserves the way, not "invalid choice"

@@ -294,3 +294,21 @@ def test_license_is_apache_2():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == {"text": "Apache-2.0"}
+
+
+def test_train_writes_a_model_folder(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "m"
+    assert cli.main(["train", "--family", "gdn", "--draft", "--out", str(out), "--steps", "2", "--batch", "2",
+                     "--context", "16", "--eval-bytes", "256", "--device", "cpu", "--no-progress"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("trained-qwen3-5-draft:") and "unigram" in line
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "README.md"):
+        assert (out / name).exists(), name
+    assert f"replayssm train --family gdn --draft --out {out} --steps 2" in (out / "README.md").read_text()
+
+
+def test_train_rejects_an_unknown_family(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--family", "mamba3", "--out", "x"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
