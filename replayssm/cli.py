@@ -7,6 +7,7 @@ import sys
 import torch
 
 from . import formats, traffic
+from .argtypes import positive_int as _positive_int
 from .testing import make_inputs, make_params
 
 EPILOG = """\
@@ -18,16 +19,6 @@ def _fail(msg: str):
     """A user error found after parsing (the machine, the library's checks): one line on stderr
     and exit status 1, where argparse's own errors exit with 2."""
     raise SystemExit(f"replayssm: error: {msg}")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {val}")
-    return val
 
 
 def _device(text: str) -> torch.device:

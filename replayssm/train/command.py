@@ -5,26 +5,8 @@ import argparse
 import shlex
 
 from . import models
-
-
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {val}")
-    return val
-
-
-def _positive_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not val > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {val}")
-    return val
+from ..argtypes import positive_float as _positive_float
+from ..argtypes import positive_int as _positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
