@@ -52,9 +52,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from replayssm import shapes  # noqa: E402
-from replayssm.bench.common import call_accepting, family_ops, header, write_results  # noqa: E402
-from replayssm.bench.peers.fork import (FORK_COMMIT, SHAPES, fork_for_case, layer_kwargs,  # noqa: E402
-                                        load_fork, make_fork)
+from replayssm.bench.common import call_accepting, family_ops, header, layer_kwargs, write_results  # noqa: E402
+from replayssm.bench.peers.fork import FORK_COMMIT, SHAPES, fork_for_case, load_fork, make_fork  # noqa: E402
 from replayssm.bench.verify import Case, _time_steps  # noqa: E402
 from replayssm.reference import expand_heads, replay  # noqa: E402
 from replayssm.testing import RelErr, make_inputs, make_params  # noqa: E402

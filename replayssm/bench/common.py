@@ -123,6 +123,13 @@ def family_ops(family: str):
     return importlib.import_module(f"replayssm.ops.{family}")
 
 
+def layer_kwargs(family: str, p) -> dict:
+    """A layer's parameters as the kernels of `family` take them (`p`: its params object)."""
+    if family == "mamba2":
+        return dict(A=p.A, dt_bias=p.dt_bias, D=p.D)
+    return dict(A_log=p.A_log, dt_bias=p.dt_bias, scale=None, use_qk_l2norm=True)
+
+
 def call_accepting(fn, kwargs):
     """Call `fn` with the keyword arguments its signature accepts (families differ slightly)."""
     names = inspect.signature(fn).parameters

@@ -38,7 +38,7 @@ import torch
 
 from .. import shapes, traffic
 from ..testing import make_inputs, make_params
-from .common import call_accepting, family_ops, graph_time_us, header, write_results
+from .common import call_accepting, family_ops, graph_time_us, header, layer_kwargs, write_results
 
 SHAPES = ["nemotron3-super", "nemotron3-nano-4b", "qwen3.5-122b", "qwen3.5-4b", "kimi-linear-48b"]
 
@@ -80,10 +80,7 @@ class Case:
         self.ops = family_ops(fam)
 
     def _params(self):
-        p = self.params
-        if self.family == "mamba2":
-            return dict(A=p.A, dt_bias=p.dt_bias, D=p.D)
-        return dict(A_log=p.A_log, dt_bias=p.dt_bias, scale=None, use_qk_l2norm=True)
+        return layer_kwargs(self.family, self.params)
 
     def replay_step(self, config=None):
         from ..ops.utils.commit import commit

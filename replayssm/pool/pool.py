@@ -339,8 +339,7 @@ class SlotPool:
             # a select, not a product: the skip term and gate of an unverified token may be
             # NaN or Inf (an engine's unused draft positions hold anything), and NaN * 0 is NaN
             keep = torch.arange(T, device=self.device)[None, :] < torch.tensor(ns, device=self.device)[:, None]
-            y_all = torch.where(keep[:, :, None, None], y_all, torch.zeros((), dtype=y_all.dtype,
-                                                                           device=y_all.device))
+            y_all = y_all.masked_fill(~keep[:, :, None, None], 0)
         return y_all if out is None else out.copy_(y_all)
 
     @torch.no_grad()

@@ -1,17 +1,16 @@
 """The training loop, the held-out evaluation in bits per byte, and the model folder it writes."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ..bench.common import cpu_name
 from . import corpus as corpus_mod
-from . import models, tokenizer
+from . import models
 
 LN2 = math.log(2.0)
 
@@ -162,7 +161,7 @@ def train(s: Settings, data: corpus_mod.Corpus | None = None):
         "model": models.model_name(s.family, s.draft), "family": s.family, "draft": s.draft,
         "parameters": sum(p.numel() for p in model.parameters()),
         "corpus": data.facts, "settings": {k: v for k, v in vars(s).items() if k not in ("progress", "extra")},
-        "config_overrides": s.extra, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "config_overrides": s.extra, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {cpu_name()}",
         "torch": torch.__version__, "seconds": round(seconds, 1),
         "train_bpb": sum(tail) / len(tail), "heldout_bpb": final, "unigram_bpb": baseline,
         "eval": {"bytes": int(held_w.shape[0] * s.context + 1), "context": s.context,

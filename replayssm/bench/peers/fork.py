@@ -256,12 +256,6 @@ def make_fork(fork, shape, params, N, batch, window, T, slot_ids, dtype, out_dty
     raise SystemExit(f"the fork has no spec verify kernel for {shape.family}")
 
 
-def layer_kwargs(family, p) -> dict:
-    if family == "mamba2":
-        return dict(A=p.A, dt_bias=p.dt_bias, D=p.D)
-    return dict(A_log=p.A_log, dt_bias=p.dt_bias, scale=None, use_qk_l2norm=True)
-
-
 def fork_for_case(fork, case, gate: bool, seed: int = 0):
     """The fork's state beside a `replayssm.bench.verify.Case`: the same layer, token inputs,
     slots, checkpoint and staggered cursors (write_pos of slot s = s mod window), random records
