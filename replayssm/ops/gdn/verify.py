@@ -46,6 +46,7 @@ from ..utils.tiles import check_slices, tile_offsets
 from .common import (_FLOATS, _for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
 from .gluon_verify import gluon_verify_unsupported, launch_gluon_verify
+from .verify_mma import _write_shared, launch_verify_mma, mma_verify_unsupported
 
 __all__ = ["replay_verify", "run_verify", "verify_config"]
 
@@ -107,58 +108,6 @@ def _fold(b_C, h, p_ld, p_w, p_k, stride_ld, stride_w, stride_k, m_w, m_k, KS: t
             b_C = b_C * tl.exp(tl.load(p_ld + j * stride_ld))
         b_C += _rows(b_w, KS) * _kvec(b_k, KS)
     return b_C
-
-
-@triton.jit
-def _log_decay(b_x, b_A):
-    """`-A softplus(x)` with the operations of `common._load_head` (the same bits)."""
-    b_e = tl.exp(-tl.abs(b_x))
-    b_1e = 1.0 + b_e
-    b_d = b_1e - 1.0
-    b_l1p = tl.where(b_d == 0.0, b_e, tl.log(b_1e) * (b_e / tl.where(b_d == 0.0, 1.0, b_d)))
-    return -b_A * (tl.maximum(b_x, 0.0) + b_l1p)
-
-
-@triton.jit
-def _write_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, i_s, n, o_k, m_k,
-                  stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
-                  T: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
-                  LBCAP: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr,
-                  IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """On an early flush, the drafts' fields other programs of the slot read as committed
-    records until they all arrived: every value head's log decay and every key head's key at
-    positions `0..n-1`, recomputed from the inputs by the slot's last program."""
-    o_hv = tl.arange(0, HVP)
-    m_hv = o_hv < HV
-    o_hk = tl.arange(0, HKP)
-    m_hk = o_hk < HK
-    b_A = tl.exp(tl.load(A_log + o_hv, mask=m_hv, other=0.).to(tl.float32))
-    if IS_KDA:
-        b_dt = tl.load(dt_bias + o_hv[:, None] * K + o_k[None, :], mask=m_hv[:, None] & m_k[None, :],
-                       other=0.).to(tl.float32)
-    else:
-        b_dt = tl.load(dt_bias + o_hv, mask=m_hv, other=0.).to(tl.float32)
-    for t in tl.static_range(T):
-        ok = t < n
-        p_kt = k + i_b * stride_k_b + t * stride_k_t
-        m_kh = m_hk[:, None] & m_k[None, :]
-        b_k = tl.load(p_kt + o_hk[:, None] * stride_k_h + o_k[None, :], mask=m_kh, other=0.).to(tl.float32)
-        if USE_QK_L2NORM:
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-        p_kb = buf_k + ((i_s * LBCAP + t) * HK + o_hk)[:, None] * K + o_k[None, :]
-        tl.store(p_kb, _for_store(b_k, p_kb, EXACT_BF16), mask=tl.where(ok, m_kh, False))
-        p_at = a + i_b * stride_a_b + t * stride_a_t
-        if IS_KDA:
-            m_a = m_hv[:, None] & m_k[None, :]
-            b_a = tl.load(p_at + o_hv[:, None] * stride_a_h + o_k[None, :], mask=m_a, other=0.).to(tl.float32)
-            b_ld = tl.where(m_a, _log_decay(b_a + b_dt, b_A[:, None]), 0.)
-            tl.store(buf_ld + ((i_s * LBCAP + t) * HV + o_hv)[:, None] * K + o_k[None, :], b_ld,
-                     mask=tl.where(ok, m_a, False))
-        else:
-            b_a = tl.load(p_at + o_hv * stride_a_h, mask=m_hv, other=0.).to(tl.float32)
-            tl.store(buf_ld + (i_s * LBCAP + t) * HV + o_hv, _log_decay(b_a + b_dt, b_A),
-                     mask=tl.where(ok, m_hv, False))
-
 
 
 @triton.jit
@@ -326,7 +275,7 @@ def _replay_verify_kernel(
 # Launcher, launch configs, custom ops, public function.
 # ---------------------------------------------------------------------------------------------
 
-_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS", "gluon", "maxnreg", "kq")
+_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "KS", "gluon", "maxnreg", "kq", "mma")
 
 
 def _check_config(cfg: dict, BK: int) -> dict:
@@ -352,7 +301,10 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     `gluon`: the Gluon kernel of gluon_verify.py; `kq`, GDN's Gluon kernel only, default off, not
     yet timed: the drafts' Gram products and the records' products with the drafts' keys and
     queries formed once per (row, key head) by a launch before it,
-    `utils.key_products.gdn_verify_key_products`, instead of by every program of the key head).
+    `utils.key_products.gdn_verify_key_products`, instead of by every program of the key head;
+    `mma`, GDN only, default off: the kernel of verify_mma.py, its products on 16-bit tensor
+    cores at fp32 accuracy, windows up to 32, BV at least 16 (defaults: the largest of 64, 32,
+    16 dividing V, in BV / 16 warps); not with `gluon` or `kq`).
 
     `gluon` (default True) applies on a GPU (`gpu`; None: CUDA present and not the CPU interpreter) where
     `gluon_verify_unsupported` has no objection to the shape, window (`window`, `Lb`; None: 16
@@ -375,6 +327,12 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     kq = user.pop("kq", False)
     if not isinstance(kq, bool):
         raise ValueError(f"config kq={kq!r} must be a bool")
+    mma = user.pop("mma", False)
+    if not isinstance(mma, bool):
+        raise ValueError(f"config mma={mma!r} must be a bool")
+    if mma:
+        return _mma_config(family, V, K, T, user, BK, want if "gluon" in (config or {}) else False, kq,
+                           16 if window is None else window, Lb)
     if kq and family != "gdn":
         raise ValueError("config kq=True: the key head's shared products are GDN's (KDA's draft vectors carry "
                          "each value head's decays)")
@@ -389,22 +347,41 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
         why = gluon_verify_unsupported(family, HV or 1, Hk or 1, V, K, T, L, L + T if Lb is None else Lb,
                                        cfg["BV"], cfg["num_warps"])
         if why is None:
-            return dict(cfg, gluon=True, kq=kq)
+            return dict(cfg, gluon=True, kq=kq, mma=False)
     BV = min(32, triton.next_power_of_2(V))
     cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 1, "num_stages": 1, "KS": ks, "maxnreg": 0}
-    return dict(_check_config(dict(cfg, **user), BK), gluon=False, kq=False)
+    return dict(_check_config(dict(cfg, **user), BK), gluon=False, kq=False, mma=False)
+
+
+def _mma_config(family: str, V: int, K: int, T: int, user: dict, BK: int, gluon: bool, kq: bool,
+                window: int, Lb: Optional[int]) -> dict:
+    """`verify_config` for `mma=True`: the kernel of verify_mma.py or a ValueError saying why not."""
+    if gluon or kq:
+        raise ValueError("config mma=True is a kernel of its own: not with gluon=True or kq=True")
+    bv = next((c for c in (64, 32, 16) if V % c == 0), 16)
+    cfg = _check_config(dict({"BV": bv, "num_warps": max(1, bv // 16), "num_stages": 1,
+                              "KS": min(8, max(1, BK // 4)), "maxnreg": 0}, **user), BK)
+    why = mma_verify_unsupported(family, V, K, T, window, window + T if Lb is None else Lb, cfg["BV"])
+    if why is not None:
+        raise ValueError(f"config mma=True: {why}")
+    return dict(cfg, gluon=False, kq=False, mma=True)
 
 
 def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w,
                   buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, window: int, o,
                   use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int,
-                  gluon: bool = False, maxnreg: int = 0, kq: bool = False) -> None:
+                  gluon: bool = False, maxnreg: int = 0, kq: bool = False, mma: bool = False) -> None:
     """Launch the Gluon kernel (`gluon`, where it applies: a GPU, the shape and config that
-    `gluon_verify_unsupported` accepts) or `_replay_verify_kernel`; inputs already validated.
+    `gluon_verify_unsupported` accepts), the tensor-core kernel of verify_mma.py (`mma`, GDN
+    only) or `_replay_verify_kernel`; inputs already validated.
     `kq`: the Gluon kernel takes the key head's products from a launch before it."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     Lb = buf_w.shape[1]
+    if mma:
+        launch_verify_mma(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
+                          arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages, family)
+        return
     if Bt == 0:
         return
     if gluon and q.is_cuda and not _interpreting() and \
@@ -448,15 +425,15 @@ def _register_verify_op(family: str):
            buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor, arrive: Tensor,
            slot_ids: Tensor, num_drafts: Optional[Tensor], window: int, o: Tensor,
            use_qk_l2norm: bool, BV: int, num_warps: int, num_stages: int, KS: int,
-           gluon: bool = False, maxnreg: int = 0, kq: bool = False) -> None:
+           gluon: bool = False, maxnreg: int = 0, kq: bool = False, mma: bool = False) -> None:
         launch_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k,
                       cursor, pending, epoch, arrive, slot_ids, num_drafts, window, o,
-                      use_qk_l2norm, BV, num_warps, num_stages, KS, gluon, maxnreg, kq)
+                      use_qk_l2norm, BV, num_warps, num_stages, KS, gluon, maxnreg, kq, mma)
 
     @op.register_fake
     def _(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
           arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages, KS,
-          gluon=False, maxnreg=0, kq=False) -> None:
+          gluon=False, maxnreg=0, kq=False, mma=False) -> None:
         return None
 
     return op
@@ -542,7 +519,8 @@ def run_verify(family, q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w
     _VERIFY_OPS[family](
         q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ckpt, buf_ld, buf_w, buf_k, cursor,
         pending, epoch, arrive, slot_ids, num_drafts, int(window), out, bool(use_qk_l2norm),
-        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"], cfg["gluon"], cfg["maxnreg"], cfg["kq"])
+        cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["KS"], cfg["gluon"], cfg["maxnreg"], cfg["kq"],
+        cfg["mma"])
     return out
 
 
@@ -572,7 +550,8 @@ def replay_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: 
             are not written and their outputs are zero.
         out: optional `[Bt, T, HV, V]` contiguous output (default: new tensor of `v`'s dtype).
         config: overrides of `BV`, `num_warps`, `num_stages`, `KS`, `maxnreg`, `gluon` (the Gluon
-            kernel on a GPU where it applies, default True; see `verify_config`).
+            kernel on a GPU where it applies, default True), `mma` (tensor-core products, default
+            False; see `verify_config`).
         arrive: `[N]` int32 zeroed counters (default: a cached buffer, see `arrive_counter`).
         validate: check shapes, dtypes, devices, slot ids, cursors and draft counts (the last
             three read device values back, skipped during CUDA-graph capture). False: no check.
