@@ -74,9 +74,9 @@ def test_verify_config_gluon_key(monkeypatch):
     with pytest.raises(ValueError, match="above the window"):
         verify_config(*S, 8, dict(gluon=True), device="cuda", window=4, Lb=12)
     for T in (1, 2, 4, 8):
-        assert verify_config(*S, T, device="cuda") == dict(BV=64, num_warps=4, num_stages=1, gluon=True, kq=False)
+        assert verify_config(*S, T, device="cuda") == dict(BV=64, num_warps=4, num_stages=1, gluon=True, kq=False, mma=False)
         # Nano-4B's 60 programs a group: the key products' launch from 4 drafts on
-        assert verify_config(*N, T, device="cuda") == dict(BV=16, num_warps=1, num_stages=1, gluon=True, kq=T >= 4)
+        assert verify_config(*N, T, device="cuda") == dict(BV=16, num_warps=1, num_stages=1, gluon=True, kq=T >= 4, mma=False)
     assert verify_config(*N, 8, dict(kq=False), device="cuda")["kq"] is False
     assert verify_config(*N, 8, dict(BV=64), device="cuda")["kq"] is False          # 24 programs a group
     assert verify_config(*S, 2, dict(num_warps=2), device="cuda")["BV"] == 32
@@ -87,7 +87,7 @@ def test_verify_config_gluon_key(monkeypatch):
     # a launch pair the Gluon kernel does not take runs the Triton kernels with it (the old
     # variants), unless gluon=True asks for it
     assert verify_config(*S, 4, dict(BV=64, num_warps=2), device="cuda") == dict(BV=64, num_warps=2, num_stages=1,
-                                                                                   gluon=False, kq=False)
+                                                                                   gluon=False, kq=False, mma=False)
     with pytest.raises(ValueError, match="gluon=True"):
         verify_config(*S, 4, dict(BV=64, num_warps=2, gluon=True), device="cuda")
     with pytest.raises(ValueError, match="gluon=True"):

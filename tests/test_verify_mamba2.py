@@ -333,6 +333,20 @@ def test_rounds_small_tensor_core_kernel():
 
 
 @pytest.mark.interpret
+def test_rounds_small_mma_kernel():
+    # the exact 16-bit tensor-core kernel (config mma): fp32 records and inputs (every operand
+    # split in three), then bf16 records of bf16-valued inputs on the odd shape (masked lanes,
+    # the records' keys and values as given), T = 3 and 8
+    res = _rounds(SMALL, window=8, T=4, rounds=24, n_slots=3, seed=4, config=dict(mma=True, BV=16, num_warps=1))
+    assert res["verifies"] >= 16 and res["flushes"] >= 8, res
+    _check(res)
+    res = _rounds(ODD, window=8, T=8, rounds=16, n_slots=2, seed=5, record_dtype=torch.bfloat16,
+                  bf16_values=True, config=dict(mma=True, BV=16, num_warps=1))
+    assert res["flushes"] >= 3, res
+    _check(res)
+
+
+@pytest.mark.interpret
 def test_rounds_odd_shape_bf16_records():
     # V = 12 and K = 24 (masked lanes in both), three heads per group, T = 3 (a padded draft
     # lane), bf16 records of bf16-valued inputs (exact copies), a window of 6. Interpreter,
@@ -422,6 +436,23 @@ def test_gpu_rounds_real_shapes(name, T):
     _check(res)
     res = _rounds(shape, window=16, T=T, rounds=16, n_slots=6, seed=T + 1, record_dtype=torch.bfloat16,
                   bf16_values=True)
+    _check(res)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["nemotron3-super", "nemotron3-nano-4b"])
+@pytest.mark.parametrize("T", [2, 4, 8])
+@pytest.mark.parametrize("records", ["fp32", "bf16"])
+def test_gpu_rounds_real_shapes_mma(name, T, records):
+    # the exact tensor-core kernel at the model shapes, fp32 operands (all split) and bf16
+    # records of bf16 inputs (as a bf16 model's pool holds them)
+    shape = model_shape(name)
+    bv = 64 if shape["V"] % 64 == 0 else 16
+    cfg = dict(mma=True, BV=bv, num_warps=max(1, bv // 16))
+    kw = dict(record_dtype=torch.bfloat16, bf16_values=True) if records == "bf16" else {}
+    res = _rounds(shape, window=16, T=T, rounds=32, n_slots=8, seed=T + 7, config=cfg, **kw)
+    assert res["verifies"] >= 16 and res["flushes"] > 0, res
     _check(res)
 
 

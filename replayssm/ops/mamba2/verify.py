@@ -35,6 +35,7 @@ from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
 from .common import (FLOAT_DTYPES, OPTIONAL_INPUTS, check_state, check_tensor, draft_decays, given, load_tile,
                      verify_row_bounds, write_shared_drafts)
 from .gluon_verify import HAVE_GLUON, gluon_verify_unsupported, launch_gluon_verify
+from .verify_mma import _replay_verify_mma_kernel
 from .verify_tc import _replay_verify_tc_kernel
 
 __all__ = ["replay_verify", "verify_config"]
@@ -263,24 +264,27 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
     BK = triton.next_power_of_2(K)
     if T >= TC_MIN_T:
         bv = next((b for b in (32, 16) if V % b == 0), 16)
-        cfg = dict(BV=bv, num_warps=max(1, bv // 16), num_stages=1, gluon=False, kq=False)
+        cfg = dict(BV=bv, num_warps=max(1, bv // 16), num_stages=1, gluon=False, kq=False, mma=False)
     else:
         bv = next((b for b in (64, 32, 16) if V % b == 0), min(64, max(16, triton.next_power_of_2(V))))
-        cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1, gluon=False, kq=False)
+        cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1, gluon=False, kq=False,
+                   mma=False)
     config = dict(config or {})
     unknown = set(config) - set(cfg)
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}; expected a subset of {sorted(cfg)}")
-    for key in ("gluon", "kq"):
+    for key in ("gluon", "kq", "mma"):
         if not isinstance(config.get(key, False), bool):
             raise ValueError(f"config: {key} must be a bool, got {config[key]!r}")
-    gbv = _gluon_default(HV, V, K, Hk, T, device, window, Lb)
+    if config.get("mma") and config.get("gluon"):
+        raise ValueError("config: mma and gluon are two kernels; ask for one")
+    gbv = None if config.get("mma") else _gluon_default(HV, V, K, Hk, T, device, window, Lb)
     if config.get("gluon", gbv is not None):
         bv, nw = config.get("BV"), config.get("num_warps")
         if bv is None:
             bv = 16 * nw if isinstance(nw, int) else gbv or 16
         cfg = dict(BV=bv, num_warps=max(1, bv // 16) if isinstance(bv, int) else 1, num_stages=1, gluon=True,
-                   kq=kq_default(HV, V, Hk, T, bv))
+                   kq=kq_default(HV, V, Hk, T, bv), mma=False)
     cfg.update(config)
     for key in ("BV", "num_warps"):
         val = cfg[key]
@@ -293,7 +297,7 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
             raise ValueError(f"config: gluon=True does not cover this launch: {why}")
         if why:
             cfg["gluon"] = False          # a launch shape the Gluon kernel does not take: the Triton kernels
-    if T >= TC_MIN_T and cfg["BV"] < 16:
+    if (T >= TC_MIN_T or cfg["mma"]) and cfg["BV"] < 16:
         raise ValueError(f"config: BV must be at least 16 at T >= {TC_MIN_T} (the tiles' products), got {cfg['BV']}")
     ns = cfg["num_stages"]
     if isinstance(ns, bool) or not isinstance(ns, int) or ns < 1:
@@ -306,7 +310,8 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
 
 
 def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False, kq=False):
+                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False, kq=False,
+                   mma=False):
     Bt, T, HV, V = x.shape
     Hk, K = B.shape[2], B.shape[3]
     LB = buf_ld.shape[1]
@@ -319,6 +324,18 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
                             arrive, slot_ids, num_drafts, out, window, BV, num_warps, kq=kq)
         return
     nvb = triton.cdiv(V, BV)
+    if mma:
+        BK = max(16, triton.next_power_of_2(K))
+        _replay_verify_mma_kernel[(HV * nvb, Bt)](
+            x, dt, B, C, A, dt_bias, D, z, out,
+            ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+            *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
+            *_token_strides(x, dt, B, C, z, out),
+            HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, TP=max(16, triton.next_power_of_2(T)), BV=BV,
+            BK=BK, BKC=min(32, BK), BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
+            HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), WIDEN=_interpreting(),
+            num_warps=num_warps, num_stages=num_stages)
+        return
     tc = T >= TC_MIN_T
     BK = max(16, triton.next_power_of_2(K)) if tc else triton.next_power_of_2(K)
     tiles = dict(TP=max(16, triton.next_power_of_2(T))) if tc else dict(TP=triton.next_power_of_2(T), KI=min(32, BK))
@@ -328,14 +345,17 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         x, dt, B, C, A, dt_bias, D, z, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
         *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
-        x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
-        B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
-        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
-        z.stride(2) if z is not None else 0, out.stride(0), out.stride(1), out.stride(2),
+        *_token_strides(x, dt, B, C, z, out),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, BV=BV, BK=BK,
         BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk),
         num_warps=num_warps, num_stages=num_stages, **tiles)
+
+
+def _token_strides(x, dt, B, C, z, out):
+    zs = (z.stride(0), z.stride(1), z.stride(2)) if z is not None else (0, 0, 0)
+    return (x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
+            B.stride(2), C.stride(0), C.stride(1), C.stride(2), *zs, out.stride(0), out.stride(1), out.stride(2))
 
 
 @torch.library.custom_op(
@@ -347,14 +367,14 @@ def _replay_verify_op(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt
                       buf_w: Tensor, buf_k: Tensor, cursor: Tensor, pending: Tensor, epoch: Tensor,
                       arrive: Tensor, slot_ids: Tensor, num_drafts: Optional[Tensor], out: Tensor,
                       window: int, BV: int, num_warps: int, num_stages: int, gluon: bool = False,
-                      kq: bool = False) -> None:
+                      kq: bool = False, mma: bool = False) -> None:
     _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon, kq)
+                   arrive, slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon, kq, mma)
 
 
 @_replay_verify_op.register_fake
 def _(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive,
-      slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False, kq=False) -> None:
+      slot_ids, num_drafts, out, window, BV, num_warps, num_stages, gluon=False, kq=False, mma=False) -> None:
     return None
 
 
@@ -442,7 +462,7 @@ def replay_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bia
         arrive = arrive_counter(x.device, ckpt.shape[0])
     args = (x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive,
             slot_ids, num_drafts, out, int(window), cfg["BV"], cfg["num_warps"], cfg["num_stages"], cfg["gluon"],
-            cfg["kq"])
+            cfg["kq"], cfg["mma"])
     if torch.compiler.is_compiling():
         torch.ops.replayssm.mamba2_replay_verify(*args)
     else:
