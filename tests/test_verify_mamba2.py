@@ -344,6 +344,11 @@ def test_rounds_small_mma_kernel():
                   bf16_values=True, config=dict(mma=True, BV=16, num_warps=1))
     assert res["flushes"] >= 3, res
     _check(res)
+    # the key products formed by the launch before (config kq)
+    res = _rounds(SMALL, window=8, T=8, rounds=16, n_slots=2, seed=6, record_dtype=torch.bfloat16,
+                  bf16_values=True, config=dict(mma=True, kq=True, BV=16, num_warps=1))
+    assert res["flushes"] >= 3, res
+    _check(res)
 
 
 @pytest.mark.interpret
@@ -449,7 +454,7 @@ def test_gpu_rounds_real_shapes_mma(name, T, records):
     # records of bf16 inputs (as a bf16 model's pool holds them)
     shape = model_shape(name)
     bv = 64 if shape["V"] % 64 == 0 else 16
-    cfg = dict(mma=True, BV=bv, num_warps=max(1, bv // 16))
+    cfg = dict(mma=True, BV=bv, num_warps=max(1, bv // 16), kq=records == "bf16")
     kw = dict(record_dtype=torch.bfloat16, bf16_values=True) if records == "bf16" else {}
     res = _rounds(shape, window=16, T=T, rounds=32, n_slots=8, seed=T + 7, config=cfg, **kw)
     assert res["verifies"] >= 16 and res["flushes"] > 0, res

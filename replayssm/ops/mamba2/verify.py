@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..utils.checks import check_slot_values, check_window
 from ..utils.cursor import slot_bases, verify_hand_off
+from ..utils.key_products import verify_key_products
 from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
 from .common import (FLOAT_DTYPES, OPTIONAL_INPUTS, check_state, check_tensor, draft_decays, given, load_tile,
                      verify_row_bounds, write_shared_drafts)
@@ -297,6 +298,8 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
             raise ValueError(f"config: gluon=True does not cover this launch: {why}")
         if why:
             cfg["gluon"] = False          # a launch shape the Gluon kernel does not take: the Triton kernels
+    if cfg["mma"] and cfg["kq"] and K & (K - 1):
+        raise ValueError(f"config: kq with mma takes a power-of-two K (the key products' launch), got K={K}")
     if (T >= TC_MIN_T or cfg["mma"]) and cfg["BV"] < 16:
         raise ValueError(f"config: BV must be at least 16 at T >= {TC_MIN_T} (the tiles' products), got {cfg['BV']}")
     ns = cfg["num_stages"]
@@ -325,15 +328,19 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
         return
     nvb = triton.cdiv(V, BV)
     if mma:
-        BK = max(16, triton.next_power_of_2(K))
+        BK, TP = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(T))
+        BL = max(16, triton.next_power_of_2(min(window, LB)))
+        pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
+        kqs = verify_key_products(C, B, buf_k, cursor, slot_ids, num_drafts, window, BL, TP, TP, pads["pad_k"],
+                                  pads["pad_cur"]) if kq else slot_ids
         _replay_verify_mma_kernel[(HV * nvb, Bt)](
             x, dt, B, C, A, dt_bias, D, z, out,
-            ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
-            *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
+            ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kqs,
+            *pads.values(),
             *_token_strides(x, dt, B, C, z, out),
-            HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, TP=max(16, triton.next_power_of_2(T)), BV=BV,
-            BK=BK, BKC=min(32, BK), BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
-            HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), WIDEN=_interpreting(),
+            HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, TP=TP, BV=BV, BK=BK, BKC=min(32, BK), BL=BL,
+            NVB=nvb, HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), KQ=bool(kq),
+            WIDEN=_interpreting(),
             num_warps=num_warps, num_stages=num_stages)
         return
     tc = T >= TC_MIN_T

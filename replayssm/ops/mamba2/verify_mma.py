@@ -35,16 +35,19 @@ def _pieces(name):
 @triton.jit
 def _chunk(S_c, p_S, m_S, b_Xf, g_all, p_kb, o_l, m_l, o_kc, m_kc, b_QTc, b_Kdc, b_Y, b_Gc, b_Gd,
            FOLD: tl.constexpr, NKB: tl.constexpr, NKD: tl.constexpr, NQ: tl.constexpr,
-           Hk: tl.constexpr, K: tl.constexpr, WIDEN: tl.constexpr):
-    """One K chunk: the fold (FOLD: stored), the queries' product, the keys' products."""
-    b_Kbc = tl.load(p_kb + o_l[:, None] * (Hk * K) + o_kc[None, :], mask=m_l[:, None] & m_kc[None, :],
-                    other=0.0)                                                          # [BL, BKC]
+           Hk: tl.constexpr, K: tl.constexpr, KQ: tl.constexpr, WIDEN: tl.constexpr):
+    """One K chunk: the fold (FOLD: stored), the queries' product, the keys' products (unless
+    KQ: formed by the launch before)."""
+    if FOLD or not KQ:
+        b_Kbc = tl.load(p_kb + o_l[:, None] * (Hk * K) + o_kc[None, :], mask=m_l[:, None] & m_kc[None, :],
+                        other=0.0)                                                      # [BL, BKC]
     if FOLD:
         S_c = S_c * g_all + dot_bf16x(b_Xf, b_Kbc, 3, NKB, WIDEN)
         tl.store(p_S, S_c, mask=m_S)
     b_Y += dot_bf16x(S_c, b_QTc, 3, NQ, WIDEN)
-    b_Gc += dot_bf16x(b_Kbc, b_QTc, NKB, NQ, WIDEN)
-    b_Gd += dot_bf16x(b_Kdc, b_QTc, NKD, NQ, WIDEN)
+    if not KQ:
+        b_Gc += dot_bf16x(b_Kbc, b_QTc, NKB, NQ, WIDEN)
+        b_Gd += dot_bf16x(b_Kdc, b_QTc, NKD, NQ, WIDEN)
     return b_Y, b_Gc, b_Gd
 
 
@@ -52,7 +55,7 @@ def _chunk(S_c, p_S, m_S, b_Xf, g_all, p_kb, o_l, m_l, o_kc, m_kc, b_QTc, b_Kdc,
 def _tile_pass(p_S0, m_v, p_kb, C, B, off_C, off_B, stride_C_t, stride_B_t, o_v, o_l, m_l, o_t, m_t, b_Xf,
                g_all, b_Y, b_Gc, b_Gd, FOLD: tl.constexpr, NKB: tl.constexpr, NKD: tl.constexpr,
                NQ: tl.constexpr, Hk: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
-               WIDEN: tl.constexpr):
+               KQ: tl.constexpr, WIDEN: tl.constexpr):
     for kc in tl.static_range(0, BK, BKC):
         o_kc = kc + tl.arange(0, BKC)
         m_kc = o_kc < K
@@ -61,10 +64,13 @@ def _tile_pass(p_S0, m_v, p_kb, C, B, off_C, off_B, stride_C_t, stride_B_t, o_v,
         S_c = tl.load(p_S, mask=m_S, other=0.0, eviction_policy="evict_first")          # [BV, BKC]
         b_QTc = tl.load(C + off_C + o_t[None, :] * stride_C_t + o_kc[:, None], mask=m_kc[:, None] & m_t[None, :],
                         other=0.0)                                                      # [BKC, TP]
-        b_Kdc = tl.load(B + off_B + o_t[:, None] * stride_B_t + o_kc[None, :], mask=m_t[:, None] & m_kc[None, :],
-                        other=0.0)                                                      # [TP, BKC]
+        if KQ:
+            b_Kdc = b_QTc          # not read
+        else:
+            b_Kdc = tl.load(B + off_B + o_t[:, None] * stride_B_t + o_kc[None, :],
+                            mask=m_t[:, None] & m_kc[None, :], other=0.0)               # [TP, BKC]
         b_Y, b_Gc, b_Gd = _chunk(S_c, p_S, m_S, b_Xf, g_all, p_kb, o_l, m_l, o_kc, m_kc, b_QTc, b_Kdc, b_Y, b_Gc,
-                                 b_Gd, FOLD, NKB, NKD, NQ, Hk, K, WIDEN)
+                                 b_Gd, FOLD, NKB, NKD, NQ, Hk, K, KQ, WIDEN)
     return b_Y, b_Gc, b_Gd
 
 
@@ -73,7 +79,7 @@ def _tile_pass(p_S0, m_v, p_kb, C, B, off_C, off_B, stride_C_t, stride_B_t, o_v,
 @triton.jit
 def _replay_verify_mma_kernel(
     x, dt, B, C, A, dt_bias, D, z, out,
-    ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
+    ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kq,
     pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
     stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t,
     stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
@@ -82,7 +88,7 @@ def _replay_verify_mma_kernel(
     WINDOW: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     BKC: tl.constexpr, BL: tl.constexpr, NVB: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr,
     NKB: tl.constexpr, NKD: tl.constexpr, NQ: tl.constexpr, NW: tl.constexpr, NX: tl.constexpr,
-    WIDEN: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_N: tl.constexpr,
+    KQ: tl.constexpr, WIDEN: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_N: tl.constexpr,
 ):
     # grid (HV * NVB, Bt): a program owns V-block i_v of head i_h; value rows are every
     # product's M side
@@ -151,12 +157,17 @@ def _replay_verify_mma_kernel(
         g_all = tl.exp(tl.sum(b_ldc, axis=0))
         b_Y, b_Gc, b_Gd = _tile_pass(p_S0, m_v, p_kb, C, B, off_C, off_B, stride_C_t, stride_B_t, o_v, o_l, m_l,
                                      o_t, m_t, b_Xf, g_all, b_Y, b_Gc, b_Gd, True, NKB, NKD, NQ, Hk, K, BK, BKC,
-                                     WIDEN)
+                                     KQ, WIDEN)
     else:
         b_Y, b_Gc, b_Gd = _tile_pass(p_S0, m_v, p_kb, C, B, off_C, off_B, stride_C_t, stride_B_t, o_v, o_l, m_l,
                                      o_t, m_t, b_WbT, 1.0, b_Y, b_Gc, b_Gd, False, NKB, NKD, NQ, Hk, K, BK, BKC,
-                                     WIDEN)
+                                     KQ, WIDEN)
     b_Lc = tl.sum(tl.where(m_c, b_ldc, 0.0), axis=0)                                   # log g_{0:hc-1}
+    if KQ:
+        # utils.key_products.verify_key_products: [BL + TP, TP] of the group, zero past h' and n
+        p_kq = kq + (i_b * Hk + i_g) * ((BL + TP) * TP)
+        b_Gc = tl.load(p_kq + o_l[:, None] * TP + o_t[None, :])
+        b_Gd = tl.load(p_kq + (BL + o_t)[:, None] * TP + o_t[None, :])
 
     # y[:, t] = g_{0:p_t} C q_t + committed records' terms + drafts' terms (r <= t)
     b_Y = b_Y * tl.exp(b_Lc + b_Dt)[None, :]
