@@ -321,8 +321,8 @@ def test_rounds_small():
 
 @pytest.mark.interpret
 def test_rounds_small_tensor_core_kernel():
-    # T = 6 (verify_tc), window 8, bf16 records of bf16-valued inputs (no split of those
-    # operands) and fp32 ones (split) on odd and even shapes
+    # T = 6 (the Triton path's default from TC_MIN_T: the mma kernel), window 8, fp32 records
+    # (split) on the even shape, bf16 records of bf16-valued inputs (no split) on the odd one
     res = _rounds(SMALL, window=8, T=6, rounds=24, n_slots=3, seed=2)
     assert res["verifies"] >= 16 and res["flushes"] >= 8, res
     _check(res)

@@ -8,7 +8,7 @@ installed under a folder, `PYTHONPATH=<folder> python benchmarks/tools/regcount.
                                          gdn-verify|kda-verify|gdn-gluon-verify|kda-gluon-verify|mamba2-gluon-verify|mamba2-gluon-lp|
                                          gdn-gluon-lp|kda-gluon-lp] [key=value ...]
 
-(mamba2-verify: `mma=1` the exact tensor-core kernel, config mma; mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
+(mamba2-verify: `mma=0/1` the row-dot or the tensor-core kernel; mamba2: `inputs=bf16` compiles for bf16 token inputs and outputs, fp32 by default; `keys=fp32`
 for fp32 key records, bf16 by default; the Gluon kernels: `values=fp32` for fp32 value records;
 the LP Gluon kernels: `lp=1..4` the read format, fp16, bf16, fp8, NVFP4. `REGCOUNT_DUMP=<path>`
 writes the TTGIR, PTX and cubin beside: `cuobjdump -sass` of two cubins shows whether a refactor
@@ -216,27 +216,24 @@ def mamba2_rows(cfg):
 
 def mamba2_verify(cfg):
     """Mamba-2's verify kernel (ops/mamba2/verify.py) at Super's shape (`model=nano`: Nano-4B's),
-    `T` drafts (the tensor-core kernel from `TC_MIN_T`), bf16 records, bf16 token inputs
+    `T` drafts (the mma kernel from `TC_MIN_T`, `mma=0` the row-dot kernel), bf16 records, bf16 token inputs
     (`inputs=fp32`), window 16, the default config for T."""
     from replayssm.ops.mamba2 import verify as m
 
     HV, G, V, K = (96, 8, 80, 128) if cfg.get("model") == "nano" else (128, 8, 64, 128)
     c = dict(m.verify_config(HV, V, K, G, cfg.get("T", 8)), T=8, window=16)
     c.update(cfg)
-    mma = bool(c.pop("mma", False))
-    tc = c["T"] >= m.TC_MIN_T and not mma
-    fn = jit_function(m._replay_verify_mma_kernel if mma else m._replay_verify_tc_kernel if tc else
-                      m._replay_verify_kernel)
+    mma = bool(c.pop("mma"))
+    kq = bool(c.pop("kq"))
+    fn = jit_function(m._replay_verify_mma_kernel if mma else m._replay_verify_kernel)
     tok = "*" + c.get("inputs", "bf16")
     ptr = {n: tok for n in ("x", "dt", "B", "C", "z", "out")}
     ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "ckpt", "buf_ld")})
     ptr.update(buf_w="*" + c.get("values", "bf16"), buf_k="*" + c.get("keys", "bf16"), cursor="*i32",
-               pending="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64", num_drafts="*i32")
+               pending="*i32", epoch="*i64", arrive="*i32", slot_ids="*i64", num_drafts="*i32", kq="*fp32")
     T, L = c["T"], c["window"]
     LB = L + T
-    exact = lambda n: ptr[n] in ("*bf16", "*fp16")  # noqa: E731
-    tiles = (dict(TP=max(16, triton.next_power_of_2(T))) if tc else
-             dict(TP=max(16, triton.next_power_of_2(T)), BKC=32, WIDEN=False) if mma else
+    tiles = (dict(TP=max(16, triton.next_power_of_2(T)), BKC=32, WIDEN=False, KQ=kq) if mma else
              dict(TP=triton.next_power_of_2(T), KI=min(32, K)))
     vals = dict(tiles, HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T,
                 BV=c["BV"], BK=K, BL=max(16, triton.next_power_of_2(min(L, LB))), NVB=triton.cdiv(V, c["BV"]),
@@ -246,9 +243,6 @@ def mamba2_verify(cfg):
         del vals["EVEN"]
         n = {"*bf16": 1, "*fp16": 2, "*fp32": 3}
         vals.update(NKB=n[ptr["buf_k"]], NKD=n[ptr["B"]], NQ=n[ptr["C"]], NW=n[ptr["buf_w"]], NX=n[ptr["x"]])
-    if tc:
-        vals.update(KB_EXACT=exact("buf_k"), KD_EXACT=exact("B"), Q_EXACT=exact("C"), W_EXACT=exact("buf_w"),
-                    X_EXACT=exact("x"))
     vals.update({k: v for k, v in c.items() if k.isupper() and k not in ("BV", "T")})
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"]), f"mamba2 verify {c}")

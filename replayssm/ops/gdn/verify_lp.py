@@ -43,9 +43,9 @@ from ..utils.launch import arrive_counter
 from ..utils.lowp import (head_counter, last_at_head, load_lp_tile, lowp_config, scale_scratch, store_lp_rows,
                           store_nvfp4_head)
 from ..utils.sround import checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows, store_sr_rows
-from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, check_cursor_values,
+from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, _write_shared, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
-from .verify import _check_draft_counts, _fold, _write_shared, check_verify_inputs
+from .verify import _check_draft_counts, _fold, check_verify_inputs
 
 __all__ = ["lowp_verify", "verify_lp_config"]
 

@@ -40,7 +40,7 @@ import triton.language as tl
 from ..utils.cursor import slot_bases, verify_hand_off
 from ..utils.dots import dot_bf16x, pieces
 from ..utils.launch import slot_pads
-from .common import _for_store, _interpreting
+from .common import _for_store, _interpreting, _log_decay, _write_shared
 
 __all__ = ["launch_verify_mma", "mma_verify_unsupported"]
 
@@ -61,63 +61,6 @@ def mma_verify_unsupported(family: str, V: int, K: int, T: int, window: int, Lb:
     if isinstance(BV, bool) or not isinstance(BV, int) or BV < 16 or BV & (BV - 1):
         return f"BV={BV!r}: a power of two of at least 16 (the products' M side)"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The drafts' shared records, written by both Triton verify kernels (verify.py's and this one;
-# verify.py imports this module, so they live here).
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _log_decay(b_x, b_A):
-    """`-A softplus(x)` with the operations of `common._load_head` (the same bits)."""
-    b_e = tl.exp(-tl.abs(b_x))
-    b_1e = 1.0 + b_e
-    b_d = b_1e - 1.0
-    b_l1p = tl.where(b_d == 0.0, b_e, tl.log(b_1e) * (b_e / tl.where(b_d == 0.0, 1.0, b_d)))
-    return -b_A * (tl.maximum(b_x, 0.0) + b_l1p)
-
-
-@triton.jit
-def _write_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, i_s, n, o_k, m_k,
-                  stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
-                  T: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
-                  LBCAP: tl.constexpr, HVP: tl.constexpr, HKP: tl.constexpr,
-                  IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """On an early flush, the drafts' fields other programs of the slot read as committed
-    records until they all arrived: every value head's log decay and every key head's key at
-    positions `0..n-1`, recomputed from the inputs by the slot's last program."""
-    o_hv = tl.arange(0, HVP)
-    m_hv = o_hv < HV
-    o_hk = tl.arange(0, HKP)
-    m_hk = o_hk < HK
-    b_A = tl.exp(tl.load(A_log + o_hv, mask=m_hv, other=0.).to(tl.float32))
-    if IS_KDA:
-        b_dt = tl.load(dt_bias + o_hv[:, None] * K + o_k[None, :], mask=m_hv[:, None] & m_k[None, :],
-                       other=0.).to(tl.float32)
-    else:
-        b_dt = tl.load(dt_bias + o_hv, mask=m_hv, other=0.).to(tl.float32)
-    for t in tl.static_range(T):
-        ok = t < n
-        p_kt = k + i_b * stride_k_b + t * stride_k_t
-        m_kh = m_hk[:, None] & m_k[None, :]
-        b_k = tl.load(p_kt + o_hk[:, None] * stride_k_h + o_k[None, :], mask=m_kh, other=0.).to(tl.float32)
-        if USE_QK_L2NORM:
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-        p_kb = buf_k + ((i_s * LBCAP + t) * HK + o_hk)[:, None] * K + o_k[None, :]
-        tl.store(p_kb, _for_store(b_k, p_kb, EXACT_BF16), mask=tl.where(ok, m_kh, False))
-        p_at = a + i_b * stride_a_b + t * stride_a_t
-        if IS_KDA:
-            m_a = m_hv[:, None] & m_k[None, :]
-            b_a = tl.load(p_at + o_hv[:, None] * stride_a_h + o_k[None, :], mask=m_a, other=0.).to(tl.float32)
-            b_ld = tl.where(m_a, _log_decay(b_a + b_dt, b_A[:, None]), 0.)
-            tl.store(buf_ld + ((i_s * LBCAP + t) * HV + o_hv)[:, None] * K + o_k[None, :], b_ld,
-                     mask=tl.where(ok, m_a, False))
-        else:
-            b_a = tl.load(p_at + o_hv * stride_a_h, mask=m_hv, other=0.).to(tl.float32)
-            tl.store(buf_ld + (i_s * LBCAP + t) * HV + o_hv, _log_decay(b_a + b_dt, b_A),
-                     mask=tl.where(ok, m_hv, False))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,10 +14,10 @@ for t < n at position `p_t = h' + t` (records `j < h'` committed, read from the 
 t >= n. The drafts' records go to positions `h'..h'+n-1`; `cursor[s] = h'`, `pending[s] = n`.
 
 This kernel serves T < TC_MIN_T drafts with one matrix-vector product of the tile per draft;
-from TC_MIN_T on, `verify_tc` does the same step with tensor-core products (its docstring says
-where each wins). On CUDA the default is the Gluon kernel (`gluon_verify`, config key `gluon`),
-the same step with the tile copied asynchronously into shared memory; the CPU interpreter runs
-these Triton kernels.
+from TC_MIN_T on, `verify_mma` does the same step with exact 16-bit tensor-core products
+(config key `mma`). On CUDA the default is the Gluon kernel (`gluon_verify`, config key
+`gluon`), the same step with the tile copied asynchronously into shared memory; the CPU
+interpreter runs these Triton kernels.
 """
 from __future__ import annotations
 
@@ -37,12 +37,11 @@ from .common import (FLOAT_DTYPES, OPTIONAL_INPUTS, check_state, check_tensor, d
                      verify_row_bounds, write_shared_drafts)
 from .gluon_verify import HAVE_GLUON, gluon_verify_unsupported, launch_gluon_verify
 from .verify_mma import _replay_verify_mma_kernel
-from .verify_tc import _replay_verify_tc_kernel
 
 __all__ = ["replay_verify", "verify_config"]
 
 MAX_DRAFT = 8
-TC_MIN_T = 5          # drafts from which the tensor-core kernel (verify_tc) runs
+TC_MIN_T = 5          # drafts from which the Triton path takes the tensor-core kernel (verify_mma)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,13 +238,8 @@ def kq_default(HV: int, V: int, Hk: int, T: int, BV) -> bool:
 def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dict] = None, *, device=None,
                   window: Optional[int] = None, Lb: Optional[int] = None) -> dict:
     """The verify kernel's launch config: `BV` value rows per program (a power of two; ceil(V / BV)
-    blocks per head; at least 16 from `TC_MIN_T` drafts on, the M side of the tensor-core
-    products), `num_warps`, `num_stages`, `gluon`, `kq`. `config` overrides any of them.
-
-    `kq` (the Gluon kernel only): the group's key products with the drafts' queries, committed
-    records' and drafts' keys alike, formed first by one program per (row, group)
-    (`utils.key_products.verify_key_products`) instead of by every program of the group's heads
-    and V-blocks. On by default where it paid on the H200 (`kq_default`).
+    blocks per head; at least 16 for `mma`, the M side of its products), `num_warps`,
+    `num_stages`, `gluon`, `kq`, `mma`. `config` overrides any of them.
 
     `gluon` (GPU only): the Gluon kernel (gluon_verify.py), `BV = 16 * num_warps`. The default
     on a CUDA `device` (outside the interpreter) wherever `gluon_verify_unsupported` says it
@@ -257,15 +251,27 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
     run (the CPU interpreter, a window above 32 at launch) the Triton kernels run with the same
     BV and num_warps.
 
-    The Triton kernels' defaults (`gluon=False`), from the shape, blocks that divide V (no idle
-    lanes; Nano-4B's 80 = 5 x 16): below TC_MIN_T of at most 64 rows, with warps so that a
-    thread holds 128 tile elements; from it on of at most 32 rows with a warp per 16 (on the
-    H200 at batch 256: Super BV=32 with 2 warps 2.4x a conventional step at T = 8, BV=64 with 4
-    3.1x, 8 warps slower still; Nano-4B BV=16 with 1 warp 2.5x, with 4 7.1x)."""
+    `mma`: the Triton kernel with exact 16-bit tensor-core products (verify_mma.py), the Triton
+    kernels' default from `TC_MIN_T` drafts on (below it, and with `mma=False`, the row-dot
+    kernel). Not the GPU's default: on an H100 at batch 256, T = 8, it took 1.48-1.65x a
+    conventional step for Super (BV=64, 4 warps, `kq`) and 1.64-1.78x for Nano-4B (BV=32, 2
+    warps) where the Gluon kernel took 0.85-1.05x and 1.12-1.36x (docs/verify.md).
+
+    `kq`: the group's key products with the drafts' queries, committed records' and drafts'
+    keys alike, formed first by one program per (row, group)
+    (`utils.key_products.verify_key_products`) instead of by every program of the group's heads
+    and V-blocks, for the Gluon kernel and `mma` (a power-of-two K). On by default where it
+    paid: the Gluon kernel's `kq_default` (H200), `mma` at 64-row programs (H100).
+
+    The Triton kernels' defaults (`gluon=False`), from the shape: below TC_MIN_T blocks of at
+    most 64 rows dividing V (no idle lanes; Nano-4B's 80 = 5 x 16), with warps so that a thread
+    holds 128 tile elements; from it on `mma` with 64 rows in 4 warps and `kq` where 64 divides
+    V, else 32 rows in 2 warps (H100, batch 256, T = 8, the figures above; Super at 32 rows
+    1.92-2.03x, Nano-4B at 64 rows with `kq` 2.00-2.22x)."""
     BK = triton.next_power_of_2(K)
     if T >= TC_MIN_T:
-        bv = next((b for b in (32, 16) if V % b == 0), 16)
-        cfg = dict(BV=bv, num_warps=max(1, bv // 16), num_stages=1, gluon=False, kq=False, mma=False)
+        bv = 64 if V % 64 == 0 else 32
+        cfg = dict(BV=bv, num_warps=bv // 16, num_stages=1, gluon=False, kq=bv == 64 and K == BK, mma=True)
     else:
         bv = next((b for b in (64, 32, 16) if V % b == 0), min(64, max(16, triton.next_power_of_2(V))))
         cfg = dict(BV=bv, num_warps=max(1, min(8, bv * BK // (32 * 128))), num_stages=1, gluon=False, kq=False,
@@ -298,10 +304,12 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
             raise ValueError(f"config: gluon=True does not cover this launch: {why}")
         if why:
             cfg["gluon"] = False          # a launch shape the Gluon kernel does not take: the Triton kernels
+            cfg["mma"] = config.get("mma", T >= TC_MIN_T)
     if cfg["mma"] and cfg["kq"] and K & (K - 1):
         raise ValueError(f"config: kq with mma takes a power-of-two K (the key products' launch), got K={K}")
-    if (T >= TC_MIN_T or cfg["mma"]) and cfg["BV"] < 16:
-        raise ValueError(f"config: BV must be at least 16 at T >= {TC_MIN_T} (the tiles' products), got {cfg['BV']}")
+    if cfg["mma"] and cfg["BV"] < 16:
+        raise ValueError(f"config: BV must be at least 16 for mma (the Triton kernel from T = {TC_MIN_T}: the "
+                         f"tiles' products), got {cfg['BV']}")
     ns = cfg["num_stages"]
     if isinstance(ns, bool) or not isinstance(ns, int) or ns < 1:
         raise ValueError(f"config: num_stages must be a positive int, got {ns!r}")
@@ -343,20 +351,17 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
             WIDEN=_interpreting(),
             num_warps=num_warps, num_stages=num_stages)
         return
-    tc = T >= TC_MIN_T
-    BK = max(16, triton.next_power_of_2(K)) if tc else triton.next_power_of_2(K)
-    tiles = dict(TP=max(16, triton.next_power_of_2(T))) if tc else dict(TP=triton.next_power_of_2(T), KI=min(32, BK))
-    kernel = _replay_verify_tc_kernel if tc else _replay_verify_kernel
+    BK = triton.next_power_of_2(K)
     # D, z and num_drafts absent: None (the kernel's heuristics set HAS_D, HAS_Z, HAS_N; EVEN too)
-    kernel[(HV * nvb, Bt)](
+    _replay_verify_kernel[(HV * nvb, Bt)](
         x, dt, B, C, A, dt_bias, D, z, out,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts,
         *slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending).values(),
         *_token_strides(x, dt, B, C, z, out),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, BV=BV, BK=BK,
         BL=max(16, triton.next_power_of_2(min(window, LB))), NVB=nvb,
-        HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk),
-        num_warps=num_warps, num_stages=num_stages, **tiles)
+        HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), TP=triton.next_power_of_2(T),
+        KI=min(32, BK), num_warps=num_warps, num_stages=num_stages)
 
 
 def _token_strides(x, dt, B, C, z, out):

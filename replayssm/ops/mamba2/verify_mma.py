@@ -7,9 +7,9 @@ committed and draft keys' inner products with the queries are `[BL | TP, K] @ [K
 records' and drafts' weighted values are `[BV, BL | TP] @ [BL | TP, TP]`, and an early flush's
 fold is `X @ K_rec` (`[BV, BL] @ [BL, K]`). Each runs on 16-bit tensor cores at fp32
 accuracy (`utils.dots.dot_bf16x`: fp32 operands split into three exact bf16 pieces, 16-bit
-operands as given, a fresh accumulator per K chunk added into fp32 registers). The earlier
-`verify_tc` kernel took TF32 pieces in one accumulation chain: its outputs measured 1.51-1.54x
-the conventional kernel's error, past the 1.5x bar.
+operands as given, a fresh accumulator per K chunk added into fp32 registers). Exact TF32
+pieces in one accumulation chain over K measured 1.51-1.54x the conventional kernel's error on
+the H200, past the 1.5x bar.
 
 The tile is streamed in K chunks of BKC columns rather than held whole: chunk by chunk the fold
 (on a flush: `C_c <- g C_c + X @ K_c`, stored), the queries' product and the keys' products.
