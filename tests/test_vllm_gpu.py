@@ -100,13 +100,18 @@ def _run_engine(cmd, env, **kw):
     return r
 
 
-def _generate(path, mode, enabled, extra="{}", **switches):
+def _generate_lines(path, mode, enabled, extra="{}", **switches) -> dict:
+    """What `check.py` printed: its `TOKENS`, `TOP2` and `CACHE` lines, parsed."""
     env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0", **switches)
     cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", str(path), mode, extra]
     r = _run_engine(cmd, env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    got = {x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
-           if x.startswith(("TOKENS ", "TOP2 "))}
+    return {x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
+            if x.startswith(("TOKENS ", "TOP2 ", "CACHE "))}
+
+
+def _generate(path, mode, enabled, extra="{}", **switches):
+    got = _generate_lines(path, mode, enabled, extra, **switches)
     return got["TOKENS"], got.get("TOP2")
 
 
@@ -194,6 +199,29 @@ def test_vllm_ngram_speculative_equals_plain(model, blocks, tmp_path):
                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     _equal_or_near_ties(model, _generate(path, "graph", True, spec, REPLAYSSM_VLLM_SPEC_BLOCKS=blocks),
                         _generate(path, "graph", True, _kwargs(model), **_top2(model)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,mode", [("nemotron_h_tiny", "eager"), ("nemotron_h_tiny", "graph"),
+                                        ("qwen3_next_tiny", "graph"), ("qwen3_5_tiny", "graph")])
+def test_vllm_prefix_caching_equals_no_caching(model, mode, tmp_path):
+    """Prefix caching of the plugin's state (`mamba_cache_mode="align"`): two waves of requests
+    sharing prefixes of varied lengths (`check.prefix_waves`), the second hitting the cache the
+    first filled, give the tokens of the same requests without prefix caching. A hit prefills
+    only the rest of its prompt, in other chunks than the full prefill, so a request may leave
+    the reference at a near-tie (`NEAR_TIE_NATS`), NemotronH's too."""
+    _needs_vllm()
+    path, work = _model(model, tmp_path), {"REPLAYSSM_VLLM_CHECK_WORKLOAD": "prefix"}
+    on = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=True, mamba_cache_mode="align"),
+                         **work)
+    off = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=False), REPLAYSSM_VLLM_CHECK_TOP2="1",
+                          **work)
+    print("prefix cache:", on["CACHE"])
+    assert (on["CACHE"].get("prefix_cache_hits") or 0) > 0, on["CACHE"]     # the second wave hit the cache
+    bad = near_tie_divergences(off["TOKENS"], off["TOP2"], on["TOKENS"], NEAR_TIE_NATS)
+    left = sum(a != b for a, b in zip(off["TOKENS"], on["TOKENS"]))
+    print(f"{left} of {len(off['TOKENS'])} requests leave the tokens without prefix caching")
+    assert not bad, bad
 
 
 @pytest.mark.gpu

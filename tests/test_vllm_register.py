@@ -44,6 +44,11 @@ class {name}:
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config):
         return "stock"
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
+        return get_conv_copy_spec, get_temporal_copy_spec
 '''
 
 RUNNER = '''
@@ -69,7 +74,9 @@ FILES = {
     "vllm/model_executor/layers/mamba/ops/causal_conv1d.py": "def causal_conv1d_update(*args):\n    return None\n",
     "vllm/model_executor/layers/mamba/mamba_utils.py": (
         "def is_conv_state_dim_first():\n    return True\n\n\nclass MambaStateShapeCalculator:\n"
-        "    @staticmethod\n    def extra_groups_for_head_shards(ngroups, tp_size):\n        return 0\n"),
+        "    @staticmethod\n    def extra_groups_for_head_shards(ngroups, tp_size):\n        return 0\n\n\n"
+        "def get_conv_copy_spec(*args):\n    return None\n\n\ndef get_temporal_copy_spec(*args):\n"
+        "    return None\n"),
     "vllm/v1/attention/backends/utils.py": "NULL_BLOCK_ID = 0\n\n\ndef compute_causal_conv1d_metadata(*args):\n"
                                            "    return None\n",
 }
@@ -123,7 +130,9 @@ print("RESULT " + json.dumps(dict(
     runner=patched(R.initialize_kv_cache_tensors),
     symbols=[getattr(_compat.load(), name) is not None for name in _compat._SYMBOLS],
     models=[patched(c.__dict__[n].__func__) for c in models for n in ("get_mamba_state_shape_from_config",
-                                                                       "get_mamba_state_dtype_from_config")])))
+                                                                       "get_mamba_state_dtype_from_config",
+                                                                       "get_mamba_state_copy_func")],
+    copies=[[f.__name__ for f in c.get_mamba_state_copy_func()] for c in models])))
 '''
 
 
@@ -153,5 +162,7 @@ def test_register_imports_nothing_of_vllm_and_patches_on_import(tmp_path, before
     assert got["registered"] is True
     assert all(got["layers"]) and all(got["forwards"]) and got["runner"] and all(got["models"])
     assert got["symbols"] and all(got["symbols"])            # every run-time symbol resolves
+    # prefix caching's copy between blocks: vLLM's conv copy, then a whole-slot copy per replayssm tensor
+    assert got["copies"] == [["get_conv_copy_spec"] + ["get_temporal_copy_spec"] * 5] * 3
     # patched once: the original under the patch is vLLM's own method, not an earlier patch
     assert got["once"][0] == "conv_ssm_forward"

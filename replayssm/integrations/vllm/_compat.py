@@ -16,7 +16,9 @@ A newer vLLM should need changes here only. The plugin touches:
   `tp_size`, `num_spec`.
 - the model classes' `get_mamba_state_shape_from_config` / `get_mamba_state_dtype_from_config`
   (vLLM sizes the attention block from them before the layers exist, so they must agree with
-  the layers' declarations).
+  the layers' declarations) and `get_mamba_state_copy_func` (prefix caching in `align` mode:
+  one copy function per replayssm tensor, vLLM's `get_conv_copy_spec` /
+  `get_temporal_copy_spec`; `prefix.py`), and the layers' `cache_config.mamba_cache_mode`.
 - the attention metadata each layer finds in `get_forward_context().attn_metadata[prefix]`
   (`Mamba2AttentionMetadata`, `GDNAttentionMetadata`: fields named in `layers.py`), replaced
   for the prefill-only call with `dataclasses.replace`.
@@ -91,6 +93,8 @@ _SYMBOLS = {
                      "MambaStateShapeCalculator.extra_groups_for_head_shards"),
     "compute_conv_metadata": ("vllm.v1.attention.backends.utils", "compute_causal_conv1d_metadata"),
     "NULL_BLOCK_ID": ("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID"),
+    "get_conv_copy_spec": ("vllm.model_executor.layers.mamba.mamba_utils", "get_conv_copy_spec"),
+    "get_temporal_copy_spec": ("vllm.model_executor.layers.mamba.mamba_utils", "get_temporal_copy_spec"),
 }
 
 

@@ -4,7 +4,10 @@ tokens of a fixed set of requests as one `TOKENS <json>` line (compared between 
 together and finish at different steps (continuous batching). With
 `REPLAYSSM_VLLM_CHECK_TOP2=1` also a `TOP2 <json>` line: per request and generated token, the
 two most likely tokens and their log-probabilities, for `near_tie_divergences`.
-`with_mtp_layer` makes a NemotronH model folder with a multi-token-prediction drafter.
+`REPLAYSSM_VLLM_CHECK_WORKLOAD=prefix` generates two waves of requests that share prefixes
+(`prefix_waves`) instead, for prefix caching, and a `CACHE <json>` line gives vLLM's
+prefix-cache counters. `with_mtp_layer` makes a NemotronH model folder with a
+multi-token-prediction drafter.
 
     python -m replayssm.integrations.vllm.check MODEL_DIR eager|graph [JSON_LLM_KWARGS]
 """
@@ -118,6 +121,48 @@ def tiny_qwen3_5(dst, tokenizer_from, seed: int = 0) -> None:
             shutil.copy(f, dst / f.name)
 
 
+def plain_requests():
+    """12 prompts of 5..104 tokens, 8..28 tokens each to generate."""
+    # with 3 speculative tokens, stock vLLM 0.25.0 (plugin off) gave a 4-token prompt
+    # (1 + num_speculative_tokens) another first token than without speculation (seen on the
+    # H200 at 316393e), which would hide what the plugin does
+    prompts = [{"prompt_token_ids": [1] + [10 + (7 * i + j) % 500 for j in range(4 + 9 * i)]} for i in range(12)]
+    return prompts, [8 + 5 * (i % 5) for i in range(12)]
+
+
+def prefix_waves(seed: int = 0):
+    """Requests sharing the prefixes of one 1,600-token text, in two waves (the first fills
+    vLLM's prefix cache, the second hits it): prefixes of varied lengths (under a block, at
+    and past block boundaries whatever the block size, the whole of an earlier prompt) with
+    suffixes of 0..20 other tokens, 6..30 tokens generated each."""
+    import random
+    rng = random.Random(seed)
+    text = [1] + [rng.randrange(10, 1000) for _ in range(1599)]
+
+    def wave(lengths, tag):
+        prompts = []
+        for i, n in enumerate(lengths):
+            tail = [rng.randrange(10, 1000) for _ in range((7 * i + tag) % 21)]
+            prompts.append({"prompt_token_ids": text[:n] + tail})
+        return prompts, [6 + (6 * i + tag) % 25 for i in range(len(lengths))]
+
+    first = wave([1600, 1200, 800, 400], 0)
+    # the second wave repeats the first's longest prompt (a hit on its last whole block)
+    second = wave([1600, 1599, 1400, 1100, 900, 700, 520, 333, 257, 100, 48], 3)
+    second[0][0] = first[0][0]
+    return [first, second]
+
+
+def _prefix_counters(llm) -> dict:
+    """vLLM's prefix-cache query and hit counts (tokens), where its metrics report them."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:                  # noqa: BLE001 - metrics are optional in the output
+        return {}
+    return {m.name.split(":")[-1]: getattr(m, "value", None) for m in metrics
+            if "prefix_cache" in getattr(m, "name", "")}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     model, mode = argv[0], argv[1]
@@ -129,17 +174,20 @@ def main(argv=None) -> int:
     share = float(os.environ.get("REPLAYSSM_VLLM_CHECK_GPU_MEMORY", "0.3"))
     kw = dict(model=model, enforce_eager=(mode == "eager"), gpu_memory_utilization=share, max_model_len=512,
               max_num_seqs=32, seed=0)
+    prefix = os.environ.get("REPLAYSSM_VLLM_CHECK_WORKLOAD") == "prefix"
+    if prefix:                         # its prompts are long; its counters need vLLM's stats
+        kw.update(max_model_len=2048, disable_log_stats=False)
     kw.update(extra)
     llm = LLM(**kw)
-    # prompts of 5..104 tokens: with 3 speculative tokens, stock vLLM 0.25.0 (plugin off) gave a
-    # 4-token prompt (1 + num_speculative_tokens) another first token than without speculation
-    # (seen on the H200 at 316393e), which would hide what the plugin does
-    prompts = [{"prompt_token_ids": [1] + [10 + (7 * i + j) % 500 for j in range(4 + 9 * i)]} for i in range(12)]
     top2 = os.environ.get("REPLAYSSM_VLLM_CHECK_TOP2", "0") == "1"
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 5), ignore_eos=True,
-                             logprobs=2 if top2 else None) for i in range(12)]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    waves = prefix_waves() if prefix else [plain_requests()]
+    outs = []
+    for prompts, budgets in waves:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2 if top2 else None)
+                  for n in budgets]
+        outs += llm.generate(prompts, params, use_tqdm=False)
     print("PLUGIN", json.dumps(status()), flush=True)
+    print("CACHE " + json.dumps(_prefix_counters(llm)), flush=True)
     print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
     if top2:
         # vLLM returns the sampled token's log-probability beside the top ones: keep the top two

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from . import _compat, batch
+from . import _compat, batch, prefix
 from .config import Settings
 from .executors import make_executor
 from . import state as S
@@ -55,12 +55,7 @@ def make_spec(settings: Settings, family: str, stock_shapes, stock_dtypes, Hk: i
 
 
 def _check_cache_mode(layer) -> None:
-    mode = layer.cache_config.mamba_cache_mode
-    if mode != "none":
-        raise NotImplementedError(
-            f"replayssm's vLLM plugin keeps one state block per request: mamba_cache_mode={mode!r} "
-            "(prefix caching of recurrent state) is not supported; serve without "
-            "--enable-prefix-caching, or unset REPLAYSSM_VLLM")
+    prefix.check_cache_mode(layer.cache_config.mamba_cache_mode, layer.num_spec)
 
 
 # ------------------------------------------------------------------------------ declarations
@@ -120,6 +115,8 @@ def _config_spec(ns, settings, family, vllm_config, shapes, dtypes):
 
 
 def declare_model(ns, cls, family: str, settings: Settings) -> None:
+    # prefix caching ('align'): vLLM's copy between blocks must carry every tensor of a block
+    prefix.declare_copy(ns, cls, S.N_TENSORS)
     raw_shape = cls.__dict__.get("get_mamba_state_shape_from_config")
     raw_dtype = cls.__dict__.get("get_mamba_state_dtype_from_config")
     if not (isinstance(raw_shape, classmethod) and isinstance(raw_dtype, classmethod)):

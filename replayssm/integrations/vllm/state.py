@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 _SIZES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int32: 4}
+N_TENSORS = 6                     # the tensors a block holds, in the order above
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,8 @@ class BlockState:
     def from_kv_cache(cls, spec: StateSpec, kv_cache: Sequence[Tensor]) -> "BlockState":
         """The views of the tensors vLLM bound to the layer (`layer.kv_cache`), checked against
         the declaration."""
-        if len(kv_cache) != 6:
-            raise ValueError(f"expected the 6 state tensors replayssm declared, got {len(kv_cache)}")
+        if len(kv_cache) != N_TENSORS:
+            raise ValueError(f"expected the {N_TENSORS} state tensors replayssm declared, got {len(kv_cache)}")
         N = kv_cache[0].shape[0]
         for i, (t, s, d) in enumerate(zip(kv_cache, spec.shapes(), spec.dtypes())):
             if tuple(t.shape) != (N, *s) or t.dtype != d:
