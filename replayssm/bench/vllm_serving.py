@@ -24,7 +24,8 @@ plugin's default, one block, `REPLAYSSM_VLLM_SPEC_BLOCKS=one`; without drafts th
 the same). `--profile DIR`
 has vLLM's torch profiler record iterations 8-23 of the first batch's decode per engine (its
 CUDA-time tables and traces under `DIR/<scheme>_<speculative>`); those rows carry
-`profiled: true`, their timings perturbed by the profiler.
+`profiled: true`, their timings perturbed by the profiler, and `trace`: the GPU's busy time
+per step, the idle share and the kernels by time (`trace.py`).
 
 CUDA graphs (`--capture`): by default captured at the timed batches and, with drafts, at
 their verify steps' token counts (`capture_sizes`), in every scheme alike; `default` keeps
@@ -71,6 +72,8 @@ SCHEMES = ("stock", "stock-fp32", "replayssm", "replayssm-one-block")
 # and the host's drafting and scheduling sit between the GPU's steps) or on the GPU
 # (`ngram_gpu`: asynchronous scheduling stays on, as in plain decoding)
 SPECULATIVE = ("none", "ngram", "ngram_gpu")
+# decode steps vLLM's profiler records (`--profile`), after 8 it skips; `trace.summarise` divides by it
+PROFILE_STEPS = 16
 
 
 def model_dir(name: str, layers: int, out: Path) -> Path:
@@ -182,7 +185,8 @@ def worker(args) -> int:
         extra["profiler_config"] = dict(
             profiler="torch",
             torch_profiler_dir=os.path.abspath(os.path.join(args.profile, f"{args.scheme}_{args.speculative}")),
-            torch_profiler_with_stack=False, ignore_frontend=True, delay_iterations=8, max_iterations=16)
+            torch_profiler_with_stack=False, ignore_frontend=True, delay_iterations=8,
+            max_iterations=PROFILE_STEPS)
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
               max_num_seqs=max(args.batches), max_model_len=args.prompt + max(args.decode, args.warmup) + 8,
               gpu_memory_utilization=args.gpu_memory, speculative_config=spec, disable_log_stats=spec is None,
@@ -258,6 +262,8 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     for row in rows:
         row["state_mode"] = ",".join(modes) if plugin else None
         row["max_concurrency"] = float(conc[-1]) if conc else None
+        if row.get("profiled"):
+            row["trace"] = _trace_summary(os.path.join(args.profile, f"{scheme}_{speculative}"))
     if r.returncode != 0 or not rows:
         # vLLM's engine core reports its failure as "see root cause above": keep the whole output
         log = Path(args.out).with_suffix(f".{scheme}_{speculative}.log")
@@ -267,6 +273,19 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
         print(f"{scheme} / {speculative}: engine failed (rc {r.returncode}; whole output: {log}):\n{cause}")
         return [{"batch": b, "tokens_per_s": None, "error": f"rc {r.returncode}: {cause[-600:]}"} for b in args.batches]
     return rows
+
+
+def _trace_summary(folder: str) -> dict:
+    """GPU busy time per step and the kernels by time from an engine's profiler traces
+    (`trace.summarise`), printed and returned for the profiled row; a trace that cannot be
+    read leaves its reason instead (the timings stand without it)."""
+    from . import trace
+    try:
+        got = trace.summarise(folder, PROFILE_STEPS)
+    except (OSError, ValueError) as e:
+        return {"error": str(e)}
+    print(f"\nprofile {folder}:\n{trace.report(got)}")
+    return got
 
 
 def _non_negative(text: str) -> int:
