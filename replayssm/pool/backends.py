@@ -172,15 +172,19 @@ for _family, _run in (("mamba2", _mamba2_verify), ("gdn", _delta_verify(_gdn)), 
 # read, so a pool that would read one slower says so when it is built (SlotPool warns).
 # Measured non-flush steps at batch 256, window 16 (`replayssm bench precision`), the copy's
 # read over fp32 reads in the same run: (family, lp_format) -> (card, results file, [(shape,
-# ratio)]). GDN reads fp8 and NVFP4 copies on the Triton precision kernel (its Gluon kernel reads
-# fp16 and bf16 copies only). KDA takes the same Triton kernel for them; no run has measured it,
-# so no entry names a figure for it. An entry goes once a run measures the pair at or above 1.
+# ratio)]). GDN and KDA read fp8 and NVFP4 copies on the Triton precision kernel (their Gluon
+# kernels read fp16 and bf16 copies only). An entry goes once a run measures the pair at or
+# above 1.
 
 SLOW_LP_READS = {
     ("gdn", "fp8_e4m3"): ("NVIDIA H200", "benchmarks/results/precision_gluon_kq_h200.json",
                           [("qwen3.5-4b", 0.34), ("qwen3.5-122b", 0.33)]),
     ("gdn", "nvfp4"): ("NVIDIA H200", "benchmarks/results/precision_gluon_kq_h200.json",
                        [("qwen3.5-4b", 0.23), ("qwen3.5-122b", 0.23)]),
+    ("kda", "fp8_e4m3"): ("NVIDIA H100 80GB HBM3", "benchmarks/results/precision_lp_h100.json",
+                          [("kimi-linear-48b", 0.30)]),
+    ("kda", "nvfp4"): ("NVIDIA H100 80GB HBM3", "benchmarks/results/precision_lp_h100.json",
+                       [("kimi-linear-48b", 0.22)]),
 }
 
 
