@@ -40,8 +40,9 @@ def check_cache_mode(mode: str, num_spec: int) -> None:
     if mode == "all":
         raise NotImplementedError(
             "replayssm's vLLM plugin supports prefix caching of recurrent state in vLLM's 'align' mode only "
-            "(mamba_cache_mode='all' is vLLM's default for NemotronH): serve with --mamba-cache-mode align, "
-            "or without --enable-prefix-caching, or unset REPLAYSSM_VLLM")
+            "(mamba_cache_mode='all' is vLLM's default for NemotronH): serve with --mamba-cache-mode align "
+            "(LLM(..., mamba_cache_mode='align') offline), or without --enable-prefix-caching, or unset "
+            "REPLAYSSM_VLLM")
     if mode != "align":
         raise NotImplementedError(f"replayssm's vLLM plugin: unknown mamba_cache_mode {mode!r}; it supports "
                                   f"{MODES}")
