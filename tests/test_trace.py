@@ -67,9 +67,22 @@ def test_refuses_what_it_cannot_measure(tmp_path, capsys):
 
 
 def test_kinds():
-    assert trace.kind_of("_replay_decode_kernel") == "replayssm"
+    for ours in ("_replay_decode_kernel", "_gluon_verify_kernel", "_gluon_gdn_kernel", "_lowp_decode_kernel",
+                 "_commit_kernel", "_verify_key_products_kernel"):
+        assert trace.kind_of(ours) == "replayssm", ours
+    assert trace.kind_of("_causal_conv1d_update_kernel") == "recurrent (vLLM)"
     assert trace.kind_of("selective_state_update_kernel") == "recurrent (vLLM)"
     assert trace.kind_of("flash_fwd_splitkv_kernel") == "attention"
     assert trace.kind_of("fused_moe_kernel") == "MoE"
     assert trace.kind_of("nvjet_tst_128x256") == "matrix products"
     assert trace.kind_of("elementwise_kernel") == "other"
+
+
+def test_every_replayssm_kernel_is_named_ours():
+    # the launchable kernels of replayssm/ops (functions ending in _kernel), as a trace names them
+    import pathlib
+    import re
+    ops = pathlib.Path(trace.__file__).resolve().parents[1] / "ops"
+    names = {m for f in ops.rglob("*.py") for m in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)}
+    assert len(names) > 10
+    assert {n for n in names if trace.kind_of(n) != "replayssm"} == set()

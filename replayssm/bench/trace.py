@@ -27,9 +27,12 @@ from typing import Iterable, List, Tuple
 # the device-side event categories of a torch-profiler trace
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
-# (kind, pattern on the kernel's name): the first that matches names the kind
+# (kind, pattern on the kernel's name): the first that matches names the kind. replayssm's
+# kernels are its Triton and Gluon functions' names (replayssm/ops), which a trace shows as they are
 KINDS: Tuple[Tuple[str, str], ...] = (
-    ("replayssm", r"replay|_verify_kernel|_decode_kernel|_commit|key_products|_flush"),
+    ("replayssm", r"^_(gluon_|replay_|lowp_|snapshot_|conventional_|short_conv_kernel|uniform_kernel|"
+                  r"clear_pending_kernel|commit_kernel|key_products_kernel|verify_key_products_kernel|"
+                  r"gdn_verify_key_products_kernel)"),
     ("recurrent (vLLM)", r"selective_state|ssd_|chunk_scan|chunk_state|state_passing|bmm_chunk|"
                          r"gated_delta|delta_rule|fused_recurrent|chunk_gated|causal_conv1d|conv1d"),
     ("attention", r"flash|fmha|attn|attention|paged"),
