@@ -66,9 +66,10 @@ def trace_files(path) -> List[Path]:
     return found
 
 
-def device_events(trace: dict) -> List[Tuple[float, float, str]]:
-    """`(start_us, end_us, name)` of every device event of a trace."""
-    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+def device_events(trace) -> List[Tuple[float, float, str]]:
+    """`(start_us, end_us, name)` of every device event of a trace (a `{"traceEvents": [...]}`
+    document, or the bare list of events)."""
+    events = trace if isinstance(trace, list) else trace.get("traceEvents", [])
     out = []
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES and "dur" in e:
@@ -113,7 +114,8 @@ def summarise(path, steps: int, top: int = 12) -> dict:
         raise ValueError(f"no device events in {', '.join(map(str, files))}")
     by_kind: dict = {}
     for name, (t, _) in kernels.items():
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + t
+        kind = kind_of(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + t
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "steps": steps,

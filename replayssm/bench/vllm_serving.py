@@ -153,19 +153,12 @@ def capture_sizes(batches, drafts) -> list:
     return sorted(set(batches) | {b * (1 + (drafts or 0)) for b in batches})
 
 
+_ACCEPTANCE = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
 def _acceptance(llm) -> dict:
     """Draft acceptance from vLLM's metrics, where it reports them (empty otherwise)."""
-    try:
-        metrics = llm.get_metrics()
-    except Exception:                  # noqa: BLE001 - metrics are optional in the row
-        return {}
-    got = {}
-    for m in metrics:
-        name = getattr(m, "name", "")
-        if name.endswith("spec_decode_num_drafts") or name.endswith("spec_decode_num_draft_tokens") \
-                or name.endswith("spec_decode_num_accepted_tokens"):
-            got[name.split(":")[-1]] = getattr(m, "value", None)
-    return got
+    return _compat.metric_values(llm, lambda name: name in _ACCEPTANCE)
 
 
 def worker(args) -> int:
@@ -184,7 +177,7 @@ def worker(args) -> int:
     if args.profile:
         extra["profiler_config"] = dict(
             profiler="torch",
-            torch_profiler_dir=os.path.abspath(os.path.join(args.profile, f"{args.scheme}_{args.speculative}")),
+            torch_profiler_dir=os.path.abspath(_profile_dir(args.profile, args.scheme, args.speculative)),
             torch_profiler_with_stack=False, ignore_frontend=True, delay_iterations=8,
             max_iterations=PROFILE_STEPS)
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
@@ -263,7 +256,7 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
         row["state_mode"] = ",".join(modes) if plugin else None
         row["max_concurrency"] = float(conc[-1]) if conc else None
         if row.get("profiled"):
-            row["trace"] = _trace_summary(os.path.join(args.profile, f"{scheme}_{speculative}"))
+            row["trace"] = _trace_summary(_profile_dir(args.profile, scheme, speculative))
     if r.returncode != 0 or not rows:
         # vLLM's engine core reports its failure as "see root cause above": keep the whole output
         log = Path(args.out).with_suffix(f".{scheme}_{speculative}.log")
@@ -273,6 +266,11 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
         print(f"{scheme} / {speculative}: engine failed (rc {r.returncode}; whole output: {log}):\n{cause}")
         return [{"batch": b, "tokens_per_s": None, "error": f"rc {r.returncode}: {cause[-600:]}"} for b in args.batches]
     return rows
+
+
+def _profile_dir(profile: str, scheme: str, speculative: str) -> str:
+    """Where an engine's profiler traces go under `--profile`."""
+    return os.path.join(profile, f"{scheme}_{speculative}")
 
 
 def _trace_summary(folder: str) -> dict:

@@ -24,6 +24,8 @@ A newer vLLM should need changes here only. The plugin touches:
   for the prefill-only call with `dataclasses.replace`.
 - `causal_conv1d_update` (the decode rows' convolution, vLLM's kernel), `is_conv_state_dim_first`,
   `compute_causal_conv1d_metadata`, `NULL_BLOCK_ID`.
+- `LLM.get_metrics()` (the benchmark's draft acceptance, the checks' prefix-cache counters:
+  `metric_values`).
 - `GPUModelRunner.initialize_kv_cache_tensors` (patched: the layers' states are built once the
   KV cache is bound) and the runner's `vllm_config`, `speculative_config`, `model_config`,
   `device`, `compilation_config.static_forward_context`, `num_accepted_tokens.gpu`.
@@ -203,6 +205,22 @@ def patch_classmethod(cls, name: str, make):
     setattr(new, _PATCHED_ATTR, raw.__func__)
     setattr(cls, name, classmethod(new))
     return True
+
+
+def metric_values(llm, keep) -> dict:
+    """`{name: value}` of an offline engine's metrics (`LLM.get_metrics()`, names without vLLM's
+    `vllm:` prefix) whose name `keep(name)` accepts; empty where the engine reports none
+    (`disable_log_stats`), since callers print them beside results that stand without them."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:                  # noqa: BLE001 - metrics are optional to every caller
+        return {}
+    got = {}
+    for m in metrics:
+        name = getattr(m, "name", "").split(":")[-1]
+        if keep(name):
+            got[name] = getattr(m, "value", None)
+    return got
 
 
 def prefill_continues_a_state(md) -> bool:

@@ -155,12 +155,8 @@ def prefix_waves(seed: int = 0):
 
 def _prefix_counters(llm) -> dict:
     """vLLM's prefix-cache query and hit counts (tokens), where its metrics report them."""
-    try:
-        metrics = llm.get_metrics()
-    except Exception:                  # noqa: BLE001 - metrics are optional in the output
-        return {}
-    return {m.name.split(":")[-1]: getattr(m, "value", None) for m in metrics
-            if "prefix_cache" in getattr(m, "name", "")}
+    from ._compat import metric_values
+    return metric_values(llm, lambda name: "prefix_cache" in name)
 
 
 def main(argv=None) -> int:

@@ -54,14 +54,10 @@ def make_spec(settings: Settings, family: str, stock_shapes, stock_dtypes, Hk: i
     return spec
 
 
-def _check_cache_mode(layer) -> None:
-    prefix.check_cache_mode(layer.cache_config.mamba_cache_mode, layer.num_spec)
-
-
 # ------------------------------------------------------------------------------ declarations
 
 def _layer_spec(layer, settings, family, stock_shape, stock_dtype):
-    _check_cache_mode(layer)
+    prefix.check_cache_mode(layer.cache_config.mamba_cache_mode, layer.num_spec)
     if family == "mamba2":
         Hk = layer.n_groups // layer.tp_size
     else:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Tuple
 
+from . import _compat
+
 MODES = ("none", "align")
 
 
@@ -65,6 +67,5 @@ def copy_funcs(ns, n_tensors: int) -> Tuple:
 def declare_copy(ns, cls, n_tensors: int) -> bool:
     """Patch `cls.get_mamba_state_copy_func` (a classmethod defined on `cls`; inherited ones
     are patched on the class that defines them) to copy all `n_tensors` of a block."""
-    from . import _compat
     return _compat.patch_classmethod(cls, "get_mamba_state_copy_func",
                                      lambda orig: lambda kls: copy_funcs(ns, n_tensors))
