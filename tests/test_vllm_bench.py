@@ -85,10 +85,19 @@ def test_serving_benchmark_refuses_unknown_choices(capsys):
     from replayssm.bench import vllm_serving as vs
     for argv, what in ((["--schemes", "stock,fast"], "--schemes: unknown 'fast'"),
                        (["--speculative", "eagle"], "--speculative: unknown 'eagle'"),
-                       (["--warmup", "-1"], "must be >= 0, got -1")):
+                       (["--warmup", "-1"], "must be >= 0, got -1"),
+                       # vLLM's own GDN prefill grid: 64 value heads x 1024 sequences > 65535
+                       (["--model", "qwen3_5_122b_slice", "--batches", "256,1024"], "more than 1023 sequences")):
         with pytest.raises(SystemExit) as e:
             vs.main(argv)
         assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_serving_benchmark_batch_limits_and_acceptance():
+    from replayssm.bench import vllm_serving as vs
+    assert vs.gdn_batch_limit("qwen3_5_4b") == 2047 and vs.gdn_batch_limit("nemotron3_super_slice") is None
+    row = {"spec_decode_num_draft_tokens_delta": 400, "spec_decode_num_accepted_tokens_delta": 300}
+    assert vs.acceptance(row) == 0.75 and vs.acceptance({"tokens_per_s": 1.0}) is None
 
 
 def test_serving_benchmark_replot(tmp_path, capsys):

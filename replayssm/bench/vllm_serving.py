@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from ..integrations.vllm import _compat
 from .common import positive_ints
@@ -215,6 +216,26 @@ def worker(args) -> int:
         row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
         print("RESULT " + json.dumps(row), flush=True)
     return 0
+
+
+# CUDA's limit on a grid's second dimension, which vLLM 0.25's GDN prefill kernel
+# (`chunk_gated_delta_rule_fwd_h`, grid (V / BV, sequences x value heads)) meets at start-up,
+# when it profiles a batch of `max_num_seqs` sequences: "Triton Error [CUDA]: invalid argument"
+# in stock and plugin engines alike (the Qwen3.5-122B slice, 64 heads, at 1024)
+GRID_Y_MAX = 65535
+
+
+def gdn_batch_limit(name: str) -> Optional[int]:
+    """The largest batch vLLM 0.25 can start model `name` with (None: no GDN layer)."""
+    from ..integrations.hf.configs import _DIR
+    heads = json.loads((_DIR / f"{name}.json").read_text()).get("linear_num_value_heads")
+    return GRID_Y_MAX // heads if heads else None
+
+
+def acceptance(row: dict) -> Optional[float]:
+    """Accepted draft tokens over draft tokens, from the row's metric deltas (None without)."""
+    drafts = row.get("spec_decode_num_draft_tokens_delta")
+    return row["spec_decode_num_accepted_tokens_delta"] / drafts if drafts else None
 
 
 def _ratio(row: dict, base: dict):
@@ -385,6 +406,10 @@ def main(argv=None) -> int:
         if s not in SCHEMES:
             ap.error(f"--schemes: unknown {s!r}; choose from {', '.join(SCHEMES)}")
     schemes = ["stock"] + [s for s in SCHEMES[1:] if s in schemes]
+    limit = gdn_batch_limit(args.model) if args.model in MODELS else None
+    if limit is not None and max(args.batches) > limit:
+        ap.error(f"--batches: vLLM 0.25 cannot start {args.model} with more than {limit} sequences (its GDN "
+                 f"prefill kernel's grid holds sequences x value heads in CUDA's {GRID_Y_MAX} limit)")
     if _compat.vllm_version() is None:
         raise SystemExit(f"{ap.prog}: error: vLLM is not installed here (the benchmark runs vLLM 0.25.0 on a GPU)")
     import torch
@@ -409,12 +434,18 @@ def main(argv=None) -> int:
     print(f"\nvLLM {doc['vllm']} decode throughput, {args.model} ({doc['layers']} layers), "
           f"{args.prompt} prompt + {args.decode} decode tokens per request")
     w = max(len(s) for s in SCHEMES)          # the scheme column holds the longest name
-    print(f"{'speculative':11} {'scheme':{w}} batch   tokens/s  vs stock  vs stock-fp32")
+    print(f"{'speculative':11} {'scheme':{w}} batch   tokens/s  vs stock  vs stock-fp32  accepted")
+    base = {(r["speculative"], r["batch"]): acceptance(r) for r in doc["rows"] if r["scheme"] == "stock"}
     for r in doc["rows"]:
         tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:10.0f}"
         ratios = [r.get(k) for k in ("ratio_vs_stock", "ratio_vs_stock_fp32")]
         ratios = ["-" if x is None else f"{x:.2f}x" for x in ratios]
-        print(f"{r['speculative']:11} {r['scheme']:{w}} {r['batch']:5d} {tps:>10} {ratios[0]:>9} {ratios[1]:>14}")
+        acc, ref = acceptance(r), base.get((r["speculative"], r["batch"]))
+        # a ratio compares like with like only where both engines accepted the same drafts
+        flag = " (not stock's: compare with care)" if acc is not None and ref and abs(acc - ref) > 0.02 else ""
+        acc = "-" if acc is None else f"{acc:.1%}"
+        print(f"{r['speculative']:11} {r['scheme']:{w}} {r['batch']:5d} {tps:>10} {ratios[0]:>9} {ratios[1]:>14} "
+              f"{acc:>9}{flag}")
     try:
         plot(doc, Path(args.out).with_suffix(".png"))
     except Exception as e:  # the JSON is the result; a plot that fails must not lose it

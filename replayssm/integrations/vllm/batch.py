@@ -31,38 +31,91 @@ def slot_ids(state_indices: Tensor) -> Tensor:
     return torch.where(idx > NULL_BLOCK_ID, idx, -1)
 
 
+class Rows:
+    """How a step's packed decode tokens (`query_start_loc` `[B + 1]` of `ntok` tokens) lie
+    on `[B, T]` rows: `pad` gathers a packed tensor into rows (positions past a row's tokens
+    take token 0, which nothing reads), `n` the rows' token counts `[B]` clamped to `1..T`
+    (padding rows have none; they verify one token that nothing reads), `unpad` scatters
+    `[B, T, ...]` outputs back (tokens past the last row, graph padding, take row 0's first
+    output). Device ops only."""
+
+    def __init__(self, query_start_loc: Tensor, T: int, ntok: int):
+        qsl = query_start_loc.long()
+        B = qsl.shape[0] - 1
+        qlen = qsl[1:] - qsl[:-1]
+        t = torch.arange(T, device=qsl.device)
+        src = (qsl[:-1, None] + t[None, :]).clamp(0, max(ntok - 1, 0))
+        self.src = torch.where(t[None, :] < qlen[:, None], src, torch.zeros_like(src)).reshape(-1)
+        self.n = qlen.clamp(1, T).to(torch.int32)
+        i = torch.arange(ntok, device=qsl.device)
+        b = torch.searchsorted(qsl[1:].contiguous(), i, right=True).clamp(max=B - 1)
+        self.dst = b * T + (i - qsl[b]).clamp(0, T - 1)
+        self.B, self.T = B, T
+
+    def pad(self, t: Tensor) -> Tensor:
+        return t.index_select(0, self.src).view(self.B, self.T, *t.shape[1:])
+
+    def unpad(self, y: Tensor, out: Tensor) -> Tensor:
+        flat = y.reshape(self.B * self.T, *y.shape[2:])
+        if out.is_contiguous():
+            return torch.index_select(flat, 0, self.dst, out=out)
+        return out.copy_(flat.index_select(0, self.dst))
+
+
 def pad_tokens(inputs: dict, query_start_loc: Tensor, T: int):
-    """Packed tokens `[ntok, ...]` -> `[B, T, ...]` by rows (`query_start_loc` `[B + 1]`), and
-    the rows' draft counts `[B]` clamped to `1..T` (padding rows have none; they verify one
-    token that nothing reads). Device ops only."""
-    qsl = query_start_loc.long()
-    B = qsl.shape[0] - 1
-    qlen = qsl[1:] - qsl[:-1]
-    t = torch.arange(T, device=qsl.device)
-    ntok = next(iter(inputs.values())).shape[0]
-    src = (qsl[:-1, None] + t[None, :]).clamp(0, max(ntok - 1, 0))
-    src = torch.where(t[None, :] < qlen[:, None], src, torch.zeros_like(src)).reshape(-1)
-    padded = {k: v.index_select(0, src).reshape(B, T, *v.shape[1:]) for k, v in inputs.items()}
-    return padded, qlen.clamp(1, T).to(torch.int32)
+    """Packed tokens `[ntok, ...]` -> `[B, T, ...]` by rows, and the rows' token counts (`Rows`)."""
+    rows = Rows(query_start_loc, T, next(iter(inputs.values())).shape[0])
+    return {k: rows.pad(v) for k, v in inputs.items()}, rows.n
 
 
 def unpad_outputs(y: Tensor, query_start_loc: Tensor, out: Tensor) -> Tensor:
-    """`y` `[B, T, HV, V]` back into the packed `out` `[ntok, HV, V]`: token i of row b
-    (`query_start_loc[b] <= i < query_start_loc[b + 1]`) takes `y[b, i - query_start_loc[b]]`;
-    tokens past the last row (graph padding) take row 0's first output, which nothing reads."""
-    B, T = y.shape[:2]
-    qsl = query_start_loc.long()
-    i = torch.arange(out.shape[0], device=qsl.device)
-    b = torch.searchsorted(qsl[1:].contiguous(), i, right=True).clamp(max=B - 1)
-    t = (i - qsl[b]).clamp(0, T - 1)
-    return out.copy_(y.reshape(B * T, *y.shape[2:]).index_select(0, b * T + t))
+    """`y` `[B, T, HV, V]` back into the packed `out` `[ntok, HV, V]` (`Rows.unpad`)."""
+    return Rows(query_start_loc, y.shape[1], out.shape[0]).unpad(y, out)
 
 
-def run_decode(executor, state: S.BlockState, state_indices: Tensor, inputs: dict, out: Tensor, *,
+class StepMemo:
+    """What every recurrent layer of a step derives alike from the step's metadata (slot ids,
+    the rows' index maps), derived by the first layer and reused by the rest. vLLM runs a
+    step whose rows hold unequal token counts outside its full CUDA graphs, with each layer's
+    recurrence called from Python, where every op is host time per layer: on the
+    Nemotron-3-Super slice a layer's call took 1.9 ms of host time against 0.5 ms for vLLM's
+    own (H200, under the profiler), about half of it the slot ids, the index maps and the
+    gathers of each input. `owner`: an object that is the same for the
+    layers of one step and new each step (vLLM's attention metadata of the layers' group);
+    None: nothing is shared. Entries keep their key tensor alive, so no other tensor can take
+    its address while the step lasts."""
+
+    def __init__(self):
+        self._owner, self._values = None, {}
+
+    def get(self, owner, name: str, key: Tensor, make):
+        if owner is None:
+            return make()
+        if self._owner is not owner:
+            self._owner, self._values = owner, {}
+        k = (name, key.data_ptr(), tuple(key.shape), tuple(key.stride()))
+        hit = self._values.get(k)
+        if hit is None:
+            hit = self._values[k] = (key, make())
+        return hit[1]
+
+
+STEP = StepMemo()
+
+
+def _inputs(inputs, rows_of):
+    # a layer passes a function where it can gather its packed projections before splitting
+    # them (two gathers for Mamba-2's x, B, C, dt instead of four)
+    return inputs(rows_of) if callable(inputs) else {k: rows_of(v) for k, v in inputs.items()}
+
+
+def run_decode(executor, state: S.BlockState, state_indices: Tensor, inputs, out: Tensor, *,
                spec_tokens: int = 0, query_start_loc: Optional[Tensor] = None,
-               num_accepted: Optional[Tensor] = None) -> Tensor:
+               num_accepted: Optional[Tensor] = None, step=None) -> Tensor:
     """The decode rows of one step: `state_indices` `[B]` (vLLM's, column 0), `inputs` the
-    family's raw token inputs packed `[ntok, ...]`, `out` `[ntok, HV, V]` written in place.
+    family's raw token inputs packed `[ntok, ...]` (a dict, or a function that builds it from
+    a function mapping a packed tensor onto the kernels' rows), `out` `[ntok, HV, V]` written
+    in place. `step`: the step's metadata, for `STEP` (None: nothing shared between calls).
 
     `spec_tokens` 0: one token per row (`ntok = B`), `executor.decode`. Else (vLLM's
     `num_speculative_tokens`): `query_start_loc` `[B + 1]` of the rows' tokens, `num_accepted`
@@ -70,27 +123,28 @@ def run_decode(executor, state: S.BlockState, state_indices: Tensor, inputs: dic
     A step whose decode tokens number `B * T` has every row at `T` tokens (vLLM hands only the
     decode rows' tokens, at most `T` a row): verified in place, no padding.
     """
-    slots = slot_ids(state_indices)
+    slots = STEP.get(step, "slots", state_indices, lambda: slot_ids(state_indices))
     if spec_tokens == 0:
-        return executor.decode(slots, inputs, out)
+        return executor.decode(slots, _inputs(inputs, lambda t: t), out)
     T = 1 + spec_tokens
     if query_start_loc is None:
         raise ValueError("speculative decode rows need query_start_loc")
     B = slots.shape[0]
     acc = (torch.ones_like(slots) if num_accepted is None else num_accepted[:B])
     executor.commit(slots, acc)
-    ntok = next(iter(inputs.values())).shape[0]
+    ntok = out.shape[0]
     if ntok == B * T:
         # every row holds T tokens (each holds at most T; vLLM's uniform decode batches, padding
         # rows included): the packed tokens are [B, T, ...] as they lie, and so are the outputs,
         # so no gather, scatter or counts (a dozen launches a layer and step)
-        executor.verify(slots, {k: v.view(B, T, *v.shape[1:]) for k, v in inputs.items()}, None,
+        executor.verify(slots, _inputs(inputs, lambda t: t.view(B, T, *t.shape[1:])), None,
                         out.view(B, T, *out.shape[1:]))
         return out
-    padded, n = pad_tokens(inputs, query_start_loc[:B + 1], T)
+    rows = STEP.get(step, f"rows{B}x{T}x{ntok}", query_start_loc,
+                    lambda: Rows(query_start_loc[:B + 1], T, ntok))
     y = torch.empty((B, T, *out.shape[1:]), dtype=out.dtype, device=out.device)
-    executor.verify(slots, padded, n, y)
-    return unpad_outputs(y, query_start_loc[:B + 1], out)
+    executor.verify(slots, _inputs(inputs, rows.pad), rows.n, y)
+    return rows.unpad(y, out)
 
 
 def before_prefill(state: S.BlockState, state_indices: Tensor, has_initial: Optional[Tensor],

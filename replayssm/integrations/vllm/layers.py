@@ -297,17 +297,21 @@ def _mamba2_decode(ns, layer, md, st, ex, proj, out):
                                   layer.activation, conv_state_indices=idx,
                                   num_accepted_tokens=md.num_accepted_tokens, query_start_loc=md.query_start_loc_d,
                                   max_query_len=1 + layer.num_spec)
-    x, B, C = layer.split_hidden_states_B_C_fn(xbc)
     HV, Hk = layer.num_heads // layer.tp_size, layer.n_groups // layer.tp_size
-    inputs = {"x": x.reshape(ndt, HV, layer.head_dim), "dt": dt,
-              "B": B.reshape(ndt, Hk, layer.ssm_state_size), "C": C.reshape(ndt, Hk, layer.ssm_state_size)}
+
+    def inputs(rows_of):
+        # gather the conv output and dt into the kernels' rows first, then split: two gathers
+        # on steps with unequal rows rather than one per input
+        x, B, C = layer.split_hidden_states_B_C_fn(rows_of(xbc))
+        return {"x": x.unflatten(-1, (HV, layer.head_dim)), "dt": rows_of(dt),
+                "B": B.unflatten(-1, (Hk, layer.ssm_state_size)), "C": C.unflatten(-1, (Hk, layer.ssm_state_size))}
     qsl, acc = md.query_start_loc_d, md.num_accepted_tokens
     if layer.num_spec and qsl is None:
         # a step in which no row has drafts: vLLM passes neither; one token per row
         qsl = layer.__dict__[_BIND_ATTR]["rows"][:ndt + 1]
         acc = _accepted(layer, None, ndt)
     batch.run_decode(ex, st, idx[:, 0], inputs, out.view(ndt, HV, layer.head_dim), spec_tokens=layer.num_spec,
-                     query_start_loc=qsl, num_accepted=acc)
+                     query_start_loc=qsl, num_accepted=acc, step=md)
 
 
 # ------------------------------------------------------------------------------ GDN
@@ -329,11 +333,17 @@ def _gdn_probe(layer, dtype, device) -> dict:
             "out": torch.zeros(1, HV, V, **z)}
 
 
-def _gdn_inputs(layer, qkv, a, b) -> dict:
+def _gdn_inputs(layer, qkv, a, b):
+    """GDN's inputs for `batch.run_decode` from the packed conv output and gates: a function
+    that gathers them into the kernels' rows first and then splits q, k, v (three gathers on
+    steps with unequal rows rather than five)."""
     HV, Hk, V, K = _gdn_dims(layer)
-    n = qkv.shape[0]
-    q, k, v = torch.split(qkv, [Hk * K, Hk * K, HV * V], dim=-1)
-    return {"q": q.reshape(n, Hk, K), "k": k.reshape(n, Hk, K), "v": v.reshape(n, HV, V), "a": a, "b": b}
+
+    def inputs(rows_of):
+        q, k, v = torch.split(rows_of(qkv), [Hk * K, Hk * K, HV * V], dim=-1)
+        return {"q": q.unflatten(-1, (Hk, K)), "k": k.unflatten(-1, (Hk, K)), "v": v.unflatten(-1, (HV, V)),
+                "a": rows_of(a), "b": rows_of(b)}
+    return inputs
 
 
 def gdn_forward(ns, settings: Settings):
@@ -364,7 +374,7 @@ def gdn_forward(ns, settings: Settings):
                 y = torch.zeros(qkv.shape[0], HV, V, dtype=core_attn_out.dtype, device=core_attn_out.device)
                 batch.run_decode(ex, st, sidx[:, 0], _gdn_inputs(self, qkv, sel(a), sel(b)), y,
                                  spec_tokens=self.num_spec, query_start_loc=md.spec_query_start_loc,
-                                 num_accepted=md.num_accepted_tokens)
+                                 num_accepted=md.num_accepted_tokens, step=md)
                 if tok is not None:
                     core_attn_out.index_copy_(0, tok, y)
                 else:
@@ -376,7 +386,7 @@ def gdn_forward(ns, settings: Settings):
                                               conv_state_indices=idx, validate_data=False)
                 batch.run_decode(ex, st, idx, _gdn_inputs(self, qkv, a[:nd], b[:nd]), core_attn_out[:nd],
                                  spec_tokens=self.num_spec, query_start_loc=md.non_spec_query_start_loc[:nd + 1],
-                                 num_accepted=_accepted(self, None, nd))
+                                 num_accepted=_accepted(self, None, nd), step=md)
         return _forward_core
     return make
 
