@@ -22,6 +22,7 @@ from replayssm.ops.mamba2 import conventional_decode, replay_decode  # noqa: E40
 from replayssm.reference import Mamba2Params  # noqa: E402
 from replayssm.testing import make_inputs, make_params  # noqa: E402
 from replayssm.testing.mamba2_harness import SMALL, compare_with_reference, model_shape as _shape  # noqa: E402
+from conftest import interpreter_windows  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -30,7 +31,7 @@ gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 FLOOR = 2e-8
 
 ACCURACY_CASES = [
-    pytest.param(SMALL, 4, 3, 64, id="small-L4"),
+    pytest.param(SMALL, 4, 3, interpreter_windows(64), id="small-L4"),
     pytest.param(_shape("nemotron3-super"), 16, 16, 64,
                  marks=[pytest.mark.gpu, gpu], id="nemotron3-super-L16"),
     pytest.param(_shape("nemotron3-nano-4b"), 16, 16, 64,
@@ -174,7 +175,7 @@ def test_bf16_records(shape, window, n_slots, windows):
 
 
 BF16_INPUT_CASES = [
-    pytest.param(SMALL, 4, 3, 64, None, id="small-L4"),
+    pytest.param(SMALL, 4, 3, interpreter_windows(64), None, id="small-L4"),
     # the row-block kernel over 64 windows (its poison and cursor cases run in CI)
     pytest.param(SMALL, 3, 3, 64, dict(BV=8, rows=True), marks=pytest.mark.slow, id="small-rows-L3"),
     pytest.param(_shape("nemotron3-super"), 16, 16, 64, None,
