@@ -79,6 +79,23 @@ def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
         vs._run_engine(args, scheme, "ngram", tmp_path)
     assert [(e["REPLAYSSM_VLLM"], e.get("REPLAYSSM_VLLM_SPEC_BLOCKS")) for e in envs] == \
         [("1", "one"), ("1", "vllm"), ("0", None)]
+    # prefix caching and the shared prefix reach the worker's command line
+    calls.clear()
+    args = vs.parser().parse_args(["--batches", "8", "--prefix-caching", "--shared-prefix", "2048",
+                                   "--out", str(tmp_path / "r.json")])
+    vs._run_engine(args, "stock", "none", tmp_path)
+    assert "--prefix-caching" in calls[0] and calls[0][calls[0].index("--shared-prefix") + 1] == "2048"
+    worker = vs.parser().parse_args(calls[0][3:])
+    assert worker.worker and worker.prefix_caching and worker.shared_prefix == 2048
+
+
+def test_shared_prefix_prompts():
+    from replayssm.bench import vllm_serving as vs
+    a, b = vs.prompts(2, 5, 100, repeat=False), vs.prompts(2, 5, 100, repeat=False, seed=1)
+    pa, pb = vs.with_prefix(a, 30, 100), vs.with_prefix(b, 30, 100)
+    assert all(len(p["prompt_token_ids"]) == 35 for p in pa + pb)
+    assert pa[0]["prompt_token_ids"][:30] == pa[1]["prompt_token_ids"][:30] == pb[0]["prompt_token_ids"][:30]
+    assert pa[0]["prompt_token_ids"][30:] == a[0]["prompt_token_ids"] != pb[0]["prompt_token_ids"][30:]
 
 
 def test_serving_benchmark_refuses_unknown_choices(capsys):
@@ -87,7 +104,8 @@ def test_serving_benchmark_refuses_unknown_choices(capsys):
                        (["--speculative", "eagle"], "--speculative: unknown 'eagle'"),
                        (["--warmup", "-1"], "must be >= 0, got -1"),
                        # vLLM's own GDN prefill grid: 64 value heads x 1024 sequences > 65535
-                       (["--model", "qwen3_5_122b_slice", "--batches", "256,1024"], "more than 1023 sequences")):
+                       (["--model", "qwen3_5_122b_slice", "--batches", "256,1024"], "more than 1023 sequences"),
+                       (["--prefix-caching", "--speculative", "none,ngram"], "not yet combine prefix caching")):
         with pytest.raises(SystemExit) as e:
             vs.main(argv)
         assert e.value.code == 2 and what in capsys.readouterr().err

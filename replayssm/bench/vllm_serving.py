@@ -49,6 +49,14 @@ vLLM's cache holds at once, from its start-up log), `state_mode` (the plugin's e
 The plot (tokens per second against batch, a panel per speculation) is written beside the
 JSON; `--replot FILE.json` draws it again from a results file, without vLLM or a GPU.
 
+Prefix caching (`--prefix-caching`): every engine with `enable_prefix_caching` in vLLM's
+`align` mode (the one the plugin supports; stock in the same mode, so that the two differ in
+the state they keep only), plain decoding. `--shared-prefix N` puts the same `N` tokens before
+every prompt's own `--prompt` tokens; the untimed warm-up prompts share that prefix and differ
+after it, so with caching on the timed `max_tokens=1` run (`prefill_s`, the batch's time to
+first token) reads the prefix from the cache and prefills the rest; the rows carry vLLM's
+prefix-cache counters (`prefix_cache_hits_delta`, `prefix_cache_queries_delta`, in tokens).
+
 Needs vLLM 0.25.0 and a GPU (the bring-up in ../shared/vllm on the project's GPU machine).
 """
 from __future__ import annotations
@@ -146,6 +154,14 @@ def prompts(batch: int, length: int, vocab: int, repeat: bool, seed: int = 0) ->
     return out
 
 
+def with_prefix(ps: list, prefix: int, vocab: int) -> list:
+    """`ps` each behind the same `prefix` token ids (`--shared-prefix`)."""
+    import random
+    rng = random.Random(1000)
+    head = [rng.randrange(3, vocab) for _ in range(prefix)]
+    return [{"prompt_token_ids": head + p["prompt_token_ids"]} for p in ps]
+
+
 def capture_sizes(batches, drafts) -> list:
     """CUDA-graph sizes (tokens) for `--capture batches`: each batch, and with `drafts` each
     batch's verify step of `1 + drafts` tokens a row. vLLM's default stops at 512 tokens, which
@@ -160,6 +176,11 @@ _ACCEPTANCE = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_d
 def _acceptance(llm) -> dict:
     """Draft acceptance from vLLM's metrics, where it reports them (empty otherwise)."""
     return _compat.metric_values(llm, lambda name: name in _ACCEPTANCE)
+
+
+def _prefix_cache(llm) -> dict:
+    """vLLM's prefix-cache counters (hits and queries, in tokens), where it reports them."""
+    return _compat.metric_values(llm, lambda name: name in ("prefix_cache_hits", "prefix_cache_queries"))
 
 
 def worker(args) -> int:
@@ -181,23 +202,35 @@ def worker(args) -> int:
             torch_profiler_dir=os.path.abspath(_profile_dir(args.profile, args.scheme, args.speculative)),
             torch_profiler_with_stack=False, ignore_frontend=True, delay_iterations=8,
             max_iterations=PROFILE_STEPS)
+    if args.prefix_caching:
+        extra.update(enable_prefix_caching=True, mamba_cache_mode="align")
+    else:
+        extra["enable_prefix_caching"] = False
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
-              max_num_seqs=max(args.batches), max_model_len=args.prompt + max(args.decode, args.warmup) + 8,
-              gpu_memory_utilization=args.gpu_memory, speculative_config=spec, disable_log_stats=spec is None,
-              **extra)
+              max_num_seqs=max(args.batches),
+              max_model_len=args.shared_prefix + args.prompt + max(args.decode, args.warmup) + 8,
+              gpu_memory_utilization=args.gpu_memory, speculative_config=spec,
+              disable_log_stats=spec is None and not args.prefix_caching, **extra)
     try:    # what vLLM resolved its SSM state dtype to ("auto" becomes float32 for NemotronH in 0.25)
         ssm_dtype = str(llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype)
     except AttributeError:
         ssm_dtype = None
     for i, batch in enumerate(args.batches):
         ps = prompts(batch, args.prompt, _vocab(cfg), repeat=spec is not None)
+        warm_ps = ps
+        if args.shared_prefix:
+            # the warm-up shares the prefix only: the timed prompts' own tokens are new to the cache
+            warm_ps = with_prefix(prompts(batch, args.prompt, _vocab(cfg), repeat=spec is not None, seed=1),
+                                  args.shared_prefix, _vocab(cfg))
+            ps = with_prefix(ps, args.shared_prefix, _vocab(cfg))
         short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True, detokenize=False)
         # warm-up at this batch with decode steps past a window's flush: the first decode steps
         # of an engine compile kernels (Triton's JIT), which must not land in the timed run
         if args.warmup:
             warm = SamplingParams(temperature=0.0, max_tokens=args.warmup, ignore_eos=True, detokenize=False)
-            llm.generate(ps, warm, use_tqdm=False)
+            llm.generate(warm_ps, warm, use_tqdm=False)
+        cached = _prefix_cache(llm)
         t0 = time.perf_counter()
         llm.generate(ps, short, use_tqdm=False)
         t1 = time.perf_counter()
@@ -214,6 +247,7 @@ def worker(args) -> int:
         row = {"batch": batch, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0, "generate_s": t2 - t1,
                "decode_tokens": made, "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
         row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
+        row.update({f"{k}_delta": (v - cached.get(k, 0)) for k, v in _prefix_cache(llm).items() if v is not None})
         print("RESULT " + json.dumps(row), flush=True)
     return 0
 
@@ -261,7 +295,8 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
            "--capture", args.capture, "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
            "--speculative", speculative, "--drafts", str(args.drafts), "--warmup", str(args.warmup),
-           "--gpu-memory", str(args.gpu_memory)]
+           "--gpu-memory", str(args.gpu_memory), "--shared-prefix", str(args.shared_prefix),
+           *(["--prefix-caching"] if args.prefix_caching else [])]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if r.returncode != 0 and any(m in r.stdout + r.stderr for m in _compat.START_UP_MEMORY_ERRORS):
         # the engine before this one may still hold memory that vLLM's start-up counts as taken
@@ -334,6 +369,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=_non_negative, default=24,
                     help="decode tokens per request of the untimed run before each batch (kernels compile "
                          "there; 0: none)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="every engine with prefix caching in vLLM's align mode (plain decoding only)")
+    ap.add_argument("--shared-prefix", type=_non_negative, default=0,
+                    help="tokens of one prefix shared by every prompt, before its own --prompt tokens")
     ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     ap.add_argument("--out", default="vllm.json", help="the JSON results file (a plot beside it)")
@@ -406,6 +445,9 @@ def main(argv=None) -> int:
         if s not in SCHEMES:
             ap.error(f"--schemes: unknown {s!r}; choose from {', '.join(SCHEMES)}")
     schemes = ["stock"] + [s for s in SCHEMES[1:] if s in schemes]
+    if args.prefix_caching and any(s != "none" for s in specs) and any(s.startswith("replayssm") for s in schemes):
+        ap.error("--prefix-caching: the plugin does not yet combine prefix caching with speculative decoding; "
+                 "run it with --speculative none")
     limit = gdn_batch_limit(args.model) if args.model in MODELS else None
     if limit is not None and max(args.batches) > limit:
         ap.error(f"--batches: vLLM 0.25 cannot start {args.model} with more than {limit} sequences (its GDN "
@@ -418,7 +460,8 @@ def main(argv=None) -> int:
     from .common import header, write_results
     doc = header("vllm")
     doc.update(vllm=_compat.vllm_version(), model=args.model, layers=args.layers or "all", prompt=args.prompt,
-               decode=args.decode, drafts=args.drafts, schemes=schemes, capture=args.capture, rows=[])
+               decode=args.decode, drafts=args.drafts, schemes=schemes, capture=args.capture,
+               prefix_caching=args.prefix_caching, shared_prefix=args.shared_prefix, rows=[])
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_dir(args.model, args.layers, Path(tmp))
         for spec in specs:
@@ -434,7 +477,7 @@ def main(argv=None) -> int:
     print(f"\nvLLM {doc['vllm']} decode throughput, {args.model} ({doc['layers']} layers), "
           f"{args.prompt} prompt + {args.decode} decode tokens per request")
     w = max(len(s) for s in SCHEMES)          # the scheme column holds the longest name
-    print(f"{'speculative':11} {'scheme':{w}} batch   tokens/s  vs stock  vs stock-fp32  accepted")
+    print(f"{'speculative':11} {'scheme':{w}} batch   tokens/s  vs stock  vs stock-fp32  accepted  prefill ms")
     base = {(r["speculative"], r["batch"]): acceptance(r) for r in doc["rows"] if r["scheme"] == "stock"}
     for r in doc["rows"]:
         tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:10.0f}"
@@ -444,8 +487,9 @@ def main(argv=None) -> int:
         # a ratio compares like with like only where both engines accepted the same drafts
         flag = " (not stock's: compare with care)" if acc is not None and ref and abs(acc - ref) > 0.02 else ""
         acc = "-" if acc is None else f"{acc:.1%}"
+        pre = "-" if r.get("prefill_s") is None else f"{1e3 * r['prefill_s']:.1f}"
         print(f"{r['speculative']:11} {r['scheme']:{w}} {r['batch']:5d} {tps:>10} {ratios[0]:>9} {ratios[1]:>14} "
-              f"{acc:>9}{flag}")
+              f"{acc:>9} {pre:>11}{flag}")
     try:
         plot(doc, Path(args.out).with_suffix(".png"))
     except Exception as e:  # the JSON is the result; a plot that fails must not lose it
