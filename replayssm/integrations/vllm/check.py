@@ -153,6 +153,21 @@ def prefix_waves(seed: int = 0):
     return [first, second]
 
 
+def wave_requests():
+    """48 prompts of 20..85 tokens, each repeating a 7-token pattern (n-gram lookup finds
+    drafts), 16..46 tokens to generate each: with `max_num_seqs` well below 48, requests join
+    (and prefill) while others verify drafts, over several waves."""
+    import random
+    rng = random.Random(7)
+    prompts, budgets = [], []
+    for i in range(48):
+        unit = [rng.randrange(10, 1000) for _ in range(7)]
+        n = 20 + (13 * i) % 66
+        prompts.append({"prompt_token_ids": [1] + (unit * (n // 7 + 1))[:n - 1]})
+        budgets.append(16 + (11 * i) % 31)
+    return prompts, budgets
+
+
 def _prefix_counters(llm) -> dict:
     """vLLM's prefix-cache query and hit counts (tokens), where its metrics report them."""
     from ._compat import metric_values
@@ -176,7 +191,8 @@ def main(argv=None) -> int:
     kw.update(extra)
     llm = LLM(**kw)
     top2 = os.environ.get("REPLAYSSM_VLLM_CHECK_TOP2", "0") == "1"
-    waves = prefix_waves() if prefix else [plain_requests()]
+    work = os.environ.get("REPLAYSSM_VLLM_CHECK_WORKLOAD", "plain")
+    waves = prefix_waves() if prefix else [wave_requests() if work == "waves" else plain_requests()]
     outs = []
     for prompts, budgets in waves:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2 if top2 else None)
