@@ -89,7 +89,7 @@ def test_mamba2_rows_reach_the_kernels_as_padded_rows():
         assert out[:, 0].tolist() == [float(i) for i in idx]
 
 
-def test_step_memo_shares_within_a_step_only():
+def test_step_memo_shares_within_a_step_only(monkeypatch):
     g = torch.Generator().manual_seed(1)
     layer = _mamba2_layer(num_spec=2)
     ex = Recorder()
@@ -100,22 +100,28 @@ def test_step_memo_shares_within_a_step_only():
     def counting(self, *a, **k):
         made.append(1)
         orig(self, *a, **k)
-    batch.Rows.__init__ = counting
+    monkeypatch.setattr(batch.Rows, "__init__", counting)
     step = object()                                   # a new step's metadata
-    try:
-        for _ in range(3):                            # three layers of one step: one index map
-            out = torch.empty(6, HV, V)
-            batch.run_decode(ex, None, md.state_indices_tensor_d[:, 0], flat, out, spec_tokens=2,
-                             query_start_loc=qsl, step=step)
-        assert len(made) == 1
-        md2 = types.SimpleNamespace(**vars(md))       # the next step
-        batch.run_decode(ex, None, md.state_indices_tensor_d[:, 0], flat, torch.empty(6, HV, V), spec_tokens=2,
-                         query_start_loc=qsl, step=md2)
-        batch.run_decode(ex, None, md.state_indices_tensor_d[:, 0], flat, torch.empty(6, HV, V), spec_tokens=2,
-                         query_start_loc=qsl, step=None)
-        assert len(made) == 3
-    finally:
-        batch.Rows.__init__ = orig
+    for _ in range(3):                                # three layers of one step: one index map
+        out = torch.empty(6, HV, V)
+        batch.run_decode(ex, None, md.state_indices_tensor_d[:, 0], flat, out, spec_tokens=2,
+                         query_start_loc=qsl, step=step)
+    assert len(made) == 1
+    md2 = types.SimpleNamespace(**vars(md))           # the next step
+    batch.run_decode(ex, None, md.state_indices_tensor_d[:, 0], flat, torch.empty(6, HV, V), spec_tokens=2,
+                     query_start_loc=qsl, step=md2)
+    batch.run_decode(ex, None, md.state_indices_tensor_d[:, 0], flat, torch.empty(6, HV, V), spec_tokens=2,
+                     query_start_loc=qsl, step=None)
+    assert len(made) == 3
+    # a capture that starts within the step (vLLM's warm-up, then the capture, of one batch)
+    # computes its own values, and so does the step after it
+    monkeypatch.setattr(batch, "_capturing", lambda: True)
+    batch.run_decode(ex, None, md.state_indices_tensor_d[:, 0], flat, torch.empty(6, HV, V), spec_tokens=2,
+                     query_start_loc=qsl, step=md2)
+    monkeypatch.setattr(batch, "_capturing", lambda: False)
+    batch.run_decode(ex, None, md.state_indices_tensor_d[:, 0], flat, torch.empty(6, HV, V), spec_tokens=2,
+                     query_start_loc=qsl, step=md2)
+    assert len(made) == 5
     # a different row split in the same step gets its own map
     qsl2 = _rows([1, 1, 3])
     y = batch.run_decode(ex, None, md2.state_indices_tensor_d[:, 0], flat, torch.empty(5, HV, V), spec_tokens=2,

@@ -83,16 +83,19 @@ class StepMemo:
     gathers of each input. `owner`: an object that is the same for the
     layers of one step and new each step (vLLM's attention metadata of the layers' group);
     None: nothing is shared. Entries keep their key tensor alive, so no other tensor can take
-    its address while the step lasts."""
+    its address while the step lasts. Nothing crosses the edge of a CUDA-graph capture: a
+    value computed outside it would be a constant of the graph (vLLM warms a graph's batch up
+    eagerly before capturing it), and one computed inside it lives in the graph's memory."""
 
     def __init__(self):
-        self._owner, self._values = None, {}
+        self._owner, self._capturing, self._values = None, False, {}
 
     def get(self, owner, name: str, key: Tensor, make):
         if owner is None:
             return make()
-        if self._owner is not owner:
-            self._owner, self._values = owner, {}
+        capturing = _capturing()
+        if self._owner is not owner or self._capturing != capturing:
+            self._owner, self._capturing, self._values = owner, capturing, {}
         k = (name, key.data_ptr(), tuple(key.shape), tuple(key.stride()))
         hit = self._values.get(k)
         if hit is None:
@@ -101,6 +104,10 @@ class StepMemo:
 
 
 STEP = StepMemo()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _inputs(inputs, rows_of):
