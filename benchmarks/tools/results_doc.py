@@ -319,22 +319,28 @@ def vllm_table(rows: list) -> list:
     held = any(r.get("max_concurrency") for r in rows)
     head = (["speculative", "batch", "plugin scheme"] + (["stock SSM state"] if state else []) + ["stock tokens/s"]
             + (["stock, fp32 state"] if fp32 else []) + ["replayssm tokens/s", "vs stock"]
-            + (["vs stock, fp32 state"] if fp32 else []) + ["draft acceptance"]
+            + (["vs stock, fp32 state"] if fp32 else []) + ["draft acceptance (stock / plugin)"]
             + (["requests held (stock / plugin)"] if held else []))
     body = []
     for (spec, batch, scheme), r in sorted(by.items()):
         if not scheme.startswith("replayssm"):         # a plugin scheme: `replayssm`, `replayssm-one-block`
             continue
         bases = [by.get((spec, batch, "stock"), {})] + ([by.get((spec, batch, "stock-fp32"), {})] if fp32 else [])
-        drafts, acc = r.get("spec_decode_num_draft_tokens_delta"), r.get("spec_decode_num_accepted_tokens_delta")
+        # both engines' acceptance: a ratio compares like with like only where they match
+        accept = " / ".join(_acceptance(x) for x in (bases[0], r))
         tps = [x.get("tokens_per_s") for x in bases + [r]]
         ratios = [r.get("ratio_vs_stock")] + ([r.get("ratio_vs_stock_fp32")] if fp32 else [])
         dtype = [str(bases[0].get("ssm_cache_dtype") or "-")] if state else []
         cap = ([" / ".join(f"{x:.1f}" if x else "-" for x in (bases[0].get("max_concurrency"), r.get("max_concurrency")))]
                if held else [])
         body.append([spec, batch, scheme] + dtype + [f"{x:.0f}" if x else "-" for x in tps] +
-                    [f"{x:.2f}x" if x else "-" for x in ratios] + [f"{acc / drafts:.1%}" if drafts else "-"] + cap)
+                    [f"{x:.2f}x" if x else "-" for x in ratios] + [accept] + cap)
     return _table(head, body)
+
+
+def _acceptance(row: dict) -> str:
+    drafts, acc = row.get("spec_decode_num_draft_tokens_delta"), row.get("spec_decode_num_accepted_tokens_delta")
+    return f"{acc / drafts:.1%}" if drafts else "-"
 
 
 def file_section(name: str, data: dict) -> list:
