@@ -333,6 +333,7 @@ def test_rounds_small_tensor_core_kernel():
 
 
 @pytest.mark.interpret
+@pytest.mark.slow       # configs no default selects (bf16 records, kq); the mma kernel's default runs in CI
 def test_rounds_small_mma_kernel():
     # the exact 16-bit tensor-core kernel (config mma; with fp32 operands, every one split, it
     # runs in test_rounds_small_tensor_core_kernel as the default from TC_MIN_T): bf16 records
