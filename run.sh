@@ -49,7 +49,9 @@ fi
 cmd="${1:-demo}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  # the suite spread over the machine's cores (pytest-xdist); `-n 0` after `test` runs it in one process
-  test) exec "$PY" -m pytest -n auto "$@" ;;
+  # the suite spread over the machine's cores (pytest-xdist; an idle worker takes tests queued
+  # for the other, so that the minute-long interpreter cases do not leave one core waiting at
+  # the end); `-n 0` after `test` runs it in one process
+  test) exec "$PY" -m pytest -n auto --dist worksteal "$@" ;;
   *) exec "$PY" -m replayssm.cli "$cmd" "$@" ;;
 esac

@@ -36,8 +36,8 @@ class Rows:
     on `[B, T]` rows: `pad` gathers a packed tensor into rows (positions past a row's tokens
     take token 0, which nothing reads), `n` the rows' token counts `[B]` clamped to `1..T`
     (padding rows have none; they verify one token that nothing reads), `unpad` scatters
-    `[B, T, ...]` outputs back (tokens past the last row, graph padding, take row 0's first
-    output). Device ops only."""
+    `[B, T, ...]` outputs back (tokens past the last row, graph padding, take the last row's
+    last output, which nothing reads). Device ops only."""
 
     def __init__(self, query_start_loc: Tensor, T: int, ntok: int):
         qsl = query_start_loc.long()
@@ -80,9 +80,9 @@ class StepMemo:
     recurrence called from Python, where every op is host time per layer: on the
     Nemotron-3-Super slice a layer's call took 1.9 ms of host time against 0.5 ms for vLLM's
     own (H200, under the profiler), about half of it the slot ids, the index maps and the
-    gathers of each input. `owner`: an object that is the same for the
-    layers of one step and new each step (vLLM's attention metadata of the layers' group);
-    None: nothing is shared. Entries keep their key tensor alive, so no other tensor can take
+    gathers of each input. `owner`: an object that is the same for the layers of one step
+    and new each step (vLLM's attention metadata of the layers' group); None: nothing is
+    shared. Entries keep their key tensor alive, so no other tensor can take
     its address while the step lasts. Nothing crosses the edge of a CUDA-graph capture: a
     value computed outside it would be a constant of the graph (vLLM warms a graph's batch up
     eagerly before capturing it), and one computed inside it lives in the graph's memory."""
