@@ -178,11 +178,6 @@ def _acceptance(llm) -> dict:
     return _compat.metric_values(llm, lambda name: name in _ACCEPTANCE)
 
 
-def _prefix_cache(llm) -> dict:
-    """vLLM's prefix-cache counters (hits and queries, in tokens), where it reports them."""
-    return _compat.metric_values(llm, lambda name: name in ("prefix_cache_hits", "prefix_cache_queries"))
-
-
 def worker(args) -> int:
     """One engine: prints a `RESULT {json}` line per batch."""
     from vllm import LLM, SamplingParams
@@ -230,7 +225,7 @@ def worker(args) -> int:
         if args.warmup:
             warm = SamplingParams(temperature=0.0, max_tokens=args.warmup, ignore_eos=True, detokenize=False)
             llm.generate(warm_ps, warm, use_tqdm=False)
-        cached = _prefix_cache(llm)
+        cached = _compat.prefix_cache_counters(llm)
         t0 = time.perf_counter()
         llm.generate(ps, short, use_tqdm=False)
         t1 = time.perf_counter()
@@ -247,7 +242,8 @@ def worker(args) -> int:
         row = {"batch": batch, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0, "generate_s": t2 - t1,
                "decode_tokens": made, "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
         row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
-        row.update({f"{k}_delta": (v - cached.get(k, 0)) for k, v in _prefix_cache(llm).items() if v is not None})
+        row.update({f"{k}_delta": (v - cached.get(k, 0))
+                    for k, v in _compat.prefix_cache_counters(llm).items() if v is not None})
         print("RESULT " + json.dumps(row), flush=True)
     return 0
 
@@ -448,7 +444,7 @@ def main(argv=None) -> int:
     if args.prefix_caching and any(s != "none" for s in specs) and any(s.startswith("replayssm") for s in schemes):
         ap.error("--prefix-caching: the plugin does not yet combine prefix caching with speculative decoding; "
                  "run it with --speculative none")
-    limit = gdn_batch_limit(args.model) if args.model in MODELS else None
+    limit = gdn_batch_limit(args.model)
     if limit is not None and max(args.batches) > limit:
         ap.error(f"--batches: vLLM 0.25 cannot start {args.model} with more than {limit} sequences (its GDN "
                  f"prefill kernel's grid holds sequences x value heads in CUDA's {GRID_Y_MAX} limit)")

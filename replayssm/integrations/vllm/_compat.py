@@ -24,8 +24,8 @@ A newer vLLM should need changes here only. The plugin touches:
   for the prefill-only call with `dataclasses.replace`.
 - `causal_conv1d_update` (the decode rows' convolution, vLLM's kernel), `is_conv_state_dim_first`,
   `compute_causal_conv1d_metadata`, `NULL_BLOCK_ID`.
-- `LLM.get_metrics()` (the benchmark's draft acceptance, the checks' prefix-cache counters:
-  `metric_values`).
+- `LLM.get_metrics()` (the benchmark's draft acceptance and prefix-cache counters, the checks'
+  prefix-cache counters: `metric_values`, `prefix_cache_counters`).
 - `GPUModelRunner.initialize_kv_cache_tensors` (patched: the layers' states are built once the
   KV cache is bound) and the runner's `vllm_config`, `speculative_config`, `model_config`,
   `device`, `compilation_config.static_forward_context`, `num_accepted_tokens.gpu`.
@@ -221,6 +221,12 @@ def metric_values(llm, keep) -> dict:
         if keep(name):
             got[name] = getattr(m, "value", None)
     return got
+
+
+def prefix_cache_counters(llm) -> dict:
+    """vLLM's prefix-cache counters (`prefix_cache_hits`, `prefix_cache_queries`, in tokens),
+    where its metrics report them (`metric_values`)."""
+    return metric_values(llm, lambda name: name in ("prefix_cache_hits", "prefix_cache_queries"))
 
 
 def prefill_continues_a_state(md) -> bool:

@@ -168,12 +168,6 @@ def wave_requests():
     return prompts, budgets
 
 
-def _prefix_counters(llm) -> dict:
-    """vLLM's prefix-cache query and hit counts (tokens), where its metrics report them."""
-    from ._compat import metric_values
-    return metric_values(llm, lambda name: "prefix_cache" in name)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     model, mode = argv[0], argv[1]
@@ -181,6 +175,7 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
 
     from . import status
+    from ._compat import prefix_cache_counters
     # REPLAYSSM_VLLM_CHECK_GPU_MEMORY: the GPU's share per engine, lower when several run side by side
     share = float(os.environ.get("REPLAYSSM_VLLM_CHECK_GPU_MEMORY", "0.3"))
     kw = dict(model=model, enforce_eager=(mode == "eager"), gpu_memory_utilization=share, max_model_len=512,
@@ -199,7 +194,7 @@ def main(argv=None) -> int:
                   for n in budgets]
         outs += llm.generate(prompts, params, use_tqdm=False)
     print("PLUGIN", json.dumps(status()), flush=True)
-    print("CACHE " + json.dumps(_prefix_counters(llm)), flush=True)
+    print("CACHE " + json.dumps(prefix_cache_counters(llm)), flush=True)
     print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
     if top2:
         # vLLM returns the sampled token's log-probability beside the top ones: keep the top two
