@@ -61,7 +61,7 @@ def test_tokenizer_round_trips(tmp_path, text):
 def test_recurrent_heads_keep_long_memory(family):
     # the median head keeps > 85% of its state per step at zero input (a half-life of > 4 steps
     # at worst); transformers' own GDN init keeps ~0% (checked below), so this can fail
-    m = models.build(family, draft=True, seed=0)
+    m = models.build(family, seed=0)              # the main model: enough heads for a median
     decays = torch.cat(models.init_decays(m))
     assert decays.median() > 0.85 and decays.max() > 0.97, decays
     assert m.config.vocab_size == models.VOCAB_PADDED
@@ -142,3 +142,49 @@ def test_saved_folder_loads_and_scores_at_the_recorded_loss(trained, small_corpu
     assert held == small_corpus.heldout[:len(held)]
     assert tok.encode(held.decode("utf-8"), add_special_tokens=False) == list(held)
     assert save.score(tmp_path) == pytest.approx(record["heldout_bpb"], abs=1e-5)
+    assert save.score(tmp_path, head=True) == pytest.approx(record["heldout_head_bpb"], abs=1e-5)
+
+
+def test_drafts_hold_an_attention_layer():
+    # transformers' hybrid caches count the sequence on an attention layer: an all-recurrent
+    # 2-layer draft cannot run with a cache (generate, speculative_generate)
+    for fam in models.FAMILIES:
+        o = models.overrides(fam, draft=True)
+        kinds = o.get("layers_block_type") or o.get("layer_types")
+        assert any(k in ("attention", "full_attention") for k in kinds), (fam, kinds)
+        assert any(k in ("mamba", "linear_attention") for k in kinds), (fam, kinds)
+
+
+@pytest.fixture
+def shipped(trained, small_corpus, tmp_path, monkeypatch):
+    """A tiny trained main model and draft saved under the shipped names of the mamba2 family,
+    in a folder standing for the package's `trained/`."""
+    from replayssm.integrations.hf import configs
+    model, record = trained[0]
+    for draft in (False, True):
+        save.save(model, dict(record, model=models.model_name("mamba2", draft)), small_corpus.heldout,
+                  tmp_path / models.model_name("mamba2", draft))
+    monkeypatch.setattr(configs, "TRAINED_DIR", tmp_path)
+    return tmp_path
+
+
+def test_trained_models_load_by_name(shipped, trained):
+    assert hf.trained_names() == ["trained-nemotron-h", "trained-nemotron-h-draft"]
+    m = hf.build("trained-nemotron-h")
+    assert not m.training and next(m.parameters()).dtype == torch.float32
+    ref = trained[0][0].to(torch.bfloat16).float()            # saved in bf16
+    ids = torch.tensor([list(b"def f(x):\n    return")])
+    with torch.no_grad():
+        assert torch.allclose(m(ids).logits, ref(ids).logits, atol=1e-4)
+    with pytest.raises(ValueError, match="trained-nemotron-h"):
+        hf.build("trained-nonesuch")
+
+
+def test_demo_continues_python_with_the_trained_models(shipped):
+    from replayssm.integrations.hf import demo
+    rows = demo.model_rows(6, families=["mamba2"], progress=False)
+    assert [r["run"] for r in rows] == list(demo.RUNS)
+    assert all(r["model"] == "trained-nemotron-h" and r["trained"] for r in rows)
+    assert rows[0]["prompt_tokens"] == len(demo.PYTHON_PROMPT.encode())
+    assert isinstance(rows[0]["text"], str) and all(r["agree"] for r in rows[1:])
+    assert all(0 <= r["accepted"] <= r["proposed"] > 0 for r in rows if r["run"].startswith("spec"))

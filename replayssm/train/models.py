@@ -33,9 +33,9 @@ def _pattern(n_recurrent_per_attention: int, blocks: int, rec: str, att: str) ->
     return [att if (i + 1) % (n_recurrent_per_attention + 1) == 0 else rec for i in range(blocks)]
 
 
-def _nemotron(layers: int, width: int) -> dict:
+def _nemotron(layers: int, width: int, per_attention: int) -> dict:
     # NemotronH blocks hold one mixer each: pairs of (mamba, mlp), every third mixer attention
-    mixers = _pattern(2, layers, "mamba", "attention")
+    mixers = _pattern(per_attention, layers, "mamba", "attention")
     types = [t for m in mixers for t in (m, "mlp")]
     return dict(hidden_size=width, intermediate_size=2 * width, layers_block_type=types, num_hidden_layers=len(types),
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -43,16 +43,16 @@ def _nemotron(layers: int, width: int) -> dict:
                 time_step_min=DT_MIN, time_step_max=DT_MAX, time_step_floor=1e-4)
 
 
-def _qwen(layers: int, width: int) -> dict:
-    types = _pattern(3, layers, "linear_attention", "full_attention")
+def _qwen(layers: int, width: int, per_attention: int) -> dict:
+    types = _pattern(per_attention, layers, "linear_attention", "full_attention")
     return dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers, layer_types=types,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                 linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=width // 64,
                 linear_num_value_heads=width // 32)
 
 
-def _kimi(layers: int, width: int) -> dict:
-    types = _pattern(3, layers, "linear_attention", "full_attention")
+def _kimi(layers: int, width: int, per_attention: int) -> dict:
+    types = _pattern(per_attention, layers, "linear_attention", "full_attention")
     return dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers, layer_types=types,
                 mlp_layer_types=["dense"] * layers, num_attention_heads=4, num_key_value_heads=4,
                 kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
@@ -63,6 +63,10 @@ def _kimi(layers: int, width: int) -> dict:
 # model per token; it is of the same family (its own recurrent state rolls back too), with the
 # same vocabulary. Sized so that all six models take under 30 MB in bf16.
 _SIZES = {False: (6, 256), True: (2, 128)}
+# recurrent mixers per attention layer: the full models' ratio (NemotronH about 2, Qwen3.5 and
+# Kimi Linear 3) in the main models; the 2-layer drafts take one of each, since transformers'
+# hybrid caches need an attention layer to count the sequence's length
+_PER_ATTENTION = {("mamba2", False): 2, ("gdn", False): 3, ("kda", False): 3}
 _BUILD = {"mamba2": _nemotron, "gdn": _qwen, "kda": _kimi}
 
 
@@ -75,7 +79,7 @@ def overrides(family: str, draft: bool = False) -> dict:
     """The keys that turn the shipped tiny config of `family` into the trained model's."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
-    return {**_COMMON, **_BUILD[family](*_SIZES[bool(draft)])}
+    return {**_COMMON, **_BUILD[family](*_SIZES[bool(draft)], _PER_ATTENTION.get((family, bool(draft)), 1))}
 
 
 def config(family: str, draft: bool = False, **extra):

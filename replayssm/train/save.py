@@ -87,9 +87,10 @@ def save(model, record: dict, heldout: bytes, out) -> list:
     return paths
 
 
-def score(folder, *, batch: int = 8) -> float:
+def score(folder, *, batch: int = 8, head: bool = False) -> float:
     """Held-out bits per byte of the saved folder, loaded with stock transformers classes in
-    float32, on its `heldout.bin` as `training.json` describes: the figure its card records."""
+    float32, on its `heldout.bin` as `training.json` describes: the figure its card records
+    (`heldout_bpb`), or with `head` that of the first windows only (`heldout_head_bpb`)."""
     from transformers import AutoModelForCausalLM
 
     from .loop import eval_windows, heldout_bpb
@@ -98,4 +99,6 @@ def score(folder, *, batch: int = 8) -> float:
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     data = torch.frombuffer(bytearray((folder / "heldout.bin").read_bytes()), dtype=torch.uint8)
     windows = eval_windows(data, record["eval"]["context"])
+    if head:
+        windows = windows[:record["eval"]["head_windows"]]
     return heldout_bpb(model, windows, batch, torch.device("cpu"), fp32=True)

@@ -15,10 +15,11 @@ weights. `use_gqa_attention` runs a model's attention layers without transformer
 of the key/value cache (attention.py).
 """
 from .attention import use_gqa_attention
-from .configs import build, config, config_names
+from .configs import build, config, config_names, trained_names, trained_path
 from .enable import SCHEMES, attach_cache, disable, enable, is_enabled, replay_state
 from .mixers import UnsupportedModelError
 from .speculative import speculative_generate
 
 __all__ = ["enable", "disable", "is_enabled", "replay_state", "attach_cache", "SCHEMES", "speculative_generate",
-           "UnsupportedModelError", "build", "config", "config_names", "use_gqa_attention"]
+           "UnsupportedModelError", "build", "config", "config_names", "trained_names", "trained_path",
+           "use_gqa_attention"]

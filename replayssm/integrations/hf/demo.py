@@ -1,8 +1,12 @@
-"""The model part of `replayssm demo`: greedy generation with a tiny random-weight hybrid model
-of each family, stock transformers beside the integration's schemes and speculative
-generation, whether the tokens agree with stock and the tokens per second of each.
+"""The model part of `replayssm demo`: greedy generation with a small hybrid model of each
+family, stock transformers beside the integration's schemes and speculative generation, whether
+the tokens agree with stock, the drafts accepted and the tokens per second of each.
 
-On tiny models the time is Python and framework overhead, not state traffic: the tokens per
+The models are the shipped trained ones (`configs.trained_names()`: byte-level models of Python
+source with a trained draft each), continuing a Python prompt; a family without them falls back
+to its tiny random-weight model with a perturbed copy as draft.
+
+On small models the time is Python and framework overhead, not state traffic: the tokens per
 second show that every path runs, not which is faster on a GPU (`replayssm bench model`).
 """
 from __future__ import annotations
@@ -12,17 +16,26 @@ from typing import Callable, Optional
 
 import torch
 
-# (shipped config, family); the demo's --family picks among them
-DEMO_MODELS = (("tiny_nemotron_h", "mamba2"), ("tiny_qwen3_5", "gdn"), ("tiny_kimi_linear", "kda"))
+# family -> (trained model, its draft, the tiny random-weight fallback); the demo's --family picks
+DEMO_MODELS = {"mamba2": ("trained-nemotron-h", "trained-nemotron-h-draft", "tiny_nemotron_h"),
+               "gdn": ("trained-qwen3-5", "trained-qwen3-5-draft", "tiny_qwen3_5"),
+               "kda": ("trained-kimi-linear", "trained-kimi-linear-draft", "tiny_kimi_linear")}
 RUNS = ("stock", "conventional", "replay", "spec-lookup", "spec-draft")
 NUM_DRAFT = 4
-PROMPT_LEN = 18
+PROMPT_LEN = 18             # the random-weight models' prompt, in tokens
+# the trained models' prompt: Python source, bytes = tokens
+PYTHON_PROMPT = '''import os
+
+
+def read_lines(path):
+    """Return the lines of the text file at path, without their line endings."""
+    with open(path, encoding="utf-8") as f:
+'''
 LEGEND = (
     "stock: transformers' own decode path; conventional: hf.enable(scheme='conventional') (full state rewritten",
     "each token); replay: hf.enable() (ReplaySSM slot pools); spec-lookup / spec-draft: hf.speculative_generate",
-    f"with T={NUM_DRAFT} drafts from prompt lookup / from a tiny draft (the target's weights with a perturbed output",
-    "head: random-weight models have no trained small sibling). tokens = stock: the generated ids equal stock's.",
-    "tok/s on tiny models measures Python overhead, not state traffic (the GPU benchmark: replayssm bench model).",
+    f"with T={NUM_DRAFT} drafts from prompt lookup / from the family's draft model. tokens = stock: the generated ids",
+    "equal stock's. tok/s on small models measures Python overhead, not state traffic (replayssm bench model).",
 )
 
 
@@ -35,14 +48,14 @@ def _bar(total: int, desc: str):
 
 
 def _perturbed_copy(name: str, device, scale: float = 0.6):
-    """A draft that agrees with the target on part of the tokens (same weights, noisy head)."""
+    """A draft for a random-weight model: the same weights with a noisy head, so that it agrees
+    with the target on part of the tokens."""
     from . import build
     d = build(name, seed=0, device=device)
     with torch.no_grad():
         w = d.get_output_embeddings().weight
         noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(7)).to(w.device)
         w.add_(scale * w.std() * noise)
-    d.generation_config.eos_token_id = None
     return d
 
 
@@ -52,24 +65,40 @@ def _prompt(length: int, device) -> torch.Tensor:
     return pat.repeat(1, -(-length // 6))[:, :length].to(device)
 
 
-def model_rows(new_tokens: int, *, families=None, device="cpu", prompt_len: int = PROMPT_LEN,
-               progress: bool = True) -> list:
-    """One row per (model, run): `model`, `family`, `run`, `tok_s`, `agree` (None for stock),
-    `accepted` / `proposed` (speculative runs)."""
-    from . import build, disable, enable, speculative_generate
+def _models(family: str, device):
+    """(name, model, draft, prompt ids, trained) of `family`."""
+    from . import build, trained_names
+    main, draft_name, tiny = DEMO_MODELS[family]
+    if main in trained_names() and draft_name in trained_names():
+        # weights saved in bf16, run in fp32 as the random-weight models are
+        model, draft = build(main, device=device), build(draft_name, device=device)
+        ids = torch.tensor([list(PYTHON_PROMPT.encode())], device=device)
+        return main, model, draft, ids, True
+    return tiny, build(tiny, seed=0, device=device), _perturbed_copy(tiny, device), _prompt(PROMPT_LEN, device), False
 
-    models = [(n, f) for n, f in DEMO_MODELS if families is None or f in families]
-    bar = _bar(len(models) * len(RUNS), "tiny models") if progress else None
+
+def _text(ids: torch.Tensor) -> str:
+    """A byte-level model's tokens as text (ids above 255 are its special tokens)."""
+    return bytes(int(i) for i in ids.reshape(-1).tolist() if i < 256).decode("utf-8", errors="replace")
+
+
+def model_rows(new_tokens: int, *, families=None, device="cpu", progress: bool = True) -> list:
+    """One row per (model, run): `model`, `family`, `run`, `tok_s`, `agree` (None for stock),
+    `accepted` / `proposed` (speculative runs), `prompt_tokens`, `trained` and, on the stock
+    row of a trained model, `text` (its continuation)."""
+    from . import disable, enable, speculative_generate
+
+    fams = [f for f in DEMO_MODELS if families is None or f in families]
+    bar = _bar(len(fams) * len(RUNS), "models") if progress else None
     rows = []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)                # tiny matrices: more threads only contend
+    torch.set_num_threads(1)                # small matrices: more threads only contend
     try:
-        for name, fam in models:
-            model = build(name, seed=0, device=device)
-            model.generation_config.eos_token_id = None          # every run makes new_tokens tokens
-            ids = _prompt(prompt_len, device)
+        for fam in fams:
+            name, model, draft, ids, trained = _models(fam, device)
+            for m in (model, draft):
+                m.generation_config.eos_token_id = None          # every run makes new_tokens tokens
             model.generate(ids, max_new_tokens=2, do_sample=False)       # first-call set-up, untimed
-            draft = _perturbed_copy(name, device)
             ref = None
             for run in RUNS:
                 if bar is not None:
@@ -93,7 +122,9 @@ def model_rows(new_tokens: int, *, families=None, device="cpu", prompt_len: int 
                 rows.append({"model": name, "family": fam, "run": run, "tok_s": gen.numel() / dt,
                              "agree": None if run == "stock" else bool(torch.equal(gen, ref)),
                              "accepted": stats["accepted"] if stats else None,
-                             "proposed": stats["proposed"] if stats else None})
+                             "proposed": stats["proposed"] if stats else None,
+                             "prompt_tokens": ids.shape[1], "trained": trained,
+                             "text": _text(gen) if trained and run == "stock" else None})
                 if bar is not None:
                     bar.update(1)
             disable(model)
@@ -105,12 +136,12 @@ def model_rows(new_tokens: int, *, families=None, device="cpu", prompt_len: int 
 
 
 def format_rows(rows: list) -> list:
-    header = f"{'model':17} {'family':7} {'run':13} {'tok/s':>8} {'tokens = stock':>15} {'drafts accepted':>16}"
+    header = f"{'model':25} {'family':7} {'run':13} {'tok/s':>8} {'tokens = stock':>15} {'drafts accepted':>16}"
     lines = [header, "-" * len(header)]
     for r in rows:
         agree = "(reference)" if r["agree"] is None else ("yes" if r["agree"] else "NO")
         acc = "" if r["accepted"] is None else f"{r['accepted']}/{r['proposed']}"
-        lines.append(f"{r['model']:17} {r['family']:7} {r['run']:13} {r['tok_s']:8.0f} {agree:>15} {acc:>16}")
+        lines.append(f"{r['model']:25} {r['family']:7} {r['run']:13} {r['tok_s']:8.0f} {agree:>15} {acc:>16}")
     return lines
 
 
@@ -123,9 +154,19 @@ def run_demo(new_tokens: int, *, families=None, device="cpu", echo: Callable[[st
         return None
     import transformers
     transformers.logging.set_verbosity_error()
-    echo(f"Tiny hybrid models on {device} (random weights, fp32, batch 1, {PROMPT_LEN}-token prompt, {new_tokens} new "
-         f"tokens, greedy; transformers {transformers.__version__}):")
+    transformers.utils.logging.disable_progress_bar()       # loading bars would split the table
+    echo(f"Hybrid models on {device} (fp32, batch 1, {new_tokens} new tokens, greedy; "
+         f"transformers {transformers.__version__}):")
     rows = model_rows(new_tokens, families=families, device=device, progress=progress)
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        r = next(r for r in rows if r["family"] == fam)
+        if r["trained"]:
+            echo(f"{r['model']} continues the Python prompt ({r['prompt_tokens']} bytes) with:")
+            for line in (PYTHON_PROMPT + r["text"]).splitlines()[-12:]:
+                echo("  | " + line)
+        else:
+            echo(f"{r['model']}: random weights (no trained model of {fam} shipped), a {r['prompt_tokens']}-token "
+                 "repeating prompt")
     for line in format_rows(rows):
         echo(line)
     agree = all(r["agree"] for r in rows if r["agree"] is not None)

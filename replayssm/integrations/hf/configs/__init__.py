@@ -4,7 +4,11 @@ them: `nemotron3_nano_4b` and `qwen3_5_4b` (the real architectures; sources in e
 width with fewer layers, for the serving benchmark: `replayssm.bench.slices`; too large to build
 here but on the meta device) and `tiny_<model_type>` for CPU tests.
 
+The trained models (`trained_names()`: a main model and a draft per family, byte-level, trained
+by `replayssm train`; each folder's README.md is its card) load by name through the same `build`:
+
     model = build("tiny_qwen3_5", dtype=torch.float32, seed=0)
+    model = build("trained-qwen3-5")                  # trained weights; seed does not apply
 """
 from __future__ import annotations
 
@@ -14,10 +18,23 @@ from pathlib import Path
 import torch
 
 _DIR = Path(__file__).parent
+TRAINED_DIR = _DIR.parent / "trained"
 
 
 def config_names() -> list:
     return sorted(p.stem for p in _DIR.glob("*.json"))
+
+
+def trained_names() -> list:
+    return sorted(p.name for p in TRAINED_DIR.glob("trained-*") if (p / "config.json").exists())
+
+
+def trained_path(name: str) -> Path:
+    """The folder of a shipped trained model (weights, config, tokenizer, card)."""
+    path = TRAINED_DIR / name
+    if not (path / "config.json").exists():
+        raise ValueError(f"unknown trained model {name!r}; shipped: {trained_names()}")
+    return path
 
 
 def config(name: str, **overrides):
@@ -33,8 +50,13 @@ def config(name: str, **overrides):
 
 
 def build(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, device=None, **overrides):
-    """A causal LM of config `name` with random weights (seeded), in eval mode."""
+    """A causal LM of config `name` with random weights (seeded), in eval mode; for a name of
+    `trained_names()`, the trained weights (`overrides` apply to its config)."""
     from transformers import AutoModelForCausalLM
+    if name.startswith("trained-"):
+        path = trained_path(name)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **overrides)
+        return model.to(device if device is not None else "cpu").eval()
     cfg = config(name, **overrides)
     device = torch.device(device) if device is not None else torch.device("cpu")
     # built where it runs: a 4B model's random initialisation on the host takes a minute
