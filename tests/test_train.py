@@ -188,3 +188,13 @@ def test_demo_continues_python_with_the_trained_models(shipped):
     assert rows[0]["prompt_tokens"] == len(demo.PYTHON_PROMPT.encode())
     assert isinstance(rows[0]["text"], str) and all(r["agree"] for r in rows[1:])
     assert all(0 <= r["accepted"] <= r["proposed"] > 0 for r in rows if r["run"].startswith("spec"))
+
+
+def test_precision_model_study_reads_a_trained_models_own_text(shipped, small_corpus):
+    from replayssm.bench import precision_model_study as pms
+    ids = pms._sequences("trained-nemotron-h", 264, 2, 10, seed=0)
+    assert ids.tolist() == [list(small_corpus.heldout[:10]), list(small_corpus.heldout[10:20])]
+    rows = pms.run("trained-nemotron-h", tokens=4, prefill=4, designs=("replay-fp32",), lp_formats=("fp16",))
+    assert rows and all(r["kl"] == 0 for r in rows if r["design"] == "replay-fp32")
+    with pytest.raises(ValueError, match="held-out text"):
+        pms._sequences("trained-nemotron-h", 264, 1, len(small_corpus.heldout) + 1, seed=0)

@@ -4,7 +4,9 @@ a teacher-forced sequence grows.
 
 A causal LM built from a shipped config (`hf.build`, random weights, seeded; `tiny_nemotron_h`
 and `tiny_qwen3_5` by default, the real `nemotron3-nano-4b` / `qwen3.5-4b` on CUDA when
-`--models` asks), one random token sequence per row of `--batch`, teacher forced: the model's
+`--models` asks), one random token sequence per row of `--batch`, or one of the trained models
+(`hf.trained_names()`, e.g. `trained-nemotron-h`) on consecutive stretches of its held-out
+Python bytes (`heldout.bin`, the text it was scored on), teacher forced: the model's
 own prefill of the first `--prefill` tokens (the stock path, which seeds each layer's pool),
 then `--tokens` decode steps through plain forward calls of the enabled model, each feeding the
 sequence's true next token (no `generate`, no sampling: every design sees the same inputs).
@@ -106,6 +108,21 @@ def kl_div(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1).clamp(min=0)
 
 
+def _sequences(name: str, vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
+    """`[batch, length]` token ids: a trained model's held-out bytes, row after row (its own
+    text, never trained on), else random ids above the tiny configs' pad/bos/eos ids (0-2;
+    random weights make every token alike)."""
+    if name.startswith("trained-"):
+        from ..integrations import hf
+        held = (hf.trained_path(name) / "heldout.bin").read_bytes()
+        if len(held) < batch * length:
+            raise ValueError(f"{name}: its held-out text has {len(held):,} bytes, fewer than batch x "
+                             f"(prefill + tokens) = {batch * length:,}")
+        return torch.tensor(list(held[:batch * length]), dtype=torch.long).reshape(batch, length)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g)
+
+
 class _Pass:
     """One teacher-forced pass of an enabled model over `ids` `[B, prefill + tokens]`: yields
     the fp32 logits `[B, vocab]` after each decode step."""
@@ -163,9 +180,7 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
             skipped.append(dict(model=name, format="nvfp4", variants=len(drop),
                                 why=f"key head dim {bad_k[0]} is not a multiple of 16"))
     vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    # above the tiny configs' pad/bos/eos ids (0-2); random weights make every token alike
-    ids = torch.randint(3, vocab, (batch, prefill + tokens), generator=g).to(device)
+    ids = _sequences(cfg_name, vocab, batch, prefill + tokens, seed).to(device)
     started = time.perf_counter()
     share = time_budget / (len(vars_) + 1) if time_budget else 0.0
 
@@ -283,7 +298,7 @@ def main(argv=None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", type=lambda s: [m.strip() for m in s.split(",") if m.strip()],
                     default=list(DEFAULT_MODELS),
-                    help=f"comma-separated shipped configs or {', '.join(MODELS)} (default: "
+                    help=f"comma-separated shipped configs, trained models or {', '.join(MODELS)} (default: "
                          f"{','.join(DEFAULT_MODELS)})")
     ap.add_argument("--tokens", type=_positive, default=256,
                     help="teacher-forced decode steps after the prefill (default %(default)s)")
@@ -313,8 +328,9 @@ def main(argv=None) -> dict:
     if device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {device}: CUDA is not available on this machine")
     for m in args.models:
-        if m not in MODELS and m not in hf.config_names():
-            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)} or a shipped config")
+        if m not in MODELS and m not in hf.config_names() and m not in hf.trained_names():
+            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}, a shipped config or a trained model "
+                     f"({', '.join(hf.trained_names()) or 'none shipped'})")
     if args.seed < 0:
         ap.error(f"--seed must be >= 0, got {args.seed}")
     for m in args.models:       # a misspelt key would be kept by the config and change nothing

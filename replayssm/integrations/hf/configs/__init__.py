@@ -38,8 +38,11 @@ def trained_path(name: str) -> Path:
 
 
 def config(name: str, **overrides):
-    """The transformers config of `name` (one of `config_names()`), with `overrides`;
-    keys starting with `_` (notes, sources) are dropped."""
+    """The transformers config of `name` (one of `config_names()` or `trained_names()`), with
+    `overrides`; keys starting with `_` (notes, sources) are dropped."""
+    if name.startswith("trained-"):
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(str(trained_path(name)), **overrides)
     path = _DIR / f"{name}.json"
     if not path.exists():
         raise ValueError(f"unknown config {name!r}; shipped: {config_names()}")
