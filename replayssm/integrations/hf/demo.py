@@ -165,7 +165,7 @@ def run_demo(new_tokens: int, *, families=None, device="cpu", echo: Callable[[st
             for line in (PYTHON_PROMPT + r["text"]).splitlines()[-12:]:
                 echo("  | " + line)
         else:
-            echo(f"{r['model']}: random weights (no trained model of {fam} shipped), a {r['prompt_tokens']}-token "
+            echo(f"{fam}: {r['model']} with random weights (no trained model shipped), a {r['prompt_tokens']}-token "
                  "repeating prompt")
     for line in format_rows(rows):
         echo(line)
