@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from replayssm.integrations.vllm.check import near_tie_divergences, tiny_qwen3_5, with_mtp_layer
+from replayssm.integrations.vllm.check import (near_tie_divergences, python_requests, tiny_qwen3_5, trained_qwen3_5,
+                                               with_mtp_layer)
 
 
 def test_near_tie_divergences():
@@ -86,6 +87,35 @@ def test_tiny_qwen3_5(tmp_path):
     assert (tmp_path / "q" / "tokenizer.json").read_text() == "{}"      # only the tokenizer's files copied
 
 
+def test_trained_qwen3_5_as_vllm_serves_it(tmp_path):
+    """A trained byte-level Qwen3.5 (here a fresh 2-layer draft) converted to the class vLLM
+    serves: the same logits from the same weights, the multimodal ids on unused vocabulary
+    rows, the tokenizer and held-out text beside it."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from replayssm.train import models, tokenizer
+    src = tmp_path / "src"
+    causal = models.build("gdn", draft=True, seed=0).eval().to(torch.bfloat16).float()
+    causal.save_pretrained(src)
+    tokenizer.save(src)
+    (src / "heldout.bin").write_bytes(b"def f(x):\n    return x + 1\n" * 8)
+    trained_qwen3_5(src, tmp_path / "q")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    ids = [cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")]
+    assert min(ids) > 258 and max(ids) < cfg["text_config"]["vocab_size"]
+    served = Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "q"), dtype=torch.float32).eval()
+    x = torch.tensor([list(b"import os\nprint(os.sep)")])
+    with torch.no_grad():
+        # (the multimodal class computes its rotary positions otherwise: fp32 noise of 1e-4)
+        assert torch.allclose(served(input_ids=x).logits, causal(input_ids=x).logits, atol=1e-3)
+    prompts, budgets = python_requests(tmp_path / "q")
+    assert len(prompts) == len(budgets) == 12
+    held = (src / "heldout.bin").read_bytes()
+    assert all(bytes(p["prompt_token_ids"]) in held for p in prompts)
+
+
 MODELS = os.environ.get("REPLAYSSM_VLLM_MODELS", "")       # make_models.py's output folder
 
 
@@ -101,13 +131,13 @@ def _run_engine(cmd, env, **kw):
 
 
 def _generate_lines(path, mode, enabled, extra="{}", **switches) -> dict:
-    """What `check.py` printed: its `TOKENS`, `TOP2` and `CACHE` lines, parsed."""
+    """What `check.py` printed: its `TOKENS`, `TOP2`, `CACHE` and `SPEC` lines, parsed."""
     env = dict(os.environ, REPLAYSSM_VLLM="1" if enabled else "0", **switches)
     cmd = [sys.executable, "-m", "replayssm.integrations.vllm.check", str(path), mode, extra]
     r = _run_engine(cmd, env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return {x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
-            if x.startswith(("TOKENS ", "TOP2 ", "CACHE "))}
+            if x.startswith(("TOKENS ", "TOP2 ", "CACHE ", "SPEC "))}
 
 
 def _generate(path, mode, enabled, extra="{}", **switches):
@@ -216,6 +246,33 @@ def test_vllm_ngram_gpu_in_waves_equals_plain(model, tmp_path):
         "method": "ngram_gpu", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     _equal_or_near_ties(model, _generate(path, "graph", True, spec, **work),
                         _generate(path, "graph", True, _kwargs(model, max_num_seqs=12), **work, **_top2(model)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["trained-nemotron-h", "trained-qwen3-5"])
+def test_vllm_trained_model_on_python(name, tmp_path):
+    """The shipped trained models in vLLM, on Python prompts from their held-out text
+    (`check.python_requests`), CUDA graphs: greedy tokens with the plugin equal stock vLLM's,
+    and with n-gram speculation (3 drafts) too; prints the drafts vLLM counted accepted. The
+    NemotronH runs in fp32 (exact), the Qwen3.5 in bf16 (near-ties, as above)."""
+    _needs_vllm()
+    from replayssm.integrations import hf
+    if name not in hf.trained_names():
+        pytest.skip(f"{name} is not shipped")
+    qwen = name == "trained-qwen3-5"
+    path = tmp_path / "q" if qwen else hf.trained_path(name)
+    if qwen:
+        trained_qwen3_5(hf.trained_path(name), path)
+    kind = "qwen3_5_tiny" if qwen else "nemotron_h_tiny"        # the suite's rules for the family
+    more = {} if qwen else {"dtype": "float32"}
+    work = {"REPLAYSSM_VLLM_CHECK_WORKLOAD": "python"}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    stock = _generate(path, "graph", False, _kwargs(kind, **more), **work, **_top2(kind))
+    plain = _generate_lines(path, "graph", True, _kwargs(kind, **more), **work)
+    drafted = _generate_lines(path, "graph", True, _kwargs(kind, speculative_config=spec, **more), **work)
+    print("draft counters:", drafted["SPEC"])
+    _equal_or_near_ties(kind, (plain["TOKENS"], None), stock)
+    _equal_or_near_ties(kind, (drafted["TOKENS"], None), stock)
 
 
 @pytest.mark.gpu

@@ -6,8 +6,10 @@ together and finish at different steps (continuous batching). With
 two most likely tokens and their log-probabilities, for `near_tie_divergences`.
 `REPLAYSSM_VLLM_CHECK_WORKLOAD=prefix` generates two waves of requests that share prefixes
 (`prefix_waves`) instead, for prefix caching, and a `CACHE <json>` line gives vLLM's
-prefix-cache counters. `with_mtp_layer` makes a NemotronH model folder with a
-multi-token-prediction drafter.
+prefix-cache counters; `=python`, prompts of Python source from a trained byte-level model's
+held-out text (`python_requests`), and a `SPEC <json>` line gives vLLM's draft counters.
+`with_mtp_layer` makes a NemotronH model folder with a multi-token-prediction drafter;
+`trained_qwen3_5(src, dst)` the folder vLLM serves a trained Qwen3.5 from.
 
     python -m replayssm.integrations.vllm.check MODEL_DIR eager|graph [JSON_LLM_KWARGS]
 """
@@ -121,6 +123,55 @@ def tiny_qwen3_5(dst, tokenizer_from, seed: int = 0) -> None:
             shutil.copy(f, dst / f.name)
 
 
+def trained_qwen3_5(src, dst) -> None:
+    """The trained byte-level Qwen3.5 (`Qwen3_5ForCausalLM` in `src`, `replayssm train`) as
+    vLLM 0.25 serves Qwen3.5, `Qwen3_5ForConditionalGeneration` (`qwen3_5_config`) in `dst`: the
+    same text weights under the language model's names, bf16, the tokenizer files; the image
+    and video token ids on the padded vocabulary's unused rows (above the byte tokens and
+    `<pad>` `<s>` `</s>`, never in a prompt)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+    src, dst = Path(src), Path(dst)
+    causal = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    text = causal.config.to_dict()
+    first_free = 259                         # 256 bytes + <pad> <s> </s>
+    if text["vocab_size"] < first_free + 4:
+        raise ValueError(f"{src}: vocabulary of {text['vocab_size']} has no 4 unused ids above {first_free - 1}")
+    cfg = qwen3_5_config(text, image_token_id=first_free, video_token_id=first_free + 1,
+                         vision_start_token_id=first_free + 2, vision_end_token_id=first_free + 3)
+    model = Qwen3_5ForConditionalGeneration(cfg)
+    weights = {k if k.startswith("lm_head.") else "model.language_model." + k[len("model."):]: v
+               for k, v in causal.state_dict().items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or any(not k.startswith("model.visual.") for k in missing):
+        raise RuntimeError(f"{src}: weights that do not map onto Qwen3.5's language model: "
+                           f"unexpected {unexpected[:4]}, missing {[k for k in missing if 'visual' not in k][:4]}")
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "heldout.bin"):
+            shutil.copy(f, dst / f.name)
+
+
+def python_requests(folder):
+    """12 prompts of 5..104 bytes of Python source from spread offsets of a trained byte-level
+    model's held-out text (`heldout.bin` in its folder; token ids are the bytes), 8..28 tokens
+    to generate each: text the model predicts well, so n-gram drafts are accepted as they would
+    be in use."""
+    from pathlib import Path
+    held = (Path(folder) / "heldout.bin").read_bytes()
+    prompts = []
+    for i in range(12):
+        n = 5 + 9 * i
+        at = (i * 20011) % (len(held) - n)
+        prompts.append({"prompt_token_ids": list(held[at:at + n])})
+    return prompts, [8 + 5 * (i % 5) for i in range(12)]
+
+
 def plain_requests():
     """12 prompts of 5..104 tokens, 8..28 tokens each to generate."""
     # with 3 speculative tokens, stock vLLM 0.25.0 (plugin off) gave a 4-token prompt
@@ -175,19 +226,24 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
 
     from . import status
-    from ._compat import prefix_cache_counters
+    from ._compat import metric_values, prefix_cache_counters
     # REPLAYSSM_VLLM_CHECK_GPU_MEMORY: the GPU's share per engine, lower when several run side by side
     share = float(os.environ.get("REPLAYSSM_VLLM_CHECK_GPU_MEMORY", "0.3"))
     kw = dict(model=model, enforce_eager=(mode == "eager"), gpu_memory_utilization=share, max_model_len=512,
               max_num_seqs=32, seed=0)
-    prefix = os.environ.get("REPLAYSSM_VLLM_CHECK_WORKLOAD") == "prefix"
+    work = os.environ.get("REPLAYSSM_VLLM_CHECK_WORKLOAD", "plain")
+    prefix = work == "prefix"
     if prefix:                         # its prompts are long; its counters need vLLM's stats
         kw.update(max_model_len=2048, disable_log_stats=False)
+    if work == "python":               # the draft counters need vLLM's stats
+        kw.update(disable_log_stats=False)
     kw.update(extra)
     llm = LLM(**kw)
     top2 = os.environ.get("REPLAYSSM_VLLM_CHECK_TOP2", "0") == "1"
-    work = os.environ.get("REPLAYSSM_VLLM_CHECK_WORKLOAD", "plain")
-    waves = prefix_waves() if prefix else [wave_requests() if work == "waves" else plain_requests()]
+    if prefix:
+        waves = prefix_waves()
+    else:
+        waves = [{"waves": wave_requests, "python": lambda: python_requests(model)}.get(work, plain_requests)()]
     outs = []
     for prompts, budgets in waves:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2 if top2 else None)
@@ -195,6 +251,7 @@ def main(argv=None) -> int:
         outs += llm.generate(prompts, params, use_tqdm=False)
     print("PLUGIN", json.dumps(status()), flush=True)
     print("CACHE " + json.dumps(prefix_cache_counters(llm)), flush=True)
+    print("SPEC " + json.dumps(metric_values(llm, lambda name: name.startswith("spec_decode_num_"))), flush=True)
     print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
     if top2:
         # vLLM returns the sampled token's log-probability beside the top ones: keep the top two
