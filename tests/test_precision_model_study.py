@@ -122,3 +122,43 @@ def test_kernels_give_the_reference_kl():
         assert (a["design"], a["read_format"], a["rounding"], a["tokens"]) == \
             (b["design"], b["read_format"], b["rounding"], b["tokens"])
         assert b["kl"] > 0 and abs(a["kl"] - b["kl"]) <= 0.05 * b["kl"], (a, b)
+
+
+def _passes(name, device, tokens=10, prefill=6, graphs=False, **enable):
+    """Logits of the dynamic-cache pass and of the static-cache pass of one enabled design."""
+    from replayssm.bench import forced
+    from replayssm.integrations import hf
+    model = hf.build(name, seed=0, device=device)
+    ids = torch.randint(3, model.config.vocab_size, (2, prefill + tokens), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    static = forced.StaticPass(model, ids, prefill, graphs=graphs)
+    static.prefill_cache()
+    hf.enable(model, window=4, max_draft=1, eager_max_batch=0, num_slots=2, **enable)
+    got = [x.clone() for x in static.steps(tokens)]
+    hf.enable(model, window=4, max_draft=1, eager_max_batch=0, num_slots=2, **enable)
+    ref = [x.clone() for x in forced.DynamicPass(model, ids, prefill).steps(tokens)]
+    return torch.stack(got), torch.stack(ref), static.timing
+
+
+@pytest.mark.parametrize("name", ["tiny_nemotron_h", "tiny_qwen3_5"])
+def test_static_cache_pass_equals_the_dynamic_one(name):
+    # one stock prefill into a static cache, then the enabled design seeded from it, against the
+    # enabled model's own prefill and steps on the dynamic cache: the same logits at every step
+    # (10 steps of window 4: flushes included)
+    got, ref, timing = _passes(name, "cpu", backend="reference")
+    assert timing.startswith("eager: static cache")
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny_nemotron_h", "tiny_qwen3_5"])
+@pytest.mark.parametrize("enable", [{}, {"lp_format": "fp8_e4m3"}, {"hp_format": "bf16", "hp_rounding": "stochastic"}],
+                         ids=["replay", "separate-fp8", "shared-bf16-sr"])
+def test_graph_replayed_pass_equals_the_eager_one(name, enable):
+    # the study's CUDA-graph steps (captured on the second step, replayed after) against eager
+    # steps of the same design: flushes and stochastic-rounding streams follow the device state
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    got, ref, timing = _passes(name, "cuda", tokens=40, graphs=True, **enable)
+    assert timing == "cuda_graph", timing
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5), (got - ref).abs().max()

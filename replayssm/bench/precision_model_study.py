@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import math
 import time
@@ -60,6 +59,7 @@ from pathlib import Path
 
 import torch
 
+from . import forced
 from .common import header, write_results
 from .model import MODELS
 from .precision_study import LP_FORMATS, _csv, checkpoints
@@ -123,27 +123,6 @@ def _sequences(name: str, vocab: int, batch: int, length: int, seed: int) -> tor
     return torch.randint(3, vocab, (batch, length), generator=g)
 
 
-class _Pass:
-    """One teacher-forced pass of an enabled model over `ids` `[B, prefill + tokens]`: yields
-    the fp32 logits `[B, vocab]` after each decode step."""
-
-    def __init__(self, model, ids: torch.Tensor, prefill: int):
-        self.model, self.ids, self.prefill = model, ids, prefill
-        # the pure Mamba-2 model names its cache `cache_params`
-        self.cache_arg = "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters \
-            else "cache_params"
-
-    @torch.no_grad()
-    def steps(self, tokens: int):
-        ids, P = self.ids, self.prefill
-        out = self.model(input_ids=ids[:, :P], use_cache=True, logits_to_keep=1)
-        cache = getattr(out, self.cache_arg)
-        for t in range(P, P + tokens):
-            out = self.model(input_ids=ids[:, t:t + 1], use_cache=True, **{self.cache_arg: cache})
-            cache = getattr(out, self.cache_arg)
-            yield out.logits[:, -1].float()
-
-
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)       # the time the GPU took, not the host's queue
@@ -157,18 +136,25 @@ def _adapters(model) -> list:
 def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, window: int = 16,
         designs=DESIGNS, lp_formats=LP_FORMATS, device="cpu", dtype: torch.dtype = torch.float32,
         seed: int = 0, backend: str = "auto", time_budget: float = 0.0, progress=None,
-        skipped=None, overrides=None) -> list:
+        skipped=None, overrides=None, graphs: bool = True) -> list:
     """The study for one model (a shipped config name or an alias of `bench.model.MODELS`):
     its rows, one per variant and log-spaced decode-step count (`checkpoints(tokens)`).
     NVFP4 variants of a model whose key head dim is not a multiple of 16 are left out and
     appended to `skipped` (a list) when given. `overrides`: config values set before the model is
     built (`hf.build`), e.g. `time_step_min=0.001, time_step_max=0.1` for the tiny NemotronH,
-    whose shipped range (0.05-0.5) keeps every head's memory to tens of tokens."""
+    whose shipped range (0.05-0.5) keeps every head's memory to tens of tokens. Models that take
+    a transformers cache step from one shared static-cache prefill (`forced.StaticPass`; on CUDA
+    replayed from a CUDA graph unless `graphs` is off), others on the dynamic cache
+    (`forced.DynamicPass`); the rows' `timing` says which."""
     from ..integrations import hf
 
     device = torch.device(device)
     cfg_name = MODELS.get(name, name)
     model = hf.build(cfg_name, dtype=dtype, seed=seed, device=device, **(overrides or {}))
+    ids = _sequences(cfg_name, model.config.vocab_size, batch, prefill + tokens, seed).to(device)
+    static = forced.StaticPass(model, ids, prefill, graphs=graphs) if forced.StaticPass.supports(model) else None
+    if static is not None:
+        static.prefill_cache()            # stock, before any design is enabled
     hf.enable(model, window=window, max_draft=1, eager_max_batch=0, num_slots=batch, backend=backend)
     family = "+".join(sorted({a.family for a in _adapters(model)}))
     vars_ = variants(designs, lp_formats)
@@ -180,13 +166,13 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
             skipped.append(dict(model=name, format="nvfp4", variants=len(drop),
                                 why=f"key head dim {bad_k[0]} is not a multiple of 16"))
     vocab = model.config.vocab_size
-    ids = _sequences(cfg_name, vocab, batch, prefill + tokens, seed).to(device)
     started = time.perf_counter()
     share = time_budget / (len(vars_) + 1) if time_budget else 0.0
 
     ref = torch.empty(tokens, batch, vocab, dtype=torch.float32, device=device)
     n = 0
-    for logits in _Pass(model, ids, prefill).steps(tokens):
+    pass_ = static or forced.DynamicPass(model, ids, prefill)
+    for logits in pass_.steps(tokens):
         ref[n] = logits
         n += 1
         if share and n % 16 == 0:
@@ -206,14 +192,15 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
         pool = next(iter(hf.replay_state(model).layers.values())).pool
         kl = torch.zeros(tokens, dtype=torch.float64, device=device)
         agree = torch.zeros(tokens, dtype=torch.float64, device=device)
-        for t, logits in enumerate(_Pass(model, ids, prefill).steps(tokens)):
+        pass_ = static or forced.DynamicPass(model, ids, prefill)
+        for t, logits in enumerate(pass_.steps(tokens)):
             kl[t] = kl_div(ref[t], logits).mean()
             agree[t] = (logits.argmax(-1) == ref[t].argmax(-1)).double().mean()
         _sync(device)
         extra = dict(model=name, family=family, prefill=prefill, batch=batch, window=window,
                      dtype=str(dtype).replace("torch.", ""), backend=getattr(pool, "backend", None),
                      fallback=" / ".join(str(w.message) for w in caught) or None,
-                     seconds=round(time.perf_counter() - t0, 2))
+                     seconds=round(time.perf_counter() - t0, 2), timing=pass_.timing)
         rows += _rows(var, kl.cpu(), agree.cpu(), extra)
         if progress:
             last = rows[-1]["kl"]
@@ -320,6 +307,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="benchmarks/results/precision_model_study.json",
                     help="JSON results (a .png plot beside it)")
     ap.add_argument("--no-plot", dest="do_plot", action="store_false")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="step eagerly on CUDA too (default: decode steps replayed from a CUDA graph)")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds per model (0: none); the reference pass gets 1/(designs + 1) of them "
                          "and its step count is every design's")
@@ -342,7 +331,8 @@ def main(argv=None) -> dict:
     doc.update(models=args.models, tokens=args.tokens, prefill=args.prefill, batch=args.batch,
                window=args.window, dtype=args.dtype, seed=args.seed, config_overrides=dict(args.config),
                time_budget_s=args.time_budget or None,
-               teacher_forcing="random tokens; stock prefill, then one true token per forward call",
+               teacher_forcing="random tokens (a trained model: its held-out bytes); stock prefill, then one "
+                               "true token per forward call", graphs=args.graphs,
                reference="fp32 replay pools (enable(window=...))", metric="KL(p_fp32 || p_design), nats",
                skipped=[], rows=[])
     for m in args.models:
@@ -350,7 +340,7 @@ def main(argv=None) -> dict:
                            designs=args.designs, lp_formats=args.formats, device=device,
                            dtype=DTYPES[args.dtype], seed=args.seed, backend=args.backend,
                            time_budget=args.time_budget, progress=lambda s: print(s, flush=True),
-                           skipped=doc["skipped"], overrides=dict(args.config))
+                           skipped=doc["skipped"], overrides=dict(args.config), graphs=args.graphs)
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
     print(f"\nmean KL(p_fp32 || p_design) over the decode steps up to each count ({args.prefill} prefilled, "
           f"batch {args.batch}, window {args.window}, {args.dtype} weights, {device}):")
