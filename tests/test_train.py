@@ -198,3 +198,14 @@ def test_precision_model_study_reads_a_trained_models_own_text(shipped, small_co
     assert rows and all(r["kl"] == 0 for r in rows if r["design"] == "replay-fp32")
     with pytest.raises(ValueError, match="held-out text"):
         pms._sequences("trained-nemotron-h", 264, 1, len(small_corpus.heldout) + 1, seed=0)
+
+
+def test_rescore_writes_the_figures_this_process_computes(trained, small_corpus, tmp_path):
+    model, record = trained[0]
+    save.save(model, dict(record, heldout_bpb=9.0, heldout_head_bpb=9.0), small_corpus.heldout, tmp_path)
+    got = save.rescore(tmp_path)
+    assert got["heldout_bpb"] == pytest.approx(record["heldout_bpb"], abs=1e-5)
+    assert got["heldout_head_bpb"] == pytest.approx(record["heldout_head_bpb"], abs=1e-5)
+    assert got["eval"]["rescored"]["trained_with"] == 9.0
+    assert json.loads((tmp_path / "training.json").read_text()) == got
+    assert f"{record['heldout_bpb']:.4f}" in (tmp_path / "README.md").read_text()

@@ -87,18 +87,35 @@ def save(model, record: dict, heldout: bytes, out) -> list:
     return paths
 
 
-def score(folder, *, batch: int = 8, head: bool = False) -> float:
+def score(folder, *, batch: int = 8, head: bool = False, device="cpu") -> float:
     """Held-out bits per byte of the saved folder, loaded with stock transformers classes in
     float32, on its `heldout.bin` as `training.json` describes: the figure its card records
     (`heldout_bpb`), or with `head` that of the first windows only (`heldout_head_bpb`)."""
     from transformers import AutoModelForCausalLM
 
     from .loop import eval_windows, heldout_bpb
-    folder = Path(folder)
+    folder, device = Path(folder), torch.device(device)
     record = json.loads((folder / "training.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device)
     data = torch.frombuffer(bytearray((folder / "heldout.bin").read_bytes()), dtype=torch.uint8)
     windows = eval_windows(data, record["eval"]["context"])
     if head:
         windows = windows[:record["eval"]["head_windows"]]
-    return heldout_bpb(model, windows, batch, torch.device("cpu"), fp32=True)
+    return heldout_bpb(model, windows, batch, device, fp32=True)
+
+
+def rescore(folder, *, device="cpu") -> dict:
+    """Score the saved folder again (`score`, whole and head) in this process and write the
+    figures into its `training.json` and card. For models trained with fused kernels
+    (flash-linear-attention's, whose fp32 products may run on TF32 tensor cores): rescored in a
+    process without them, the recorded figures are those of transformers' PyTorch paths, which
+    a CPU reproduces. Returns the updated record."""
+    folder = Path(folder)
+    record = json.loads((folder / "training.json").read_text())
+    before = record["heldout_bpb"]
+    record["heldout_bpb"] = score(folder, device=device)
+    record["heldout_head_bpb"] = score(folder, head=True, device=device)
+    record["eval"]["rescored"] = {"trained_with": before, "by": "transformers' PyTorch paths, float32"}
+    (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    (folder / "README.md").write_text(card(record))
+    return record
