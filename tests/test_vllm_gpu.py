@@ -299,6 +299,29 @@ def test_vllm_prefix_caching_equals_no_caching(model, mode, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("model", ["nemotron_h_tiny", "qwen3_next_tiny"])
+def test_vllm_prefix_caching_with_ngram_equals_no_caching(model, tmp_path):
+    """Prefix caching with n-gram speculation (`REPLAYSSM_VLLM_PREFIX_SPEC=1`, the plugin's
+    step-end commit and boundary copy, `prefix.declare_postprocess`), CUDA graphs: the prefix
+    waves' tokens equal those without prefix caching and without drafts (near-ties allowed, as
+    above), with cache hits."""
+    _needs_vllm()
+    path, work = _model(model, tmp_path), {"REPLAYSSM_VLLM_CHECK_WORKLOAD": "prefix"}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    on = _generate_lines(path, "graph", True, _kwargs(model, enable_prefix_caching=True, mamba_cache_mode="align",
+                                                      speculative_config=spec),
+                         REPLAYSSM_VLLM_PREFIX_SPEC="1", **work)
+    off = _generate_lines(path, "graph", True, _kwargs(model, enable_prefix_caching=False),
+                          REPLAYSSM_VLLM_CHECK_TOP2="1", **work)
+    print("prefix cache:", on["CACHE"])
+    assert (on["CACHE"].get("prefix_cache_hits") or 0) > 0, on["CACHE"]
+    bad = near_tie_divergences(off["TOKENS"], off["TOP2"], on["TOKENS"], NEAR_TIE_NATS)
+    print(f"{sum(a != b for a, b in zip(off['TOKENS'], on['TOKENS']))} of {len(off['TOKENS'])} requests leave "
+          "the tokens without prefix caching and drafts")
+    assert not bad, bad
+
+
+@pytest.mark.gpu
 def test_vllm_mtp_speculative_equals_plain(tmp_path):
     """NemotronH with a multi-token-prediction drafter of random weights (vLLM's `mtp` method,
     3 drafts, asynchronous scheduling on, the accepted counts corrected on the device): its

@@ -17,7 +17,7 @@ import torch
 
 from replayssm.integrations.vllm import batch, prefix, state
 
-from test_vllm_plugin import HV, V, _pair, _prefill, tokens
+from test_vllm_plugin import HV, K, V, _pair, _prefill, tokens
 
 
 def test_cache_modes_refused_with_what_to_do():
@@ -64,7 +64,11 @@ def _vllm_copy(kv, funcs, block_ids, src, dst):
 
 def test_copy_functions_name_every_tensor():
     funcs = prefix.copy_funcs(VLLM, state.N_TENSORS)
-    assert funcs == (_conv_copy,) + (_slot_copy,) * (state.N_TENSORS - 1)
+    assert funcs == (_conv_copy,) + (prefix.committed_copy(VLLM),) * (state.N_TENSORS - 1)
+    assert prefix.vllm_copy_funcs(VLLM, state.N_TENSORS) == (_conv_copy,) + (_slot_copy,) * (state.N_TENSORS - 1)
+    # the running block's slot whatever the accepted count (no per-draft blocks to pick from)
+    t = torch.zeros(4, 3)
+    assert funcs[1](t, [2, 1, 3], 0, 3).start_addr == t[2].data_ptr() == funcs[1](t, [2, 1, 3], 0, 1).start_addr
     with pytest.raises(ValueError):
         prefix.copy_funcs(VLLM, 1)
 
@@ -132,3 +136,106 @@ def test_vllms_own_copy_functions_leave_the_old_records(family):
     _, _, _, outs, want = _hit(family, (_conv_copy, _slot_copy), seed=11)
     assert torch.allclose(outs[:, 0], want, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(outs[:, 1], want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_step_end_commits_and_caches_the_boundary_state(family):
+    """`align` mode with drafts: at a step's end the accepted tokens are committed in the running
+    block, and where they crossed a block boundary the block behind it becomes the state at the
+    boundary (the running block's, `back` records earlier). Blocks 1 and 4 carry the same
+    sequence; after a verify of 3 tokens, block 1 accepts 3 and caches the state after 2 in block
+    6; block 4 accepts 2 with the boundary on itself (nothing copied): blocks 4 and 6 hold the
+    state after 2 tokens, block 1 after 3, as the oracle's slots, and decode on like them."""
+    g = torch.Generator().manual_seed(5)
+    T = 3
+    st, ex, oracle, params = _pair(family, T, g)
+    A = params.get("A")
+    S0 = torch.randn(1, HV, V, K, generator=g).expand(2, HV, V, K) * 0.3
+    idx = torch.tensor([1, 4], dtype=torch.int32)
+    batch.before_prefill(st, idx, torch.zeros(2, dtype=torch.bool), A)
+    st.ckpt[idx.long()] = S0
+    batch.after_prefill(st, idx)
+    oracle.load(idx, S0.contiguous())
+    qsl = torch.tensor([0, T, 2 * T], dtype=torch.int32)
+    for step in range(3):                           # verifies of T tokens, window 4: early flushes
+        one = tokens(family, T, g)
+        flat = {k: torch.cat([v, v]) for k, v in one.items()}
+        acc = None if step == 0 else torch.tensor([2, 2], dtype=torch.int32)
+        batch.run_decode(ex, st, idx, flat, torch.empty(2 * T, HV, V), spec_tokens=T - 1, query_start_loc=qsl,
+                         num_accepted=acc)
+        if acc is not None:
+            oracle.commit(idx, acc)
+        oracle.verify(idx, **{k: v[None].expand(2, *v.shape).contiguous() for k, v in one.items()})
+    h = st.cursor[1].clone()
+    prefix.commit_and_cache(st, src=torch.tensor([1, 4]), dst=torch.tensor([6, 4]), accepted=torch.tensor([3, 2]),
+                            back=torch.tensor([1, 0]), copy=torch.tensor([True, True]))
+    oracle.commit(idx, torch.tensor([3, 2], dtype=torch.int32))
+    assert int(st.cursor[1]) == int(h) + 3 and int(st.cursor[6]) == int(h) + 2 and int(st.cursor[4]) == int(h) + 2
+    assert int(st.pending[1]) == int(st.pending[4]) == int(st.pending[6]) == 0
+    for _ in range(5):                              # decode on, past a flush
+        one = tokens(family, 1, g)
+        three = {k: v.expand(3, *v.shape[1:]).contiguous() for k, v in one.items()}
+        out = torch.empty(3, HV, V)
+        batch.run_decode(ex, st, torch.tensor([1, 4, 6], dtype=torch.int32), three, out)
+        want = oracle.decode(idx, **{k: v[:2] for k, v in three.items()})
+        assert torch.allclose(out[:2], want, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(out[2], want[1], rtol=1e-5, atol=1e-6)        # the cached block: block 4's state
+
+
+def test_prefix_caching_with_drafts_is_a_switch(monkeypatch):
+    monkeypatch.setenv(prefix.SPEC_SWITCH, "1")
+    prefix.check_cache_mode("align", 3)
+    with pytest.raises(NotImplementedError, match="--mamba-cache-mode align"):
+        prefix.check_cache_mode("all", 3)
+
+
+def test_step_end_patch_decides_as_vllm_and_leaves_it_the_conv_states(monkeypatch):
+    """The patched `postprocess_mamba_align_gpu` on stand-ins of vLLM's runner objects: blocks of
+    4 tokens; request 0 had 2 tokens and verified 3 (2 drafts) in its running block 11 (column
+    1), accepted 2: 4 tokens, the boundary behind block 11, so block 10 caches the state after
+    token 4 (0 records back); request 1 (2 + 3, block 21 at column 1) accepted 1: 3 tokens,
+    no boundary. vLLM's fused copy then runs with its own copy functions and the temporal
+    tensors' byte counts zeroed."""
+    seen = {}
+    monkeypatch.setattr(prefix, "commit_and_cache",
+                        lambda st, src, dst, acc, back, copy: seen.update(st=st, src=src, dst=dst, acc=acc, back=back,
+                                                                          copy=copy))
+
+    def buf(*v):
+        return NS(gpu=torch.tensor(v, dtype=torch.int32))
+
+    class Ctx:
+        mamba_group_ids, block_size, is_initialized = [0], 4, False
+        mamba_state_idx_buf, num_computed_tokens_buf = buf(1, 1), buf(2, 2)
+        num_scheduled_tokens_buf, num_draft_tokens_buf = buf(3, 3), buf(2, 2)
+        state_conv_widths = torch.tensor([3, 0, 0, 0, 0, 0])
+        state_inner_sizes = torch.tensor([8, 5, 5, 5, 5, 5])
+
+        def initialize_from_forward_context(self, cfg, fc, funcs, tables):
+            seen["init_funcs"] = funcs
+            self.is_initialized = True
+
+    ctx = Ctx()
+    table = torch.tensor([[10, 11, 0], [20, 21, 0]], dtype=torch.int32)
+    batch_ = NS(block_table=[NS(get_device_tensor=lambda n: table[:n])])
+    layer = NS()
+    cfg = NS(kv_cache_groups=[NS(layer_names=["mixer"])])
+    orig_calls = []
+    wrapped = prefix._postprocess(VLLM, lambda **kw: orig_calls.append(kw), lambda lay: "ST" if lay is layer else None)
+    funcs = prefix.copy_funcs(VLLM, 6)
+    wrapped(bufs=NS(postprocess_align=ctx), num_reqs=2, num_accepted_tokens_gpu=torch.tensor([2, 1, 7]),
+            num_accepted_tokens_cpu_tensor=torch.zeros(3), input_batch=batch_, kv_cache_config=cfg,
+            forward_context={"mixer": layer}, mamba_state_copy_funcs=funcs)
+    assert seen["st"] == "ST"
+    assert seen["src"].tolist() == [11, 21] and seen["dst"].tolist()[0] == 10
+    assert seen["copy"].tolist() == [True, False] and seen["back"].tolist()[0] == 0
+    assert seen["acc"].tolist() == [2, 1]
+    assert seen["init_funcs"] == prefix.vllm_copy_funcs(VLLM, 6)
+    assert ctx.state_inner_sizes.tolist() == [8, 0, 0, 0, 0, 0]
+    assert len(orig_calls) == 1 and orig_calls[0]["mamba_state_copy_funcs"] == prefix.vllm_copy_funcs(VLLM, 6)
+    assert "num_accepted_tokens_cpu_tensor" in orig_calls[0]
+    # a model the plugin does not serve: vLLM's own postprocess, untouched
+    other = prefix._postprocess(VLLM, lambda **kw: orig_calls.append(kw), lambda lay: None)
+    other(bufs=NS(postprocess_align=ctx), num_reqs=2, num_accepted_tokens_gpu=torch.tensor([2, 1]),
+          input_batch=batch_, kv_cache_config=cfg, forward_context={"mixer": layer}, mamba_state_copy_funcs=funcs)
+    assert orig_calls[-1]["mamba_state_copy_funcs"] == funcs

@@ -162,7 +162,8 @@ def test_register_imports_nothing_of_vllm_and_patches_on_import(tmp_path, before
     assert got["registered"] is True
     assert all(got["layers"]) and all(got["forwards"]) and got["runner"] and all(got["models"])
     assert got["symbols"] and all(got["symbols"])            # every run-time symbol resolves
-    # prefix caching's copy between blocks: vLLM's conv copy, then a whole-slot copy per replayssm tensor
-    assert got["copies"] == [["get_conv_copy_spec"] + ["get_temporal_copy_spec"] * 5] * 3
+    # prefix caching's copy between blocks: vLLM's conv copy, then a whole-slot copy of the running
+    # block per replayssm tensor
+    assert got["copies"] == [["get_conv_copy_spec"] + ["replayssm_committed_temporal_copy"] * 5] * 3
     # patched once: the original under the patch is vLLM's own method, not an earlier patch
     assert got["once"][0] == "conv_ssm_forward"

@@ -441,9 +441,10 @@ def main(argv=None) -> int:
         if s not in SCHEMES:
             ap.error(f"--schemes: unknown {s!r}; choose from {', '.join(SCHEMES)}")
     schemes = ["stock"] + [s for s in SCHEMES[1:] if s in schemes]
-    if args.prefix_caching and any(s != "none" for s in specs) and any(s.startswith("replayssm") for s in schemes):
-        ap.error("--prefix-caching: the plugin does not yet combine prefix caching with speculative decoding; "
-                 "run it with --speculative none")
+    if args.prefix_caching and any(s != "none" for s in specs) and any(s.startswith("replayssm") for s in schemes) \
+            and os.environ.get("REPLAYSSM_VLLM_PREFIX_SPEC") != "1":
+        ap.error("--prefix-caching: the plugin does not yet combine prefix caching with speculative decoding "
+                 "unless REPLAYSSM_VLLM_PREFIX_SPEC=1 (experimental); run it with --speculative none")
     limit = gdn_batch_limit(args.model)
     if limit is not None and max(args.batches) > limit:
         ap.error(f"--batches: vLLM 0.25 cannot start {args.model} with more than {limit} sequences (its GDN "

@@ -19,6 +19,12 @@ A newer vLLM should need changes here only. The plugin touches:
   the layers' declarations) and `get_mamba_state_copy_func` (prefix caching in `align` mode:
   one copy function per replayssm tensor, vLLM's `get_conv_copy_spec` /
   `get_temporal_copy_spec`; `prefix.py`), and the layers' `cache_config.mamba_cache_mode`.
+- with drafts in `align` mode (`REPLAYSSM_VLLM_PREFIX_SPEC=1`): `vllm.v1.worker.mamba_utils.
+  postprocess_mamba_align_gpu` (patched, `prefix.declare_postprocess`) and its context
+  `bufs.postprocess_align`: `mamba_group_ids`, `block_size`, `is_initialized`,
+  `initialize_from_forward_context`, `state_inner_sizes`, `state_conv_widths`,
+  `mamba_state_idx_buf`, `num_computed_tokens_buf`, `num_scheduled_tokens_buf`,
+  `num_draft_tokens_buf`; the input batch's `block_table[gid].get_device_tensor`.
 - the attention metadata each layer finds in `get_forward_context().attn_metadata[prefix]`
   (`Mamba2AttentionMetadata`, `GDNAttentionMetadata`: fields named in `layers.py`), replaced
   for the prefill-only call with `dataclasses.replace`.

@@ -165,6 +165,9 @@ def bind_states(ns, settings: Settings):
             kv_caches = orig(self, *args, **kwargs)
             max_batch = self.vllm_config.scheduler_config.max_num_seqs
             accepted = self.num_accepted_tokens.gpu if self.speculative_config is not None else None
+            if accepted is not None and self.cache_config.mamba_cache_mode == "align":
+                # prefix caching with drafts: the plugin commits and caches at each step's end
+                prefix.declare_postprocess(ns, lambda layer: (getattr(layer, _STATE_ATTR, None) or (None, None))[1])
             for layer in self.compilation_config.static_forward_context.values():
                 family = _family(ns, layer)
                 if family is None:

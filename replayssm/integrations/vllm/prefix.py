@@ -21,17 +21,38 @@ after any chunk. vLLM's own copy functions cover its two tensors only (conv, SSM
 model classes' `get_mamba_state_copy_func` is patched to name one per replayssm tensor: without
 it a copied block would keep the previous owner's records and cursor.
 
+With speculative decoding, vLLM's own layers keep a state per draft in extra blocks and pick the
+accepted one when they copy (`get_temporal_copy_spec` reads block `cur + accepted - 1`); the
+plugin keeps one block per request, its verified drafts pending until a commit. So in `align`
+mode with drafts the plugin takes over the temporal part of vLLM's step-end copy
+(`postprocess_mamba_align_gpu`, patched by `declare_postprocess`): right after the sampler's
+accepted counts are known it commits them in every running block (no block ever holds pending
+drafts), and where the accepted tokens reached a block boundary behind the running block it
+makes that block the state at the boundary (`commit_and_cache`: the running block's tensors
+with its cursor moved back over the records past the boundary, which no flush can have folded:
+a verify flushes before its first record). vLLM's fused copy still moves the convolution
+states (its own tensor and semantics); its copy of the temporal tensors is turned into a copy of
+nothing. The copy functions read the running block whatever the accepted count
+(`committed_copy`), which without drafts (count 1) is vLLM's own choice. This path has not run
+on a GPU yet: it is off unless `REPLAYSSM_VLLM_PREFIX_SPEC=1`, and refused otherwise.
+
 Not supported, refused at engine start with a message: `all` (serve with `--mamba-cache-mode
-align`), and prefix caching together with speculative decoding (vLLM's align-mode copies after a
-verify read the per-draft state blocks that the plugin does not keep).
+align`), and prefix caching together with speculative decoding unless switched on as above.
 """
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
+import torch
+from torch import Tensor
+
 from . import _compat
+from . import state as S
 
 MODES = ("none", "align")
+# the switch for prefix caching with speculative decoding (not yet checked on a GPU)
+SPEC_SWITCH = "REPLAYSSM_VLLM_PREFIX_SPEC"
 
 
 def check_cache_mode(mode: str, num_spec: int) -> None:
@@ -48,20 +69,63 @@ def check_cache_mode(mode: str, num_spec: int) -> None:
     if mode != "align":
         raise NotImplementedError(f"replayssm's vLLM plugin: unknown mamba_cache_mode {mode!r}; it supports "
                                   f"{MODES}")
-    if num_spec:
+    if num_spec and os.environ.get(SPEC_SWITCH) != "1":
         raise NotImplementedError(
             "replayssm's vLLM plugin does not yet combine prefix caching of recurrent state with speculative "
-            f"decoding ({num_spec} speculative tokens): serve without --enable-prefix-caching, or without "
-            "speculative decoding, or unset REPLAYSSM_VLLM")
+            f"decoding ({num_spec} speculative tokens) unless {SPEC_SWITCH}=1 (experimental: not yet checked on "
+            "a GPU): serve without --enable-prefix-caching, or without speculative decoding, or unset "
+            "REPLAYSSM_VLLM")
+
+
+_COMMITTED = {}
+
+
+def committed_copy(ns):
+    """vLLM's whole-slot copy from the running block itself, whatever the accepted count: the
+    plugin's blocks hold no per-draft states (their accepted drafts are committed in place).
+    One function per vLLM copy function, so that declarations compare equal."""
+    temporal = ns.get_temporal_copy_spec
+    if temporal not in _COMMITTED:
+        def copy(state, block_ids, cur_block_idx, num_accepted_tokens):
+            return temporal(state, block_ids, cur_block_idx, 1)
+        copy.__name__ = "replayssm_committed_temporal_copy"
+        _COMMITTED[temporal] = copy
+    return _COMMITTED[temporal]
 
 
 def copy_funcs(ns, n_tensors: int) -> Tuple:
-    """vLLM's state copy functions for a replayssm block of `n_tensors` tensors (`StateSpec`'s
-    order): its conv-state copy for tensor 0 (vLLM's own conv state), the whole-slot copy
-    for every other tensor (checkpoint, record decays, records, keys, counters)."""
+    """The state copy functions for a replayssm block of `n_tensors` tensors (`StateSpec`'s
+    order): vLLM's conv-state copy for tensor 0 (vLLM's own conv state), the running block's
+    whole slot (`committed_copy`) for every other tensor (checkpoint, record decays, records,
+    keys, counters)."""
     if n_tensors < 2:
         raise ValueError(f"a replayssm block has at least a conv state and a checkpoint, got {n_tensors} tensors")
+    return (ns.get_conv_copy_spec,) + (committed_copy(ns),) * (n_tensors - 1)
+
+
+def vllm_copy_funcs(ns, n_tensors: int) -> Tuple:
+    """vLLM's own functions for the same tensors, as its fused postprocess insists on them."""
     return (ns.get_conv_copy_spec,) + (ns.get_temporal_copy_spec,) * (n_tensors - 1)
+
+
+@torch.no_grad()
+def commit_and_cache(state: S.BlockState, src: Tensor, dst: Tensor, accepted: Tensor, back: Tensor,
+                     copy: Tensor) -> None:
+    """One step's end in `align` mode with drafts, per request row: commit `accepted` tokens in
+    the running block `src` (`state.commit`: nothing stays pending), then where `copy` (and
+    `dst != src`) make block `dst` the state `back` tokens before the running one: the running
+    block's checkpoint and records, its cursor `back` records earlier, nothing pending. Block
+    ids `[B]`; device ops only (no host sync: vLLM's scheduling runs ahead)."""
+    S.commit(state, src, accepted)
+    live = copy.to(torch.bool) & (dst != src) & (src >= 0) & (dst >= 0)
+    s_idx = src.long()
+    # rows that copy nothing write their own block back onto itself
+    d_idx = torch.where(live, dst, src).long()
+    counters = torch.as_strided(state.cursor, (state.N, 2), (state.cursor.stride(0), 1))
+    for t in (state.ckpt, state.ld, state.w, state.k, counters):
+        t.index_copy_(0, d_idx, t.index_select(0, s_idx))
+    cur = state.cursor.index_select(0, s_idx)
+    state.cursor.index_copy_(0, d_idx, torch.where(live, cur - back.to(cur.dtype), cur))
 
 
 def declare_copy(ns, cls, n_tensors: int) -> bool:
@@ -69,3 +133,54 @@ def declare_copy(ns, cls, n_tensors: int) -> bool:
     are patched on the class that defines them) to copy all `n_tensors` of a block."""
     return _compat.patch_classmethod(cls, "get_mamba_state_copy_func",
                                      lambda orig: lambda kls: copy_funcs(ns, n_tensors))
+
+
+def declare_postprocess(ns, state_of) -> bool:
+    """Patch vLLM's step-end copy in `align` mode with drafts (`postprocess_mamba_align_gpu`, the
+    V1 model runner's, which calls it through its module) once per process: the plugin's
+    `commit_and_cache` on every layer whose replayssm state `state_of(layer)` returns, then
+    vLLM's fused copy for the convolution states alone. Called in the worker, where the runner
+    has imported the module. Returns whether it patched now."""
+    import importlib
+    module = importlib.import_module("vllm.v1.worker.mamba_utils")
+    return _compat.patch_method(module, "postprocess_mamba_align_gpu",
+                                lambda orig: _postprocess(ns, orig, state_of))
+
+
+def _postprocess(ns, orig, state_of):
+    def postprocess_mamba_align_gpu(*, bufs, num_reqs, num_accepted_tokens_gpu, input_batch, kv_cache_config,
+                                    forward_context, mamba_state_copy_funcs, **more):
+        ctx = bufs.postprocess_align
+        groups = [(gid, state_of(forward_context[name])) for gid in ctx.mamba_group_ids
+                  for name in kv_cache_config.kv_cache_groups[gid].layer_names]
+        kw = dict(bufs=bufs, num_reqs=num_reqs, num_accepted_tokens_gpu=num_accepted_tokens_gpu,
+                  input_batch=input_batch, kv_cache_config=kv_cache_config, forward_context=forward_context, **more)
+        if all(st is None for _, st in groups):                   # not a model the plugin serves
+            return orig(mamba_state_copy_funcs=mamba_state_copy_funcs, **kw)
+        theirs = vllm_copy_funcs(ns, len(mamba_state_copy_funcs))
+        tables = {gid: input_batch.block_table[gid].get_device_tensor(num_reqs) for gid in ctx.mamba_group_ids}
+        if not ctx.is_initialized:
+            ctx.initialize_from_forward_context(kv_cache_config, forward_context, theirs,
+                                                [tables[gid] for gid in ctx.mamba_group_ids])
+            # vLLM's fused copy of a temporal tensor reads the accepted draft's own block, which
+            # the plugin does not keep: its byte count 0, it copies nothing (the conv states keep
+            # vLLM's copy, shifted by the accepted drafts as vLLM's conv kernels expect)
+            ctx.state_inner_sizes.masked_fill_(ctx.state_conv_widths == 0, 0)
+        # the fused kernel's decisions (postprocess_mamba_fused_kernel), per request row
+        acc = num_accepted_tokens_gpu[:num_reqs]
+        col = ctx.mamba_state_idx_buf.gpu[:num_reqs].long()
+        running = (ctx.num_computed_tokens_buf.gpu[:num_reqs] + ctx.num_scheduled_tokens_buf.gpu[:num_reqs]
+                   - ctx.num_draft_tokens_buf.gpu[:num_reqs]).long()
+        new = running + acc.long() - 1
+        aligned = new // ctx.block_size * ctx.block_size
+        copy = (aligned >= running) & (col >= 0)
+        dest = (aligned // ctx.block_size - 1).clamp(min=0)
+        for gid, st in groups:
+            if st is None:
+                continue
+            bt = tables[gid].long()
+            src = bt.gather(1, col.clamp(min=0)[:, None])[:, 0]
+            dst = bt.gather(1, dest[:, None])[:, 0]
+            commit_and_cache(st, src, dst, acc, new - aligned, copy)
+        return orig(mamba_state_copy_funcs=theirs, **kw)
+    return postprocess_mamba_align_gpu
