@@ -284,18 +284,7 @@ def test_vllm_prefix_caching_equals_no_caching(model, mode, tmp_path):
     first filled, give the tokens of the same requests without prefix caching. A hit prefills
     only the rest of its prompt, in other chunks than the full prefill, so a request may leave
     the reference at a near-tie (`NEAR_TIE_NATS`), NemotronH's too."""
-    _needs_vllm()
-    path, work = _model(model, tmp_path), {"REPLAYSSM_VLLM_CHECK_WORKLOAD": "prefix"}
-    on = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=True, mamba_cache_mode="align"),
-                         **work)
-    off = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=False), REPLAYSSM_VLLM_CHECK_TOP2="1",
-                          **work)
-    print("prefix cache:", on["CACHE"])
-    assert (on["CACHE"].get("prefix_cache_hits") or 0) > 0, on["CACHE"]     # the second wave hit the cache
-    bad = near_tie_divergences(off["TOKENS"], off["TOP2"], on["TOKENS"], NEAR_TIE_NATS)
-    left = sum(a != b for a, b in zip(off["TOKENS"], on["TOKENS"]))
-    print(f"{left} of {len(off['TOKENS'])} requests leave the tokens without prefix caching")
-    assert not bad, bad
+    _prefix_case(model, mode, tmp_path)
 
 
 @pytest.mark.gpu
@@ -305,19 +294,26 @@ def test_vllm_prefix_caching_with_ngram_equals_no_caching(model, tmp_path):
     step-end commit and boundary copy, `prefix.declare_postprocess`), CUDA graphs: the prefix
     waves' tokens equal those without prefix caching and without drafts (near-ties allowed, as
     above), with cache hits."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    _prefix_case(model, "graph", tmp_path, speculative_config=spec)
+
+
+def _prefix_case(model, mode, tmp_path, **more):
+    """The prefix waves with prefix caching (and `more` LLM arguments: drafts switch the
+    experimental path on) against the plugin without prefix caching: cache hits, and tokens equal
+    but at near-ties."""
     _needs_vllm()
     path, work = _model(model, tmp_path), {"REPLAYSSM_VLLM_CHECK_WORKLOAD": "prefix"}
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    on = _generate_lines(path, "graph", True, _kwargs(model, enable_prefix_caching=True, mamba_cache_mode="align",
-                                                      speculative_config=spec),
-                         REPLAYSSM_VLLM_PREFIX_SPEC="1", **work)
-    off = _generate_lines(path, "graph", True, _kwargs(model, enable_prefix_caching=False),
+    switch = {"REPLAYSSM_VLLM_PREFIX_SPEC": "1"} if more.get("speculative_config") else {}
+    on = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=True, mamba_cache_mode="align",
+                                                   **more), **switch, **work)
+    off = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=False),
                           REPLAYSSM_VLLM_CHECK_TOP2="1", **work)
     print("prefix cache:", on["CACHE"])
-    assert (on["CACHE"].get("prefix_cache_hits") or 0) > 0, on["CACHE"]
+    assert (on["CACHE"].get("prefix_cache_hits") or 0) > 0, on["CACHE"]     # the second wave hit the cache
     bad = near_tie_divergences(off["TOKENS"], off["TOP2"], on["TOKENS"], NEAR_TIE_NATS)
-    print(f"{sum(a != b for a, b in zip(off['TOKENS'], on['TOKENS']))} of {len(off['TOKENS'])} requests leave "
-          "the tokens without prefix caching and drafts")
+    left = sum(a != b for a, b in zip(off["TOKENS"], on["TOKENS"]))
+    print(f"{left} of {len(off['TOKENS'])} requests leave the tokens without prefix caching")
     assert not bad, bad
 
 

@@ -95,13 +95,21 @@ def qwen3_5_config(text: dict, **top) -> dict:
     return cfg
 
 
+def _copy_tokenizer(src, dst, also=()) -> None:
+    """The tokenizer's files of model folder `src` (and the files named in `also`) into `dst`."""
+    import shutil
+    from pathlib import Path
+    for f in Path(src).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json" or f.name in also:
+            shutil.copy(f, Path(dst) / f.name)
+
+
 def tiny_qwen3_5(dst, tokenizer_from, seed: int = 0) -> None:
     """A tiny random-weight Qwen3.5 in `dst` (`qwen3_5_config`): the text model at the shapes
     of `../shared/vllm/make_models.py`'s Qwen3-Next (3 GDN layers, 1 attention layer, here with
     dense MLPs, as Qwen3.5-4B has); the tokenizer files of the model folder `tokenizer_from`.
     The image and video token ids are put inside the tiny vocabulary (the prompts of `main`
     never hold them)."""
-    import shutil
     from pathlib import Path
 
     import torch
@@ -118,9 +126,7 @@ def tiny_qwen3_5(dst, tokenizer_from, seed: int = 0) -> None:
     model = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.save_pretrained(dst)
-    for f in tok.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-            shutil.copy(f, dst / f.name)
+    _copy_tokenizer(tok, dst)
 
 
 def trained_qwen3_5(src, dst) -> None:
@@ -129,7 +135,6 @@ def trained_qwen3_5(src, dst) -> None:
     same text weights under the language model's names, bf16, the tokenizer files; the image
     and video token ids on the padded vocabulary's unused rows (above the byte tokens and
     `<pad>` `<s>` `</s>`, never in a prompt)."""
-    import shutil
     from pathlib import Path
 
     import torch
@@ -152,9 +157,7 @@ def trained_qwen3_5(src, dst) -> None:
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.save_pretrained(dst)
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "heldout.bin"):
-            shutil.copy(f, dst / f.name)
+    _copy_tokenizer(src, dst, also=("heldout.bin",))
 
 
 def python_requests(folder):
