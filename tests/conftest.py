@@ -52,11 +52,11 @@ def ci_subset() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true") and os.environ.get("REPLAYSSM_SLOW") != "1"
 
 
-def interpreter_windows(n: int) -> int:
-    """Windows for a long-horizon accuracy case on the CPU interpreter: `n`, or half of it in
-    CI's subset (still dozens of flushes per slot; the GPU cases run `n` at the real shapes),
-    where each such case took over a minute of CI's 20."""
-    return n // 2 if ci_subset() and not torch.cuda.is_available() else n
+def interpreter_windows(n: int, ci_divisor: int = 2) -> int:
+    """Windows for a long-horizon accuracy case on the CPU interpreter: `n`, or `n / ci_divisor`
+    in CI's subset (still a dozen flushes per slot or more; the GPU cases run `n` at the real
+    shapes), where each such case took over a minute of CI's 20."""
+    return n // ci_divisor if ci_subset() and not torch.cuda.is_available() else n
 
 
 def pytest_collection_modifyitems(config, items):
