@@ -34,8 +34,9 @@ def read_lines(path):
 LEGEND = (
     "stock: transformers' own decode path; conventional: hf.enable(scheme='conventional') (full state rewritten",
     "each token); replay: hf.enable() (ReplaySSM slot pools); spec-lookup / spec-draft: hf.speculative_generate",
-    f"with T={NUM_DRAFT} drafts from prompt lookup / from the family's draft model. tokens = stock: the generated ids",
-    "equal stock's. tok/s on small models measures Python overhead, not state traffic (replayssm bench model).",
+    f"with T={NUM_DRAFT} drafts from prompt lookup / from the family's draft model (a random-weight model's: its copy",
+    "with a perturbed output head). tokens = stock: the generated ids equal stock's. tok/s on small models measures",
+    "Python overhead, not state traffic (replayssm bench model).",
 )
 
 
@@ -165,8 +166,8 @@ def run_demo(new_tokens: int, *, families=None, device="cpu", echo: Callable[[st
             for line in (PYTHON_PROMPT + r["text"]).splitlines()[-12:]:
                 echo("  | " + line)
         else:
-            echo(f"{fam}: {r['model']} with random weights (no trained model shipped), a {r['prompt_tokens']}-token "
-                 "repeating prompt")
+            echo(f"{fam}: {r['model']} with random weights (no trained model shipped), a repeating prompt of "
+                 f"{r['prompt_tokens']} tokens")
     for line in format_rows(rows):
         echo(line)
     agree = all(r["agree"] for r in rows if r["agree"] is not None)
