@@ -25,7 +25,7 @@ from replayssm.ops.mamba2 import conventional_decode, conventional_decode_lp as 
 from replayssm.reference.schemes import shared_lowp_step
 from replayssm.testing import make_inputs, make_params
 
-from conftest import rel_err
+from conftest import ci_subset, rel_err
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -387,10 +387,16 @@ def test_study_batched_engine_on_the_kernels(shape):
     1.7x) within a factor 2, and both the format's, far above fp32 rounding's."""
     from replayssm.bench import precision_study as P
 
-    kw = dict(layers=1, tokens=12, batch=2, window=4, designs=["conventional-lowp"], lp_formats=["bf16", "fp16"],
+    fmts = ["bf16", "fp16"]
+    if shape.startswith("gdn") and ci_subset() and not GPU:
+        # CI's subset: GDN's rows in bf16 only (about 20 s of interpreter a format); its fp16
+        # kernel runs in the one-step and over-steps tests above, the engine's fp16 rows in the
+        # Mamba-2 case
+        fmts = ["bf16"]
+    kw = dict(layers=1, tokens=12, batch=2, window=4, designs=["conventional-lowp"], lp_formats=fmts,
               engine="batched")
     ref, kern = P.run(shape, kernels=False, **kw), P.run(shape, kernels=True, **kw)
-    assert len(ref) == len(kern) == 4 * len(P.checkpoints(12))
+    assert len(ref) == len(kern) == 2 * len(fmts) * len(P.checkpoints(12))
     for a, b in zip(ref, kern):
         assert [a[k] for k in ("design", "read_format", "rounding", "tokens")] == \
             [b[k] for k in ("design", "read_format", "rounding", "tokens")]

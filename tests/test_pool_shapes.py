@@ -8,7 +8,7 @@ from replayssm import SlotPool
 from replayssm.ops import gdn, kda, mamba2
 from replayssm.testing import make_inputs, make_params
 
-from conftest import rel_err
+from conftest import ci_subset, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (family, HV, Hk, V, K): HG = 2, 3 and 1; V and K not powers of two
@@ -38,8 +38,12 @@ def test_untuned_shape_matches_reference(family, HV, Hk, V, K):
     init = 0.1 * torch.randn(N, HV, V, K, generator=g)
     for p in (fast, ref):
         p.load(torch.arange(N, device=DEV), init.to(DEV))
+    # 3 windows of steps (2 in CI's subset: up to 4 s a step of 10 rows on the interpreter; the
+    # 8 steps still take the eager step folding pending records (steps 3 and 6) and window
+    # steps that flush (5 and 7))
+    steps = 2 * L if ci_subset() and DEV == "cpu" else 3 * L
     errs = []
-    for step in range(3 * L):
+    for step in range(steps):
         B = 3 if step % 3 == 0 else 10
         rows = [(step + 5 * i) % N for i in range(B - 1)] + [-1]
         ids = torch.tensor(rows, device=DEV)
