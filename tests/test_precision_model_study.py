@@ -79,6 +79,28 @@ def test_cli_writes_json_and_plot(tmp_path):
         cli.main(["study", "precision-model", "--designs", "shared,bogus"])
 
 
+def test_parts_side_by_side_merge_into_one_study(tmp_path, capsys):
+    # benchmarks/tools/precision_model_parallel.sh: each process a share of the variants
+    from replayssm import cli
+    common = ["study", "precision-model", "--models", "tiny_nemotron_h", "--tokens", "4", "--prefill", "2",
+              "--formats", "fp16", "--device", "cpu", "--no-plot"]
+    cli.main(common + ["--designs", "separate", "--out", str(tmp_path / "a.json")])
+    cli.main(common + ["--designs", "shared", "--out", str(tmp_path / "b.json")])
+    out = tmp_path / "m.json"
+    cli.main(["study", "precision-model", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+              "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert [(r["design"], r["rounding"]) for r in doc["rows"] if r["tokens"] == 4] == \
+        [("separate", "nearest"), ("shared", "nearest"), ("shared", "stochastic")]
+    assert [p["steps"] for p in doc["parts"]] == [4, 4] and len(doc["parts"][1]["variants"]) == 2
+    assert "shared" in capsys.readouterr().out.splitlines()[-1]
+    # parts of different studies are refused
+    cli.main(common[:-1] + ["--designs", "shared", "--window", "4", "--out", str(tmp_path / "c.json")])
+    with pytest.raises(ValueError, match="window"):
+        pms.merge([json.loads((tmp_path / n).read_text()) for n in ("a.json", "c.json")])
+
+
 def test_cli_config_overrides(tmp_path, capsys):
     # the tiny NemotronH with the full models' time-step range: recorded, and a key its config
     # lacks refused before anything runs

@@ -312,7 +312,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds per model (0: none); the reference pass gets 1/(designs + 1) of them "
                          "and its step count is every design's")
+    ap.add_argument("--merge", nargs="+", metavar="PART", default=None,
+                    help="merge the documents of runs side by side (each a share of the variants, as "
+                         "benchmarks/tools/precision_model_parallel.sh runs them) into --out, with table and plot")
     args = ap.parse_args(argv)
+    if args.merge:
+        return _merge_main(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {device}: CUDA is not available on this machine")
@@ -344,6 +349,10 @@ def main(argv=None) -> dict:
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
     print(f"\nmean KL(p_fp32 || p_design) over the decode steps up to each count ({args.prefill} prefilled, "
           f"batch {args.batch}, window {args.window}, {args.dtype} weights, {device}):")
+    return _finish(doc, args)
+
+
+def _finish(doc: dict, args) -> dict:
     print(table(doc["rows"]))
     for s in doc["skipped"]:
         print(f"skipped: {s['model']} {s['format']} ({s['variants']} variants): {s['why']}")
@@ -351,6 +360,41 @@ def main(argv=None) -> dict:
     if args.do_plot:
         plot(doc["rows"], Path(path).with_suffix(".png"))
     return doc
+
+
+def merge(docs: list) -> dict:
+    """One document from the documents of runs side by side, each a share of the variants of
+    the same models and settings: their rows and skips in order, the first one's header, and
+    `parts` saying what each ran and how many decode steps its reference reached (a part cut by
+    its time budget reaches fewer)."""
+    if not docs:
+        raise ValueError("nothing to merge")
+    keys = ("prefill", "batch", "window", "dtype", "seed", "config_overrides", "graphs")
+    for d in docs[1:]:
+        diff = [k for k in keys if d.get(k) != docs[0].get(k)]
+        if diff:
+            raise ValueError(f"the parts differ in {', '.join(diff)}: not one study")
+    out = dict(docs[0], rows=[], skipped=[], parts=[])
+    out["models"] = list(dict.fromkeys(m for d in docs for m in d["models"]))
+    for d in docs:
+        out["rows"] += d["rows"]
+        out["skipped"] += [s for s in d["skipped"] if s not in out["skipped"]]
+        out["parts"].append(dict(models=d["models"], variants=sorted({tuple(r[f] for f in _FIELDS) for r in d["rows"]}),
+                                 steps=max((r["tokens"] for r in d["rows"]), default=0)))
+    return out
+
+
+def _merge_main(args) -> dict:
+    docs = []
+    for p in args.merge:
+        try:
+            docs.append(json.loads(Path(p).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--merge: cannot read {p}: {e}")
+    doc = merge(docs)
+    print(f"mean KL(p_fp32 || p_design) over the decode steps up to each count ({doc['prefill']} prefilled, "
+          f"batch {doc['batch']}, window {doc['window']}, {doc['dtype']} weights; {len(docs)} parts side by side):")
+    return _finish(doc, args)
 
 
 if __name__ == "__main__":
