@@ -25,15 +25,23 @@ def test_demo_prints_each_family(capsys):
         assert lstar > 1
 
 
-def test_demo_generates_with_tiny_models(capsys):
+@pytest.mark.parametrize("shipped", [True, False], ids=["trained", "random-weights"])
+def test_demo_generates_with_tiny_models(shipped, capsys, monkeypatch, tmp_path):
     pytest.importorskip("transformers")
+    from replayssm.integrations.hf import configs
+    if not shipped:              # a family without trained models falls back to its random tiny model
+        monkeypatch.setattr(configs, "TRAINED_DIR", tmp_path)
     assert cli.main(["demo", "--steps", "2", "--heads", "2", "--device", "cpu", "--new-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert "12 new tokens" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith("tiny_")]
+    names = ("trained-nemotron-h", "trained-qwen3-5", "trained-kimi-linear") if shipped else \
+        ("tiny_nemotron_h", "tiny_qwen3_5", "tiny_kimi_linear")
+    rows = [line.split() for line in out.splitlines()
+            if line.startswith(names[0][:5]) and line.split()[1] in ("mamba2", "gdn", "kda")]
     runs = ["stock", "conventional", "replay", "spec-lookup", "spec-draft"]
-    assert [(r[0], r[2]) for r in rows] == [(m, run) for m in ("tiny_nemotron_h", "tiny_qwen3_5", "tiny_kimi_linear")
-                                            for run in runs]
+    assert [(r[0], r[2]) for r in rows] == [(m, run) for m in names for run in runs]
+    assert ("continues the Python prompt" in out) == shipped
+    assert ("perturbed output head" in out) != shipped
     for r in rows:
         assert float(r[3]) > 0                                       # tokens per second
         assert r[4] == ("(reference)" if r[2] == "stock" else "yes"), r

@@ -209,3 +209,15 @@ def test_rescore_writes_the_figures_this_process_computes(trained, small_corpus,
     assert got["eval"]["rescored"]["trained_with"] == 9.0
     assert json.loads((tmp_path / "training.json").read_text()) == got
     assert f"{record['heldout_bpb']:.4f}" in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", hf.trained_names())
+def test_shipped_model_scores_its_recorded_heldout_loss(name):
+    """Every shipped model loads by name and scores the first windows of its held-out bytes at
+    the figure its card records (the whole held-out set takes minutes on a CPU), well below the
+    byte-frequency model."""
+    path = hf.trained_path(name)
+    record = json.loads((path / "training.json").read_text())
+    assert save.score(path, head=True) == pytest.approx(record["heldout_head_bpb"], abs=1e-4)
+    assert record["heldout_bpb"] < 0.5 * record["unigram_bpb"]
+    assert record["corpus"]["heldout_sha256"] and (path / "README.md").exists() and (path / "tokenizer.json").exists()

@@ -13,6 +13,10 @@ from . import tokenizer
 def card(record: dict) -> str:
     c, s = record["corpus"], record["settings"]
     kind = "draft model" if record["draft"] else "model"
+    again = record["eval"].get("rescored")
+    # a model trained on fused kernels: its figures are those of a scoring run without them
+    again = "" if not again else (f" Trained on flash-linear-attention's kernels (held-out {again['trained_with']:.4f} "
+                                  f"there); scored again with {again['by']}.")
     return f"""# {record['model']}
 
 A small hybrid {kind} of the `{record['family']}` family ({record['parameters']:,} parameters),
@@ -39,7 +43,7 @@ cosine decay), seed {s['seed']}, on {record['device']} in {record['seconds']} s.
 | byte-frequency (unigram) model on the same bytes | {record['unigram_bpb']:.4f} |
 
 The held-out figure is of the weights as saved ({record['eval']['weights_dtype']}) computed in
-float32, over `heldout.bin` cut into windows of {record['eval']['context']} bytes overlapping by one.
+float32, over `heldout.bin` cut into windows of {record['eval']['context']} bytes overlapping by one.{again}
 
     {record['settings']['command']}
 """

@@ -31,13 +31,21 @@ def read_lines(path):
     """Return the lines of the text file at path, without their line endings."""
     with open(path, encoding="utf-8") as f:
 '''
-LEGEND = (
-    "stock: transformers' own decode path; conventional: hf.enable(scheme='conventional') (full state rewritten",
-    "each token); replay: hf.enable() (ReplaySSM slot pools); spec-lookup / spec-draft: hf.speculative_generate",
-    f"with T={NUM_DRAFT} drafts from prompt lookup / from the family's draft model (a random-weight model's: its copy",
-    "with a perturbed output head). tokens = stock: the generated ids equal stock's. tok/s on small models measures",
-    "Python overhead, not state traffic (replayssm bench model).",
-)
+def legend(random_drafts: bool) -> tuple:
+    """The lines under the table; `random_drafts`: some family ran its random-weight models,
+    whose draft is a copy of the main model with a perturbed output head."""
+    draft = "the family's draft model" + (" (a random-weight model's: its copy with a perturbed output head)"
+                                         if random_drafts else " (trained-...-draft)")
+    return (
+        "stock: transformers' own decode path; conventional: hf.enable(scheme='conventional') (full state "
+        "rewritten each token);",
+        "replay: hf.enable() (ReplaySSM slot pools); spec-lookup / spec-draft: hf.speculative_generate with "
+        f"T={NUM_DRAFT} drafts",
+        f"from prompt lookup / from {draft}; drafts accepted: accepted / proposed.",
+        "tokens = stock: the generated ids equal stock's. tok/s on small models measures Python overhead, not "
+        "state traffic",
+        "(replayssm bench model).",
+    )
 
 
 def _bar(total: int, desc: str):
@@ -137,12 +145,13 @@ def model_rows(new_tokens: int, *, families=None, device="cpu", progress: bool =
 
 
 def format_rows(rows: list) -> list:
-    header = f"{'model':25} {'family':7} {'run':13} {'tok/s':>8} {'tokens = stock':>15} {'drafts accepted':>16}"
+    header = f"{'model':25} {'family':7} {'run':13} {'tok/s':>8} {'tokens = stock':>15} {'drafts accepted':>21}"
     lines = [header, "-" * len(header)]
     for r in rows:
         agree = "(reference)" if r["agree"] is None else ("yes" if r["agree"] else "NO")
-        acc = "" if r["accepted"] is None else f"{r['accepted']}/{r['proposed']}"
-        lines.append(f"{r['model']:25} {r['family']:7} {r['run']:13} {r['tok_s']:8.0f} {agree:>15} {acc:>16}")
+        acc = "" if r["accepted"] is None else \
+            f"{r['accepted']}/{r['proposed']} {100 * r['accepted'] / max(r['proposed'], 1):3.0f}%"
+        lines.append(f"{r['model']:25} {r['family']:7} {r['run']:13} {r['tok_s']:8.0f} {agree:>15} {acc:>21}")
     return lines
 
 
@@ -172,6 +181,6 @@ def run_demo(new_tokens: int, *, families=None, device="cpu", echo: Callable[[st
         echo(line)
     agree = all(r["agree"] for r in rows if r["agree"] is not None)
     echo(f"all runs' tokens agree with stock: {'yes' if agree else 'NO'}")
-    for line in LEGEND:
+    for line in legend(any(not r["trained"] for r in rows)):
         echo(line)
     return rows
