@@ -99,6 +99,57 @@ def test_speculative_greedy_equals_greedy(name, monkeypatch):
     assert torch.equal(lookup, ref)
 
 
+@pytest.mark.parametrize("name", ["tiny_nemotron_h", "tiny_qwen3_5", "tiny_kimi_linear"])
+def test_draft_proposals_see_stock_logits(name):
+    """A draft proposes by verifying `[last]`, `[last, d1]`, ... from its committed state: every
+    step's logits are stock's for the same tokens. (A first step that committed `last` fed it
+    twice to the next: logits off by several units, drafts that the target mostly rejected.)"""
+    from replayssm.integrations.hf.speculative import _Runner
+    d = _model(name)
+    ids = _prompt(10)
+    ref = _greedy(d, ids, 5)
+    hf.enable(d, max_draft=4)
+    seen = []
+
+    def pick(logits):
+        seen.append(logits)
+        return logits.argmax(-1), None
+    r = _Runner(d, torch.ones_like(ids))
+    with torch.no_grad():
+        last = r.prefill(ids).argmax(-1)
+        drafts, _ = r.propose(last, 4, pick)
+    r.release()
+    assert [int(last)] + drafts[0].tolist() == ref.sequences[0, 10:].tolist()
+    for got, want in zip(seen, ref.logits[1:]):
+        assert ((got - want).norm() / want.norm()).item() < LOGIT_RTOL
+    # one draft a round: its one-token verify stays pending until the commit
+    target = _model(name)
+    want = _greedy(target, ids, 12).sequences
+    hf.enable(target, max_draft=4)
+    assert torch.equal(hf.speculative_generate(target, ids, draft=d, num_draft=1, max_new_tokens=12), want)
+
+
+def test_prompt_lookup_proposes_only_after_a_long_enough_match():
+    from replayssm.integrations.hf.speculative import _lookup
+    assert _lookup([1, 2, 3, 9, 1, 2, 3], 2, 3, 3) == ([9, 1], True)
+    assert _lookup([1, 2, 3, 9, 5, 2, 3], 2, 3, 3) == ([3, 3], False)
+    assert _lookup([1, 2, 3, 9, 5, 2, 3], 2, 3, 2) == ([9, 5], True)
+    target = _model("tiny_qwen3_5")
+    ids = _prompt(10)
+    ref = _greedy(target, ids, 24).sequences
+    hf.enable(target, max_draft=4)
+    # no 10-token repeat in these 34 tokens: every round a plain step, nothing proposed
+    out, st = hf.speculative_generate(target, ids, num_draft=4, max_new_tokens=24, ngram=10, min_ngram=10,
+                                      return_stats=True)
+    assert torch.equal(out, ref) and st == {"rounds": 23, "proposed": 0, "accepted": 0}
+    # down to 1-token matches (the default): rounds after a token seen before propose, the others
+    # are plain steps
+    out, st = hf.speculative_generate(target, ids, num_draft=4, max_new_tokens=24, return_stats=True)
+    assert torch.equal(out, ref) and 0 < st["proposed"] < 4 * st["rounds"] and st["proposed"] % 4 == 0
+    with pytest.raises(ValueError, match="min_ngram"):
+        hf.speculative_generate(target, ids, num_draft=4, ngram=2, min_ngram=3)
+
+
 def _padded(lengths, seed=3):
     L = max(lengths)
     ids = torch.zeros(len(lengths), L, dtype=torch.long)

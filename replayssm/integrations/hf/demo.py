@@ -22,6 +22,10 @@ DEMO_MODELS = {"mamba2": ("trained-nemotron-h", "trained-nemotron-h-draft", "tin
                "kda": ("trained-kimi-linear", "trained-kimi-linear-draft", "tiny_kimi_linear")}
 RUNS = ("stock", "conventional", "replay", "spec-lookup", "spec-draft")
 NUM_DRAFT = 4
+# the trained models' prompt lookup proposes only after a match of this many tokens (as vLLM's
+# n-gram drafter with prompt_lookup_min = max = 3): shorter matches of byte tokens predict little
+# (random-weight models, whose output never repeats 3 tokens of their prompt, go down to 1)
+LOOKUP_NGRAM = 3
 PROMPT_LEN = 18             # the random-weight models' prompt, in tokens
 # the trained models' prompt: Python source, bytes = tokens
 PYTHON_PROMPT = '''import os
@@ -41,7 +45,9 @@ def legend(random_drafts: bool) -> tuple:
         "rewritten each token);",
         "replay: hf.enable() (ReplaySSM slot pools); spec-lookup / spec-draft: hf.speculative_generate with "
         f"T={NUM_DRAFT} drafts",
-        f"from prompt lookup / from {draft}; drafts accepted: accepted / proposed.",
+        f"from prompt lookup (trained models: after a {LOOKUP_NGRAM}-token match; none: a plain step) / from",
+        f"{draft};",
+        "drafts accepted: accepted / proposed.",
         "tokens = stock: the generated ids equal stock's. tok/s on small models measures Python overhead, not "
         "state traffic",
         "(replayssm bench model).",
@@ -121,6 +127,7 @@ def model_rows(new_tokens: int, *, families=None, device="cpu", progress: bool =
                 if run.startswith("spec"):
                     out, stats = speculative_generate(model, ids, draft=draft if run == "spec-draft" else None,
                                                       num_draft=NUM_DRAFT, max_new_tokens=new_tokens,
+                                                      ngram=LOOKUP_NGRAM, min_ngram=LOOKUP_NGRAM if trained else 1,
                                                       return_stats=True)
                 else:
                     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)

@@ -273,7 +273,9 @@ def _step(layer, state, slots, hidden_states):
     adapter, pool = layer.adapter, layer.pool
     S = hidden_states.shape[1]
     conv_in, side = adapter.project(hidden_states)
-    pending = state.verifying and S > 1
+    # verification leaves even one token pending: a draft model's first proposal step verifies
+    # `[last]` alone, and committing it there would feed `last` twice to its next step
+    pending = state.verifying
     if pending and S > state.max_tokens:
         raise ValueError(f"verification of {S} tokens exceeds max_draft {state.max_tokens} "
                          f"(enable(model, max_draft=...))")
@@ -281,7 +283,12 @@ def _step(layer, state, slots, hidden_states):
                        commit_all=not pending)
     inputs = {k: v.to(pool.device) for k, v in adapter.pool_inputs(u, side).items()}
     pslots = slots.to(pool.device)
-    if S == 1:
+    if pending:
+        if capturing():
+            y = pool.verify(pslots, validate=False, **{k: v.to(pool.dtype) for k, v in inputs.items()})
+        else:
+            y = pool.verify(pslots, **inputs)
+    elif S == 1:
         step = {k: v[:, 0] for k, v in inputs.items()}
         if capturing():
             # in a CUDA graph: no host reads (the slot checks), inputs cast here instead
@@ -289,11 +296,6 @@ def _step(layer, state, slots, hidden_states):
         else:
             y = pool.decode(pslots, **step)
         y = y[:, None]
-    elif pending:
-        if capturing():
-            y = pool.verify(pslots, validate=False, **{k: v.to(pool.dtype) for k, v in inputs.items()})
-        else:
-            y = pool.verify(pslots, **inputs)
     elif state.scheme == "conventional":
         y = pool.extend(pslots, inputs)
     else:

@@ -22,7 +22,7 @@ token follows the target's distribution.
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -101,16 +101,17 @@ class _Runner:
             self.binding.release(rows)
 
 
-def _lookup(history: list, T: int, ngram: int) -> list:
+def _lookup(history: list, T: int, ngram: int, min_ngram: int = 1) -> Tuple[list, bool]:
     """Prompt lookup: the `T` tokens that followed the latest earlier occurrence of the
-    history's last `ngram` (down to 1) tokens; padded with the last token."""
-    for n in range(min(ngram, len(history) - 1), 0, -1):
+    history's last `ngram` (down to `min_ngram`) tokens, padded with the last token, and whether
+    such a match exists (without one: the last token `T` times)."""
+    for n in range(min(ngram, len(history) - 1), min_ngram - 1, -1):
         tail = history[-n:]
         for start in range(len(history) - n - 1, -1, -1):
             if history[start:start + n] == tail:
                 got = history[start + n:start + n + T]
-                return got + [history[-1]] * (T - len(got))
-    return [history[-1]] * T
+                return got + [history[-1]] * (T - len(got)), True
+    return [history[-1]] * T, False
 
 
 def _accept(logits: Tensor, drafts: Tensor, q: Optional[Tensor], dist, generator):
@@ -145,6 +146,7 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
                          num_draft: int = 4, max_new_tokens: int = 32, do_sample: bool = False,
                          temperature: float = 1.0, top_k: Optional[int] = None,
                          eos_token_id=None, pad_token_id: Optional[int] = None, ngram: int = 3,
+                         min_ngram: int = 1,
                          generator: Optional[torch.Generator] = None, return_stats: bool = False):
     """Speculative generation with a ReplaySSM-enabled target.
 
@@ -154,14 +156,18 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
         input_ids, attention_mask: `[B, L]` prompts, left-padded (mask 0 on padding).
         draft: a small causal LM with the same vocabulary (a hybrid model of a supported
             family: enabled here with the target's settings if it is not), or None for prompt
-            lookup (n-gram match over the row's tokens, `ngram` longest).
+            lookup (n-gram match over the row's tokens, `ngram` longest, `min_ngram` shortest:
+            a row without such a match proposes nothing that round, and a round where no live
+            row has one is a plain decode step, as vLLM's n-gram proposer does; byte-level
+            vocabularies want a longer match than subword ones).
         num_draft: `T`, tokens proposed per round.
         do_sample, temperature, top_k: greedy by default; sampling keeps the target's
             distribution after the same temperature / top-k.
         eos_token_id, pad_token_id: as in `generate` (default: the model's generation config);
             a row that emits EOS stops and frees its slots, later positions get `pad_token_id`.
         generator: randomness of sampling and acceptance.
-        return_stats: also return `{"rounds", "proposed", "accepted"}` (accepted drafts).
+        return_stats: also return `{"rounds", "proposed", "accepted"}`: verify rounds, drafts
+            proposed (a row without a lookup match proposes none), drafts accepted.
 
     Returns `[B, L + n]` token ids (`n <= max_new_tokens`, the longest row), like `generate`.
     """
@@ -172,6 +178,8 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
                          "the conventional scheme rewrites its state every token and cannot roll back drafts")
     if not 1 <= num_draft <= state.max_tokens:
         raise ValueError(f"num_draft must be in 1..{state.max_tokens} (enable(max_draft=...)), got {num_draft}")
+    if draft is None and not 1 <= min_ngram <= ngram:
+        raise ValueError(f"prompt lookup needs 1 <= min_ngram <= ngram, got min_ngram={min_ngram}, ngram={ngram}")
     if draft is not None and not is_enabled(draft):
         enable(draft, window=state.opts["window"], record_dtype=state.opts["record_dtype"],
                max_draft=state.max_tokens, backend=state.opts["backend"], scheme=state.scheme)
@@ -211,10 +219,16 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
         _append(out, history, done, last.tolist(), [1] * B, eos, max_new_tokens)
         while not bool(done.all()):
             T = num_draft
+            live = ~done
+            proposing = live.clone()
             if helper is not None:
                 drafts, q = helper.propose(last, T, pick)
             else:
-                drafts = torch.tensor([_lookup(h, T, ngram) for h in history], device=input_ids.device)
+                found = [_lookup(h, T, ngram, min_ngram) for h in history]
+                proposing &= torch.tensor([f for _, f in found])
+                if not bool(proposing.any()):
+                    T = 1             # nothing to propose: one decode step (its one "draft" is never counted)
+                drafts = torch.tensor([d[:T] for d, _ in found], device=input_ids.device)
                 q = None
             logits = target.verify(torch.cat([last[:, None], drafts[:, :T - 1]], dim=1))
             m, fix = _accept(logits, drafts, q, dist if do_sample else None, generator)
@@ -224,10 +238,10 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
             target.commit(keep, T)
             if helper is not None:
                 helper.commit(keep, T)
-            live = ~done
             stats["rounds"] += 1
-            stats["proposed"] += T * int(live.sum())
-            stats["accepted"] += int(m[live.to(m.device)].sum())
+            # rows without a lookup match ran padding drafts: their tokens count, not as drafts
+            stats["proposed"] += T * int(proposing.sum())
+            stats["accepted"] += int(m[proposing.to(m.device)].sum())
             last = new.gather(1, (keep - 1)[:, None])[:, 0]
             finished = _append(out, history, done, new.tolist(), keep.tolist(), eos, max_new_tokens)
             if bool(finished.any()):
