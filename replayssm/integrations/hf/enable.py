@@ -10,9 +10,9 @@ the model an instance-level `generate` that frees a sequence's slots as soon as 
 - a one-token step runs the projections, the convolution on the history, `pool.decode`,
   and the mixer's norm and output projection;
 - a multi-token step on a cache with state runs `pool.verify` (in chunks of at most
-  `max_draft` tokens); while the model is verifying drafts (`speculative_generate`) the
-  tokens stay pending until `ReplayState.commit`, otherwise they are committed at once
-  (e.g. a prompt continued on an existing cache).
+  `max_draft` tokens) and commits them at once (e.g. a prompt continued on an existing cache);
+- while the model is verifying drafts (`speculative_generate`) every step, one token or
+  more, runs `pool.verify` and its tokens stay pending until `ReplayState.commit`.
 """
 from __future__ import annotations
 
