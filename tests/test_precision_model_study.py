@@ -65,6 +65,18 @@ def test_gdn_skips_nvfp4_and_keeps_to_the_time_budget():
     assert _by(rows, design="separate", tokens=16)[0]["kl"] > 0
 
 
+def test_kl_after_the_pass_equals_kl_per_step():
+    g = torch.Generator().manual_seed(0)
+    ref, got = torch.randn(7, 3, 11, generator=g), torch.randn(7, 3, 11, generator=g)
+    got[4, 1] = float("nan")
+    kl, agree = pms._compare(ref, got, chunk=70)          # chunks of 2 steps
+    for t in range(7):
+        want = pms.kl_div(ref[t], got[t]).mean()
+        assert torch.equal(kl[t], want) or (kl[t].isnan() and want.isnan())
+        assert agree[t] == (got[t].argmax(-1) == ref[t].argmax(-1)).double().mean()
+    assert kl[4].isnan() and kl[:4].isfinite().all() and kl[5:].isfinite().all()
+
+
 def test_cli_writes_json_and_plot(tmp_path):
     from replayssm import cli
     out = tmp_path / "pm.json"

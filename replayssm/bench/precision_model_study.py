@@ -101,8 +101,8 @@ def enable_options(var: dict, window: int) -> dict:
 
 
 def kl_div(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """`KL(softmax(ref) || softmax(logits))` per row, `[B, vocab]` -> `[B]` float64 (NaN where
-    `logits` is not finite)."""
+    """`KL(softmax(ref) || softmax(logits))` per row, `[..., vocab]` -> `[...]` float64 (NaN
+    where `logits` is not finite)."""
     lp = torch.log_softmax(ref_logits.double(), -1)
     lq = torch.log_softmax(logits.double(), -1)
     # the float64 sums of a distribution this close to the reference can round below zero
@@ -196,12 +196,12 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
             warnings.simplefilter("always")
             hf.enable(model, num_slots=batch, backend=backend, seed=seed, **enable_options(var, window))
         pool = next(iter(hf.replay_state(model).layers.values())).pool
-        kl = torch.zeros(tokens, dtype=torch.float64, device=device)
-        agree = torch.zeros(tokens, dtype=torch.float64, device=device)
+        got = torch.empty_like(ref)
         pass_ = static or forced.DynamicPass(model, ids, prefill)
         for t, logits in enumerate(pass_.steps(tokens)):
-            kl[t] = kl_div(ref[t], logits).mean()
-            agree[t] = (logits.argmax(-1) == ref[t].argmax(-1)).double().mean()
+            got[t] = logits             # one copy a step: the comparison runs after the pass
+        kl, agree = _compare(ref, got)
+        del got
         _sync(device)
         extra = dict(model=name, family=family, prefill=prefill, batch=batch, window=window,
                      dtype=str(dtype).replace("torch.", ""), backend=getattr(pool, "backend", None),
@@ -217,6 +217,21 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
     del model, ref
     gc.collect()
     return rows
+
+
+def _compare(ref: torch.Tensor, got: torch.Tensor, chunk: int = 1 << 24):
+    """Per step, `KL(ref || got)` and the fraction of rows whose argmax agrees, averaged over the
+    rows: `[tokens]` float64 each, from logits `[tokens, B, vocab]`. In chunks of about `chunk`
+    elements (float64 temporaries of a 131K vocabulary stay near 128 MB); after the pass, so a
+    long pass launches one copy a step rather than a dozen small reductions."""
+    n, per = ref.shape[0], max(1, chunk // max(1, ref[0].numel()))
+    kl = torch.empty(n, dtype=torch.float64, device=ref.device)
+    agree = torch.empty(n, dtype=torch.float64, device=ref.device)
+    for lo in range(0, n, per):
+        r, g = ref[lo:lo + per], got[lo:lo + per]
+        kl[lo:lo + per] = kl_div(r, g).mean(-1)
+        agree[lo:lo + per] = (g.argmax(-1) == r.argmax(-1)).double().mean(-1)
+    return kl, agree
 
 
 def _rows(var: dict, kl: torch.Tensor, agree: torch.Tensor, extra: dict) -> list:
