@@ -148,6 +148,8 @@ def test_prompt_lookup_proposes_only_after_a_long_enough_match():
     assert torch.equal(out, ref) and 0 < st["proposed"] < 4 * st["rounds"] and st["proposed"] % 4 == 0
     with pytest.raises(ValueError, match="min_ngram"):
         hf.speculative_generate(target, ids, num_draft=4, ngram=2, min_ngram=3)
+    with pytest.raises(ValueError, match="vocabulary"):
+        hf.speculative_generate(target, ids, draft=_model("tiny_qwen3_5", vocab_size=VOCAB + 1), num_draft=4)
 
 
 def _padded(lengths, seed=3):

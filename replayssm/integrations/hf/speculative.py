@@ -180,6 +180,10 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
         raise ValueError(f"num_draft must be in 1..{state.max_tokens} (enable(max_draft=...)), got {num_draft}")
     if draft is None and not 1 <= min_ngram <= ngram:
         raise ValueError(f"prompt lookup needs 1 <= min_ngram <= ngram, got min_ngram={min_ngram}, ngram={ngram}")
+    if draft is not None and getattr(draft.config, "vocab_size", 0) > getattr(model.config, "vocab_size", 0):
+        # its drafts would index past the target's embedding
+        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) is larger than the target's "
+                         f"({model.config.vocab_size}): speculative generation needs the same vocabulary")
     if draft is not None and not is_enabled(draft):
         enable(draft, window=state.opts["window"], record_dtype=state.opts["record_dtype"],
                max_draft=state.max_tokens, backend=state.opts["backend"], scheme=state.scheme)
