@@ -92,7 +92,7 @@ def test_cli_writes_json_and_plot(tmp_path):
 
 
 def test_parts_side_by_side_merge_into_one_study(tmp_path, capsys):
-    # benchmarks/tools/precision_model_parallel.sh: each process a share of the variants
+    # runs side by side, each a share of the variants, merged into one study
     from replayssm import cli
     common = ["study", "precision-model", "--models", "tiny_nemotron_h", "--tokens", "4", "--prefill", "2",
               "--formats", "fp16", "--device", "cpu", "--no-plot"]
