@@ -196,3 +196,43 @@ def test_graph_replayed_pass_equals_the_eager_one(name, enable):
     got, ref, timing = _passes(name, "cuda", tokens=40, graphs=True, **enable)
     assert timing == "cuda_graph", timing
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5), (got - ref).abs().max()
+
+
+def _lockstep(name, device, graphs, tokens=12, prefill=6):
+    """Logits of three designs' passes, each alone and then side by side (`forced.Lockstep`)."""
+    from replayssm.bench import forced
+    from replayssm.integrations import hf
+    ids = torch.randint(3, 64, (2, prefill + tokens), generator=torch.Generator().manual_seed(2)).to(device)
+    designs = [{}, {"lp_format": "fp16"}, {"hp_format": "bf16", "hp_rounding": "stochastic"}]
+
+    def prepared(opts):
+        model = hf.build(name, seed=0, device=device)
+        p = forced.StaticPass(model, ids, prefill, graphs=graphs)
+        p.prefill_cache()
+        hf.enable(model, window=4, max_draft=1, eager_max_batch=0, num_slots=2, seed=0, **opts)
+        return p
+    alone = [torch.stack([x.clone() for x in prepared(o).steps(tokens)]) for o in designs]
+    lock = forced.Lockstep([prepared(o) for o in designs], graphs=graphs)
+    together = torch.stack([x.clone() for x in lock.steps(tokens)])
+    return together, alone, lock.timing
+
+
+def test_copies_side_by_side_step_as_each_alone():
+    # every copy keeps its own cache, pools and rounding stream: stepped together, each copy's
+    # logits are those of its pass alone (12 steps of window 4: flushes included)
+    together, alone, timing = _lockstep("tiny_qwen3_5", "cpu", graphs=False)
+    assert timing.startswith("eager") and together.shape[1] == 3
+    for i, a in enumerate(alone):
+        assert torch.equal(together[:, i], a), i
+    assert not torch.equal(alone[0], alone[2])      # the designs differ, so the check can fail
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny_nemotron_h", "tiny_qwen3_5"])
+def test_copies_in_one_graph_step_as_each_alone(name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    together, alone, timing = _lockstep(name, "cuda", graphs=True, tokens=40)
+    assert timing.startswith("cuda_graph"), timing
+    for i, a in enumerate(alone):
+        assert torch.allclose(together[:, i], a, rtol=1e-5, atol=1e-6), (i, (together[:, i] - a).abs().max())

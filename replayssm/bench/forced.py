@@ -14,6 +14,10 @@ is captured in a CUDA graph that every later step replays: the pools' flushes an
 stochastic-rounding streams follow their device-side cursors and epochs, as in decoding
 (`bench.model` times decode steps the same way). Where capture fails the pass steps eagerly and
 says why (`StaticPass.timing`).
+
+`Lockstep`: StaticPasses of several copies of one model, each copy with its own cache and
+design, stepped together (on CUDA one graph, each copy on a stream of its own): the study's
+designs of one model in one pass over the sequence.
 """
 from __future__ import annotations
 
@@ -74,8 +78,12 @@ class StaticPass:
         self.model(input_ids=ids[:, :P], past_key_values=self.cache, use_cache=True, logits_to_keep=1,
                    cache_position=torch.arange(P, device=ids.device))
 
-    @torch.no_grad()
-    def steps(self, tokens: int):
+    def start(self, tokens: int, out: Optional[torch.Tensor] = None):
+        """Enable-time set-up of a pass of `tokens` steps with the design enabled now: the
+        pools seeded from the prefill, the cache's write position back at its end. Returns
+        `step`, which feeds the next true token (read on the device at the step's position, so
+        that a replayed graph moves on like decoding) and writes the fp32 logits into `out`
+        (`[B, vocab]`, made when not given), and `out`."""
         from ..integrations import hf
         from .model_cache import rewind
         if self.cache is None:
@@ -87,21 +95,27 @@ class StaticPass:
         rewind(cache, P)
         tok = ids[:, P:P + 1].clone()
         pos = torch.tensor([P], device=ids.device)
-        out = torch.empty(ids.shape[0], model.config.vocab_size, dtype=torch.float32, device=ids.device)
+        if out is None:
+            out = torch.empty(ids.shape[0], model.config.vocab_size, dtype=torch.float32, device=ids.device)
 
+        @torch.no_grad()
         def step():
+            torch.index_select(ids, 1, pos, out=tok)
             logits = model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True,
                            logits_to_keep=1).logits
-            pos.add_(1)                 # on the device: a replayed graph moves on like decoding
+            pos.add_(1)
             out.copy_(logits[:, -1])
+        return step, out
 
+    @torch.no_grad()
+    def steps(self, tokens: int):
+        step, out = self.start(tokens)
         graph = None
         self.timing = "eager: static cache" + ("" if self.graphs else " (CUDA graphs off)")
-        for t in range(P, P + tokens):
-            tok.copy_(ids[:, t:t + 1])
+        for t in range(tokens):
             if graph is not None:
                 graph.replay()
-            elif self.graphs and t > P:
+            elif self.graphs and t > 0:
                 graph = self._capture(step)
                 if graph is not None:
                     graph.replay()
@@ -112,14 +126,80 @@ class StaticPass:
             yield out
 
     def _capture(self, step):
-        """`step` captured in a CUDA graph (recorded, not run), or None with the reason kept."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                step()
-        except Exception as e:         # noqa: BLE001 - any capture failure leaves the eager steps
-            torch.cuda.synchronize()
-            self.timing = f"eager: graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-            return None
-        self.timing = "cuda_graph"
+        graph, why = capture(step)
+        self.timing = "cuda_graph" if graph is not None else f"eager: graph capture failed ({why})"
         return graph
+
+
+def capture(step):
+    """`step` captured in a CUDA graph (recorded, not run) and None, or None and why not."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as e:         # noqa: BLE001 - any capture failure leaves the eager steps
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return graph, None
+
+
+class Lockstep:
+    """Teacher-forced passes of several copies of one model stepped together, one step of every
+    copy per token: `passes`, StaticPasses over the same ids, each prefilled, each copy with its
+    own design enabled. On CUDA (`graphs`) every copy's step runs on a stream of its own inside
+    one CUDA graph: a tiny model's step is a few hundred small kernels that leave most of the
+    GPU idle, so the copies' kernels run side by side rather than each copy's pass in turn (or
+    processes side by side, which the GPU time-slices)."""
+
+    def __init__(self, passes: list, *, graphs: bool = True):
+        if not passes:
+            raise ValueError("Lockstep of no passes")
+        self.passes = passes
+        self.graphs = graphs and passes[0].ids.device.type == "cuda"
+        self.timing: Optional[str] = None
+
+    @torch.no_grad()
+    def steps(self, tokens: int, after=None):
+        """Yields the logits `[copies, B, vocab]` after each step (a buffer the next step
+        overwrites); `after(outs)`, where given, runs after every step of the copies (inside the
+        graph where one replays: keep it free of host syncs)."""
+        p0 = self.passes[0]
+        outs = torch.empty(len(self.passes), p0.ids.shape[0], p0.model.config.vocab_size,
+                           dtype=torch.float32, device=p0.ids.device)
+        fns = [p.start(tokens, out=outs[i])[0] for i, p in enumerate(self.passes)]
+        streams = [torch.cuda.Stream(device=outs.device) for _ in fns] if self.graphs else []
+
+        def eager():
+            for fn in fns:
+                fn()
+            if after is not None:
+                after(outs)
+
+        def forked():
+            cur = torch.cuda.current_stream()
+            for s, fn in zip(streams, fns):
+                s.wait_stream(cur)
+                with torch.cuda.stream(s):
+                    fn()
+            for s in streams:
+                cur.wait_stream(s)
+            if after is not None:
+                after(outs)
+
+        graph = None
+        n = len(fns)
+        self.timing = f"eager: static cache, {n} copies in turn" + ("" if self.graphs else " (CUDA graphs off)")
+        for t in range(tokens):
+            if graph is not None:
+                graph.replay()
+            elif self.graphs and t > 0:
+                graph, why = capture(forked)
+                if graph is None:
+                    self.timing = f"eager: graph capture failed ({why}), {n} copies in turn"
+                    eager()
+                else:
+                    self.timing = f"cuda_graph, {n} copies side by side"
+                    graph.replay()
+            else:
+                eager()
+            yield outs

@@ -43,10 +43,14 @@ ships a time-step range of 0.05-0.5, which leaves every head a memory of tens of
 a low-precision state's rounding cannot accumulate; `time_step_min=0.001 time_step_max=0.1`
 (the full models' range) adds heads that remember about a thousand.
 
-Cost: one pass over the sequence per design plus the reference's, eager transformers forwards
-(no CUDA graphs): on the CPU the tiny models take milliseconds a token; `--time-budget S` ends
-each model's rows at the steps the reference pass reached in `S / (designs + 1)` seconds after
-its first step (which compiles kernels and captures graphs).
+Cost: models that take a transformers cache (`forced.StaticPass`) run every design in one pass
+(`forced.Lockstep`): a copy of the model per design beside the reference, each with its own
+static cache and pools, stepped together and compared on the device after each step; on CUDA
+the copies' steps replay from one CUDA graph, each copy on its own stream, so a tiny model's
+small kernels run side by side. Other models (the pure Mamba-2 `cache_params` model) run one
+eager pass per design plus the reference's. `--time-budget S` ends each model's pass (or its
+reference pass, `S / (designs + 1)` there) S seconds after its first step (which compiles
+kernels) at the steps reached; progress lines give the time a step.
 """
 from __future__ import annotations
 
@@ -144,9 +148,9 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
     appended to `skipped` (a list) when given. `overrides`: config values set before the model is
     built (`hf.build`), e.g. `time_step_min=0.001, time_step_max=0.1` for the tiny NemotronH,
     whose shipped range (0.05-0.5) keeps every head's memory to tens of tokens. Models that take
-    a transformers cache step from one shared static-cache prefill (`forced.StaticPass`; on CUDA
-    replayed from a CUDA graph unless `graphs` is off), others on the dynamic cache
-    (`forced.DynamicPass`); the rows' `timing` says which."""
+    a transformers cache run all variants side by side on static caches (`forced.Lockstep`; on
+    CUDA replayed from one CUDA graph unless `graphs` is off), others one pass per variant on
+    the dynamic cache (`forced.DynamicPass`); the rows' `timing` says which."""
     from ..integrations import hf
 
     device = torch.device(device)
@@ -166,19 +170,24 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
         if drop and skipped is not None:
             skipped.append(dict(model=name, format="nvfp4", variants=len(drop),
                                 why=f"key head dim {bad_k[0]} is not a multiple of 16"))
+    if static is not None:
+        rows = _side_by_side(name, model, static, ids, vars_, family=family, prefill=prefill, window=window,
+                             dtype=dtype, seed=seed, backend=backend, time_budget=time_budget,
+                             progress=progress, overrides=overrides, graphs=graphs)
+        hf.disable(model)
+        return rows
     vocab = model.config.vocab_size
     started = time.perf_counter()
     share = time_budget / (len(vars_) + 1) if time_budget else 0.0
 
     ref = torch.empty(tokens, batch, vocab, dtype=torch.float32, device=device)
     n = 0
-    pass_ = static or forced.DynamicPass(model, ids, prefill)
+    pass_ = forced.DynamicPass(model, ids, prefill)
     for logits in pass_.steps(tokens):
         ref[n] = logits
         n += 1
         if n == 1:
-            # the budget is for steady steps: the first one compiles kernels and captures graphs,
-            # which with processes side by side on one host took most of a short budget
+            # the budget is for steady steps: the first one compiles kernels
             _sync(device)
             started = time.perf_counter()
         if share and n % 16 == 0:
@@ -197,7 +206,7 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
             hf.enable(model, num_slots=batch, backend=backend, seed=seed, **enable_options(var, window))
         pool = next(iter(hf.replay_state(model).layers.values())).pool
         got = torch.empty_like(ref)
-        pass_ = static or forced.DynamicPass(model, ids, prefill)
+        pass_ = forced.DynamicPass(model, ids, prefill)
         for t, logits in enumerate(pass_.steps(tokens)):
             got[t] = logits             # one copy a step: the comparison runs after the pass
         kl, agree = _compare(ref, got)
@@ -216,6 +225,80 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
     hf.disable(model)
     del model, ref
     gc.collect()
+    return rows
+
+
+class _Tally:
+    """Per step, each design's `KL(ref || design)` and argmax agreement with the reference
+    (copy 0 of `outs`), averaged over the rows, written at a step counter on the device: no
+    host sync, so it runs inside a replayed graph."""
+
+    def __init__(self, tokens: int, designs: int, device):
+        self.kl = torch.full((tokens, designs), math.nan, dtype=torch.float64, device=device)
+        self.agree = torch.zeros(tokens, designs, dtype=torch.float64, device=device)
+        self.n = torch.zeros(1, dtype=torch.long, device=device)
+
+    def __call__(self, outs: torch.Tensor) -> None:
+        ref, got = outs[:1], outs[1:]
+        self.kl.index_copy_(0, self.n, kl_div(ref, got).mean(-1)[None])
+        self.agree.index_copy_(0, self.n, (got.argmax(-1) == ref.argmax(-1)).double().mean(-1)[None])
+        self.n.add_(1)
+
+
+def _side_by_side(name, model, static, ids, vars_, *, family, prefill, window, dtype, seed, backend,
+                  time_budget, progress, overrides, graphs) -> list:
+    """The study of a static-cache model in one pass (`forced.Lockstep`): a copy of the model per
+    variant beside the reference (`model`, enabled), each copy prefilled and enabled with its
+    design, every step compared on the device. The time budget ends the pass for all."""
+    from ..integrations import hf
+
+    device, batch = ids.device, ids.shape[0]
+    tokens = ids.shape[1] - prefill
+    passes, extras = [static], []
+    for var in vars_:
+        copy = hf.build(MODELS.get(name, name), dtype=dtype, seed=seed, device=device, **(overrides or {}))
+        p = forced.StaticPass(copy, ids, prefill, graphs=graphs)
+        p.prefill_cache()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf.enable(copy, num_slots=batch, backend=backend, seed=seed, **enable_options(var, window))
+        pool = next(iter(hf.replay_state(copy).layers.values())).pool
+        passes.append(p)
+        extras.append(dict(backend=getattr(pool, "backend", None),
+                           fallback=" / ".join(str(w.message) for w in caught) or None))
+    tally = _Tally(tokens, len(vars_), device)
+    lock = forced.Lockstep(passes, graphs=graphs)
+    t0 = started = time.perf_counter()
+    n, report = 0, 1024
+    for _ in lock.steps(tokens, after=tally):
+        n += 1
+        if n == 1:          # the first step compiles kernels (and the second captures the graph)
+            _sync(device)
+            started = time.perf_counter()
+        if (time_budget and n % 16 == 0) or (progress and n == report):
+            _sync(device)
+            took = time.perf_counter() - started
+            if progress and n == report:
+                report *= 2
+                progress(f"{name}: {n} steps of {len(passes)} copies, {1e3 * took / (n - 1):.2f} ms a step")
+            if time_budget and took > time_budget:
+                break
+    _sync(device)
+    seconds = round(time.perf_counter() - t0, 2)
+    if progress:
+        progress(f"{name}: {n} steps of {len(passes)} copies side by side, {seconds:.0f} s ({lock.timing})")
+    kl, agree = tally.kl[:n].cpu(), tally.agree[:n].cpu()
+    rows = []
+    for i, (var, extra) in enumerate(zip(vars_, extras)):
+        extra = dict(model=name, family=family, prefill=prefill, batch=batch, window=window,
+                     dtype=str(dtype).replace("torch.", ""), seconds=seconds, timing=lock.timing, **extra)
+        rows += _rows(var, kl[:, i], agree[:, i], extra)
+        if progress:
+            last = rows[-1]["kl"]
+            progress(f"{name}: {var['design']:18} read {var['read_format']:8} hp {var['hp_format']:8} "
+                     f"{var['rounding']:10} KL {last if last is None else f'{last:.2e}'}")
+    for p in passes[1:]:
+        hf.disable(p.model)
     return rows
 
 
@@ -331,11 +414,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-graphs", dest="graphs", action="store_false",
                     help="step eagerly on CUDA too (default: decode steps replayed from a CUDA graph)")
     ap.add_argument("--time-budget", type=float, default=0.0,
-                    help="seconds per model (0: none); the reference pass gets 1/(designs + 1) of them "
-                         "and its step count is every design's")
+                    help="seconds per model after its first step (0: none): the pass of all designs side by "
+                         "side ends at the steps it reached (one pass per design: the reference's gets "
+                         "1/(designs + 1) of them and its step count is every design's)")
     ap.add_argument("--merge", nargs="+", metavar="PART", default=None,
-                    help="merge the documents of runs side by side (each a share of the variants, as "
-                         "benchmarks/tools/precision_model_parallel.sh runs them) into --out, with table and plot")
+                    help="merge the documents of several runs (e.g. one model each, on machines or calls of "
+                         "their own) into --out, with table and plot")
     args = ap.parse_args(argv)
     if args.merge:
         return _merge_main(args)
@@ -384,8 +468,8 @@ def _finish(doc: dict, args) -> dict:
 
 
 def merge(docs: list) -> dict:
-    """One document from the documents of runs side by side, each a share of the variants of
-    the same models and settings: their rows and skips in order, the first one's header, and
+    """One document from the documents of several runs of the same settings (each some of the
+    models, or a share of the variants): their rows and skips in order, the first one's header, and
     `parts` saying what each ran and how many decode steps its reference reached (a part cut by
     its time budget reaches fewer)."""
     if not docs:
