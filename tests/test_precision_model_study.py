@@ -113,6 +113,21 @@ def test_parts_side_by_side_merge_into_one_study(tmp_path, capsys):
         pms.merge([json.loads((tmp_path / n).read_text()) for n in ("a.json", "c.json")])
 
 
+def test_cli_variants_pick_design_format_pairs(tmp_path, capsys):
+    from replayssm import cli
+    out = tmp_path / "v.json"
+    cli.main(["study", "precision-model", "--models", "tiny_qwen3_5", "--tokens", "4", "--prefill", "2",
+              "--variants", "replay-fp32,separate:fp8_e4m3,conventional-lowp:bf16", "--device", "cpu",
+              "--backend", "reference", "--no-plot", "--out", str(out)])
+    got = {(r["design"], r["read_format"], r["rounding"]) for r in json.loads(out.read_text())["rows"]}
+    assert got == {("replay-fp32", "fp32", "nearest"), ("separate", "fp8_e4m3", "nearest"),
+                   ("conventional-lowp", "bf16", "nearest"), ("conventional-lowp", "bf16", "stochastic")}
+    for bad in ("separate", "shared:fp12", "bogus:fp16", ","):
+        with pytest.raises(SystemExit):
+            cli.main(["study", "precision-model", "--variants", bad, "--out", str(out)])
+    assert "DESIGN:FORMAT" in capsys.readouterr().err
+
+
 def test_cli_config_overrides(tmp_path, capsys):
     # the tiny NemotronH with the full models' time-step range: recorded, and a key its config
     # lacks refused before anything runs

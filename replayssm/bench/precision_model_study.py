@@ -141,7 +141,7 @@ def _adapters(model) -> list:
 def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, window: int = 16,
         designs=DESIGNS, lp_formats=LP_FORMATS, device="cpu", dtype: torch.dtype = torch.float32,
         seed: int = 0, backend: str = "auto", time_budget: float = 0.0, progress=None,
-        skipped=None, overrides=None, graphs: bool = True) -> list:
+        skipped=None, overrides=None, graphs: bool = True, only=None) -> list:
     """The study for one model (a shipped config name or an alias of `bench.model.MODELS`):
     its rows, one per variant and log-spaced decode-step count (`checkpoints(tokens)`).
     NVFP4 variants of a model whose key head dim is not a multiple of 16 are left out and
@@ -150,7 +150,9 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
     whose shipped range (0.05-0.5) keeps every head's memory to tens of tokens. Models that take
     a transformers cache run all variants side by side on static caches (`forced.Lockstep`; on
     CUDA replayed from one CUDA graph unless `graphs` is off), others one pass per variant on
-    the dynamic cache (`forced.DynamicPass`); the rows' `timing` says which."""
+    the dynamic cache (`forced.DynamicPass`); the rows' `timing` says which. `only`: (design,
+    format) pairs, the variants kept of `designs` x `lp_formats` (both roundings where a design
+    has two; None keeps all)."""
     from ..integrations import hf
 
     device = torch.device(device)
@@ -162,7 +164,8 @@ def run(name: str, *, tokens: int = 256, prefill: int = 64, batch: int = 1, wind
         static.prefill_cache()            # stock, before any design is enabled
     hf.enable(model, window=window, max_draft=1, eager_max_batch=0, num_slots=batch, backend=backend)
     family = "+".join(sorted({a.family for a in _adapters(model)}))
-    vars_ = variants(designs, lp_formats)
+    vars_ = [v for v in variants(designs, lp_formats)
+             if only is None or (v["design"], v["read_format"]) in only or v["design"] == "replay-fp32"]
     bad_k = sorted({a.K for a in _adapters(model) if a.K % 16})
     if bad_k:
         drop = [v for v in vars_ if "nvfp4" in (v["read_format"], v["hp_format"])]
@@ -372,6 +375,19 @@ def _override(text: str) -> tuple:
         return key.strip(), val
 
 
+def _pairs(text: str) -> list:
+    out = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        d, _, f = item.partition(":")
+        if d not in DESIGNS or (d not in ("replay-fp32", "conventional-fp32") and f not in LP_FORMATS):
+            raise argparse.ArgumentTypeError(f"expected DESIGN:FORMAT (designs {', '.join(DESIGNS)}; formats "
+                                             f"{', '.join(LP_FORMATS)}), got {item!r}")
+        out.append((d, f or "fp32"))
+    if not out:
+        raise argparse.ArgumentTypeError("no variants given")
+    return out
+
+
 def _positive(text: str) -> int:
     try:
         val = int(text)
@@ -400,6 +416,10 @@ def main(argv=None) -> dict:
                     help="comma-separated designs (default: all of " + ",".join(DESIGNS) + ")")
     ap.add_argument("--formats", type=lambda s: _csv(s, LP_FORMATS, "format"), default=list(LP_FORMATS),
                     help="low-precision formats (default: all of " + ",".join(LP_FORMATS) + ")")
+    ap.add_argument("--variants", type=_pairs, default=None, metavar="DESIGN:FORMAT,...",
+                    help="only these (design, format) pairs, e.g. separate:nvfp4,shared:fp8_e4m3 (both "
+                         "roundings where the design has two; replay-fp32 needs no format); replaces "
+                         "--designs and --formats")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                     help="model weights (default %(default)s: the state's rounding is the only difference)")
     ap.add_argument("--backend", default="auto", choices=("auto", "reference", "triton"),
@@ -430,6 +450,11 @@ def main(argv=None) -> dict:
         if m not in MODELS and m not in hf.config_names() and m not in hf.trained_names():
             ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}, a shipped config or a trained model "
                      f"({', '.join(hf.trained_names()) or 'none shipped'})")
+    only = None
+    if args.variants:
+        only = set(args.variants)
+        args.designs = list(dict.fromkeys(d for d, _ in args.variants))
+        args.formats = list(dict.fromkeys(f for _, f in args.variants if f in LP_FORMATS)) or list(LP_FORMATS)
     if args.seed < 0:
         ap.error(f"--seed must be >= 0, got {args.seed}")
     for m in args.models:       # a misspelt key would be kept by the config and change nothing
@@ -450,7 +475,8 @@ def main(argv=None) -> dict:
                            designs=args.designs, lp_formats=args.formats, device=device,
                            dtype=DTYPES[args.dtype], seed=args.seed, backend=args.backend,
                            time_budget=args.time_budget, progress=lambda s: print(s, flush=True),
-                           skipped=doc["skipped"], overrides=dict(args.config), graphs=args.graphs)
+                           skipped=doc["skipped"], overrides=dict(args.config), graphs=args.graphs,
+                           only=only)
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
     print(f"\nmean KL(p_fp32 || p_design) over the decode steps up to each count ({args.prefill} prefilled, "
           f"batch {args.batch}, window {args.window}, {args.dtype} weights, {device}):")
