@@ -143,13 +143,54 @@ def capture(step):
     return graph, None
 
 
+PREFIX_ATTENTION = "replayssm_prefix"
+
+
+def _prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention for one decoded token over the first `module.prefix_keys`
+    positions of a static cache (the rest not yet written), the query heads of each key head
+    grouped so that the keys are read once: the stock function reads the whole cache and, with
+    the mask a static cache needs, first copies the keys and values once per query head."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    n = getattr(module, "prefix_keys", None)
+    if query.shape[2] != 1 or attention_mask is None or n is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    B, H, _, D = query.shape
+    kv = key.shape[1]
+    q = query.reshape(B, kv, H // kv, D)       # head h reads key head h // (H / kv), as repeat_kv
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, key[:, :, :n], value[:, :, :n], attn_mask=attention_mask[..., :n], dropout_p=dropout, scale=scaling)
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+def use_prefix_attention(model) -> list:
+    """Switch `model`'s attention layers to `_prefix_attention` (registered with transformers
+    under `PREFIX_ATTENTION`, with SDPA's mask); returns the attention modules, whose
+    `prefix_keys` says how many cache positions a decode step reads."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(PREFIX_ATTENTION, _prefix_attention)
+    AttentionMaskInterface.register(PREFIX_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(PREFIX_ATTENTION)
+    return [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+
+
+def prefix_length(needed: int, capacity: int, least: int = 1024) -> int:
+    """The cache positions a step that needs `needed` reads: the next power of two (at least
+    `least`, at most `capacity`), so that a pass recaptures its graph a few times only."""
+    return min(capacity, max(least, 1 << max(0, needed - 1).bit_length()))
+
+
 class Lockstep:
     """Teacher-forced passes of several copies of one model stepped together, one step of every
     copy per token: `passes`, StaticPasses over the same ids, each prefilled, each copy with its
     own design enabled. On CUDA (`graphs`) every copy's step runs on a stream of its own inside
     one CUDA graph: a tiny model's step is a few hundred small kernels that leave most of the
     GPU idle, so the copies' kernels run side by side rather than each copy's pass in turn (or
-    processes side by side, which the GPU time-slices)."""
+    processes side by side, which the GPU time-slices). Attention reads the cache positions
+    written so far rounded up to a power of two (`use_prefix_attention`, `prefix_length`), not
+    the whole static cache: a few graphs a pass, one per length."""
 
     def __init__(self, passes: list, *, graphs: bool = True):
         if not passes:
@@ -168,6 +209,8 @@ class Lockstep:
                            dtype=torch.float32, device=p0.ids.device)
         fns = [p.start(tokens, out=outs[i])[0] for i, p in enumerate(self.passes)]
         streams = [torch.cuda.Stream(device=outs.device) for _ in fns] if self.graphs else []
+        attention = [m for p in self.passes for m in use_prefix_attention(p.model)]
+        P, capacity = p0.prefill, p0.ids.shape[1]
 
         def eager():
             for fn in fns:
@@ -186,15 +229,21 @@ class Lockstep:
             if after is not None:
                 after(outs)
 
-        graph = None
-        n = len(fns)
+        graph, keys, n, failed = None, 0, len(fns), False
         self.timing = f"eager: static cache, {n} copies in turn" + ("" if self.graphs else " (CUDA graphs off)")
         for t in range(tokens):
+            want = prefix_length(P + t + 1, capacity)
+            if want != keys:          # past the keys the graph reads: a longer prefix, a new graph
+                keys = want
+                for m in attention:
+                    m.prefix_keys = keys
+                graph = None
             if graph is not None:
                 graph.replay()
-            elif self.graphs and t > 0:
+            elif self.graphs and t > 0 and not failed:
                 graph, why = capture(forked)
                 if graph is None:
+                    failed = True
                     self.timing = f"eager: graph capture failed ({why}), {n} copies in turn"
                     eager()
                 else:
