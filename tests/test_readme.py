@@ -6,7 +6,6 @@ import pathlib
 import re
 
 import pytest
-import torch
 
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -29,7 +28,8 @@ def test_pool_quick_start_runs():
 
 def test_transformers_quick_start_runs():
     pytest.importorskip("transformers")
-    ns = {"input_ids": torch.tensor([[1, 5, 9, 5, 9, 5, 9, 14]])}           # byte ids: the trained models
+    ns: dict = {}                 # the block makes its own prompt: nothing defined beforehand
     code = _block("transformers").replace("max_new_tokens=64", "max_new_tokens=8")   # CI's time
     exec(compile(code, "README.md (transformers)", "exec"), ns)
-    assert ns["out"].shape == (1, 16)
+    prompt = ns["input_ids"].shape[1]
+    assert prompt > 8 and ns["out"].shape == (1, prompt + 8)
