@@ -192,10 +192,10 @@ class Lockstep:
     written so far rounded up to a power of two (`use_prefix_attention`, `prefix_length`), not
     the whole static cache: a few graphs a pass, one per length."""
 
-    def __init__(self, passes: list, *, graphs: bool = True):
+    def __init__(self, passes: list, *, graphs: bool = True, least_keys: int = 1024):
         if not passes:
             raise ValueError("Lockstep of no passes")
-        self.passes = passes
+        self.passes, self.least_keys = passes, least_keys
         self.graphs = graphs and passes[0].ids.device.type == "cuda"
         self.timing: Optional[str] = None
 
@@ -232,7 +232,7 @@ class Lockstep:
         graph, keys, n, failed = None, 0, len(fns), False
         self.timing = f"eager: static cache, {n} copies in turn" + ("" if self.graphs else " (CUDA graphs off)")
         for t in range(tokens):
-            want = prefix_length(P + t + 1, capacity)
+            want = prefix_length(P + t + 1, capacity, self.least_keys)
             if want != keys:          # past the keys the graph reads: a longer prefix, a new graph
                 keys = want
                 for m in attention:
