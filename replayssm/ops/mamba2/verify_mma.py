@@ -17,7 +17,6 @@ The flush branch is uniform per program and hoisted out of the chunk loop. A non
 in a verified draft makes its own and later outputs of that row NaN (in a product it would
 reach earlier drafts through 0 * NaN, so the product takes finite values only).
 """
-import torch
 import triton
 import triton.language as tl
 
