@@ -87,7 +87,7 @@ class StaticPass:
         from ..integrations import hf
         from .model_cache import rewind
         if self.cache is None:
-            raise RuntimeError("StaticPass.steps before prefill_cache")
+            raise RuntimeError("StaticPass.start (or steps) before prefill_cache")
         if tokens > self.ids.shape[1] - self.prefill:
             raise ValueError(f"{tokens} steps past a prefill of {self.prefill}: ids hold {self.ids.shape[1]} tokens")
         ids, P, model, cache = self.ids, self.prefill, self.model, self.cache

@@ -223,8 +223,7 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
         _append(out, history, done, last.tolist(), [1] * B, eos, max_new_tokens)
         while not bool(done.all()):
             T = num_draft
-            live = ~done
-            proposing = live.clone()
+            proposing = ~done
             if helper is not None:
                 drafts, q = helper.propose(last, T, pick)
             else:
