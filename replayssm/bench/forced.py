@@ -150,7 +150,9 @@ def _prefix_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' SDPA attention for one decoded token over the first `module.prefix_keys`
     positions of a static cache (the rest not yet written), the query heads of each key head
     grouped so that the keys are read once: the stock function reads the whole cache and, with
-    the mask a static cache needs, first copies the keys and values once per query head."""
+    the mask a static cache needs, first copies the keys and values once per query head. On
+    CUDA `decode_attention` splits the positions over programs (stock kernels for one query
+    split by heads only, so a long prefix ran on a couple of SMs); elsewhere two matmuls."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     n = getattr(module, "prefix_keys", None)
     if query.shape[2] != 1 or attention_mask is None or n is None:
@@ -159,9 +161,24 @@ def _prefix_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     B, H, _, D = query.shape
     kv = key.shape[1]
     q = query.reshape(B, kv, H // kv, D)       # head h reads key head h // (H / kv), as repeat_kv
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, key[:, :, :n], value[:, :, :n], attn_mask=attention_mask[..., :n], dropout_p=dropout, scale=scaling)
+    k, v, mask = key[:, :, :n], value[:, :, :n], attention_mask[..., :n]
+    scale = D ** -0.5 if scaling is None else scaling
+    if dropout:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    elif query.is_cuda and _decode_kernel().supports(q, mask):
+        out = _decode_kernel().decode_attention(q, k, v, mask, scale)
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale     # [B, kv, H // kv, n]
+        # the mask [B, 1, 1, n] broadcasts over the grouped heads: True (or 0) attends
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+def _decode_kernel():
+    from . import decode_attention      # Triton: imported where a CUDA step needs it
+    return decode_attention
 
 
 def use_prefix_attention(model) -> list:
