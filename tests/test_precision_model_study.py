@@ -106,6 +106,8 @@ def test_parts_side_by_side_merge_into_one_study(tmp_path, capsys):
     assert [(r["design"], r["rounding"]) for r in doc["rows"] if r["tokens"] == 4] == \
         [("separate", "nearest"), ("shared", "nearest"), ("shared", "stochastic")]
     assert [p["steps"] for p in doc["parts"]] == [4, 4] and len(doc["parts"][1]["variants"]) == 2
+    assert all(p["command"] and p["date"] and p["device"] for p in doc["parts"])     # each part's provenance
+    assert "git_commit_note" not in doc                                   # one tree ran both
     assert "shared" in capsys.readouterr().out.splitlines()[-1]
     # parts of different studies are refused
     cli.main(common[:-1] + ["--designs", "shared", "--window", "4", "--out", str(tmp_path / "c.json")])

@@ -493,11 +493,14 @@ def _finish(doc: dict, args) -> dict:
     return doc
 
 
+_PROVENANCE = ("command", "device", "git_commit", "git_commit_note", "date", "time_budget_s")
+
+
 def merge(docs: list) -> dict:
     """One document from the documents of several runs of the same settings (each some of the
     models, or a share of the variants): their rows and skips in order, the first one's header, and
-    `parts` saying what each ran and how many decode steps its reference reached (a part cut by
-    its time budget reaches fewer)."""
+    `parts` saying what each ran, how many decode steps its reference reached (a part cut by its
+    time budget reaches fewer) and its own provenance (command, device, code, date)."""
     if not docs:
         raise ValueError("nothing to merge")
     keys = ("prefill", "batch", "window", "dtype", "seed", "config_overrides", "graphs")
@@ -511,7 +514,10 @@ def merge(docs: list) -> dict:
         out["rows"] += d["rows"]
         out["skipped"] += [s for s in d["skipped"] if s not in out["skipped"]]
         out["parts"].append(dict(models=d["models"], variants=sorted({tuple(r[f] for f in _FIELDS) for r in d["rows"]}),
-                                 steps=max((r["tokens"] for r in d["rows"]), default=0)))
+                                 steps=max((r["tokens"] for r in d["rows"]), default=0),
+                                 **{k: d[k] for k in _PROVENANCE if d.get(k) is not None}))
+    if len({p.get("git_commit") for p in out["parts"]}) > 1:
+        out["git_commit_note"] = "the parts ran different code: each part's git_commit"
     return out
 
 
