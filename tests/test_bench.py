@@ -412,3 +412,26 @@ def test_verify_star_windows_follow_the_traffic_model():
     assert verify._windows("16,star,16", "nemotron3-super", 4) == [16, verify.star_window("nemotron3-super", 4)]
     with pytest.raises(SystemExit):
         verify.main(["--windows", "16,huge"])
+
+
+def test_header_notes_a_tree_that_differs_from_its_commit(tmp_path, monkeypatch):
+    # results record the commit and, where tracked files differ from it (a GPU machine's copy
+    # of the tree can carry an older .git), a note naming them; REPLAYSSM_COMMIT overrides both
+    import subprocess
+    from replayssm.bench.common import header
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run(git + ["-C", str(tmp_path), "add", "a.py"], check=True)
+    subprocess.run(git + ["-C", str(tmp_path), "commit", "-q", "-m", "a"], check=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("REPLAYSSM_COMMIT", raising=False)
+    clean = header("t")
+    assert len(clean["git_commit"]) == 40 and "git_commit_note" not in clean
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "new.py").write_text("")                 # untracked files are not the commit's
+    assert header("t")["git_commit_note"] == \
+        "the tree that ran differs from this commit in 1 tracked file (a.py)"
+    monkeypatch.setenv("REPLAYSSM_COMMIT", "abc1234")
+    named = header("t")
+    assert named["git_commit"] == "abc1234" and "git_commit_note" not in named

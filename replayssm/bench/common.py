@@ -61,6 +61,24 @@ def git_commit() -> str:
         return "unknown"
 
 
+def tree_note() -> str:
+    """A note for results whose code is not `git_commit()`'s: tracked files that differ from
+    HEAD (a GPU machine's copy of the working tree can carry a .git older than the files), else
+    ''. Empty where REPLAYSSM_COMMIT names the commit or git cannot tell."""
+    if os.environ.get("REPLAYSSM_COMMIT"):
+        return ""
+    try:
+        changed = subprocess.check_output(["git", "diff", "--name-only", "HEAD", "--"], text=True,
+                                          stderr=subprocess.DEVNULL).split()
+    except Exception:
+        return ""
+    if not changed:
+        return ""
+    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    files = f"{len(changed)} tracked file{'s' * (len(changed) > 1)}"
+    return f"the tree that ran differs from this commit in {files} ({shown})"
+
+
 def _command_name() -> str:
     """`python -m replayssm.bench.<name>` when run as a module of the package, else argv[0]."""
     path = Path(sys.argv[0])
@@ -92,7 +110,8 @@ def header(benchmark: str) -> dict:
             "command": " ".join([_command_name()] + sys.argv[1:]),
             "git_commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "triton": triton.__version__}
+            "torch": torch.__version__, "triton": triton.__version__,
+            **({"git_commit_note": note} if (note := tree_note()) else {})}
 
 
 def positive_ints(text: str) -> list:
