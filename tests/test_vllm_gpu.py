@@ -298,14 +298,25 @@ def test_vllm_prefix_caching_with_ngram_equals_no_caching(model, tmp_path):
     _prefix_case(model, "graph", tmp_path, speculative_config=spec)
 
 
-def _prefix_case(model, mode, tmp_path, **more):
-    """The prefix waves with prefix caching (and `more` LLM arguments: drafts switch the
-    experimental path on) against the plugin without prefix caching: cache hits, and tokens equal
-    but at near-ties."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_vllm_prefix_caching_all_mode_equals_no_caching(mode, tmp_path):
+    """Prefix caching in vLLM's `all` mode (`REPLAYSSM_VLLM_PREFIX_ALL=1`, NemotronH: a state
+    in every block, the page moved to the next block where a decode step starts one): the
+    prefix waves' tokens equal those without prefix caching (near-ties allowed), with hits."""
+    _prefix_case("nemotron_h_tiny", mode, tmp_path, cache_mode="all")
+
+
+def _prefix_case(model, mode, tmp_path, cache_mode="align", **more):
+    """The prefix waves with prefix caching in `cache_mode` (and `more` LLM arguments: drafts
+    switch the experimental path on) against the plugin without prefix caching: cache hits, and
+    tokens equal but at near-ties."""
     _needs_vllm()
     path, work = _model(model, tmp_path), {"REPLAYSSM_VLLM_CHECK_WORKLOAD": "prefix"}
     switch = {"REPLAYSSM_VLLM_PREFIX_SPEC": "1"} if more.get("speculative_config") else {}
-    on = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=True, mamba_cache_mode="align",
+    if cache_mode == "all":
+        switch["REPLAYSSM_VLLM_PREFIX_ALL"] = "1"
+    on = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=True, mamba_cache_mode=cache_mode,
                                                    **more), **switch, **work)
     off = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=False),
                           REPLAYSSM_VLLM_CHECK_TOP2="1", **work)

@@ -57,7 +57,7 @@ def make_spec(settings: Settings, family: str, stock_shapes, stock_dtypes, Hk: i
 # ------------------------------------------------------------------------------ declarations
 
 def _layer_spec(layer, settings, family, stock_shape, stock_dtype):
-    prefix.check_cache_mode(layer.cache_config.mamba_cache_mode, layer.num_spec)
+    prefix.check_cache_mode(layer.cache_config.mamba_cache_mode, layer.num_spec, family)
     if family == "mamba2":
         Hk = layer.n_groups // layer.tp_size
     else:
@@ -276,15 +276,21 @@ def mamba2_forward(ns, settings: Settings):
                     return orig(self, projected_states, output)
             st, ex = bound_state(ns, self, settings, "mamba2", projected_states.dtype, projected_states.device)
             nd, ndt = md.num_decodes, md.num_decode_tokens
+            every_block = prefix.all_mode(md)          # prefix caching, 'all' mode
             if md.num_prefills > 0:
                 if _compat.prefill_continues_a_state(md):
-                    batch.before_prefill(st, md.state_indices_tensor_p, md.has_initial_states_p, self.A)
+                    sources = prefix.prefill_sources(md) if every_block else md.state_indices_tensor_p
+                    batch.before_prefill(st, sources, md.has_initial_states_p, self.A)
                 only_p = dataclasses.replace(md, num_decodes=0, num_decode_tokens=0, state_indices_tensor_d=None,
-                                             query_start_loc_d=None, num_accepted_tokens=None)
+                                             query_start_loc_d=None, num_accepted_tokens=None,
+                                             **(prefix.prefill_only(md) if every_block else {}))
                 end = ndt + md.num_prefill_tokens
                 with _compat.swapped_metadata(ns, self.prefix, only_p), _stock_forward(self):
                     orig(self, projected_states[ndt:end], output[ndt:end])
-                batch.after_prefill(st, md.state_indices_tensor_p)
+                if every_block:
+                    prefix.seed_prefilled(st, md)
+                else:
+                    batch.after_prefill(st, md.state_indices_tensor_p)
             if nd > 0:
                 _mamba2_decode(ns, self, md, st, ex, projected_states[:ndt], output[:ndt])
         return conv_ssm_forward
@@ -296,10 +302,20 @@ def _mamba2_decode(ns, layer, md, st, ex, proj, out):
     xbc, dt = torch.split(proj[..., layer.tped_intermediate_size:], [layer.tped_conv_size, layer.tped_dt_size],
                           dim=-1)
     idx = md.state_indices_tensor_d
+    blocks = {}
+    if prefix.all_mode(md):
+        # each row reads the block of its last computed token and writes that of its token:
+        # the recurrent state moves there first; vLLM's conv update moves its own
+        slots = prefix.move_decoding(st, md)
+        nd = idx.shape[0]
+        blocks = dict(block_idx_last_scheduled_token=md.block_idx_last_scheduled_token[:nd],
+                      initial_state_idx=md.block_idx_last_computed_token[:nd])
+    else:
+        slots = idx[:, 0]
     xbc = ns.causal_conv1d_update(xbc, _conv_view(ns, st.conv), layer.conv_weights, layer.conv1d.bias,
                                   layer.activation, conv_state_indices=idx,
                                   num_accepted_tokens=md.num_accepted_tokens, query_start_loc=md.query_start_loc_d,
-                                  max_query_len=1 + layer.num_spec)
+                                  max_query_len=1 + layer.num_spec, **blocks)
     HV, Hk = layer.num_heads // layer.tp_size, layer.n_groups // layer.tp_size
 
     def inputs(rows_of):
@@ -313,7 +329,7 @@ def _mamba2_decode(ns, layer, md, st, ex, proj, out):
         # a step in which no row has drafts: vLLM passes neither; one token per row
         qsl = layer.__dict__[_BIND_ATTR]["rows"][:ndt + 1]
         acc = _accepted(layer, None, ndt)
-    batch.run_decode(ex, st, idx[:, 0], inputs, out.view(ndt, HV, layer.head_dim), spec_tokens=layer.num_spec,
+    batch.run_decode(ex, st, slots, inputs, out.view(ndt, HV, layer.head_dim), spec_tokens=layer.num_spec,
                      query_start_loc=qsl, num_accepted=acc, step=md)
 
 

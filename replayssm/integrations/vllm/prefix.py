@@ -36,8 +36,19 @@ nothing. The copy functions read the running block whatever the accepted count
 (`committed_copy`), which without drafts (count 1) is vLLM's own choice. This path has not run
 on a GPU yet: it is off unless `REPLAYSSM_VLLM_PREFIX_SPEC=1`, and refused otherwise.
 
-Not supported, refused at engine start with a message: `all` (serve with `--mamba-cache-mode
-align`), and prefix caching together with speculative decoding unless switched on as above.
+`all` (Mamba-2 only, as in vLLM; plain decoding; experimental, `REPLAYSSM_VLLM_PREFIX_ALL=1`,
+not yet run on a GPU): every block of a request keeps a state. vLLM's prefill writes the state
+at each block boundary it crosses into that block's checkpoint and the last one into the block of
+its last token (`seed_prefilled`: those blocks' records empty), reading its initial state from the
+block of the last computed token (whose records `batch.before_prefill` folds first). A decode step
+reads the block of the last computed token and writes that of its token: where they differ (the
+token starts a block) the whole page moves to the new block first (`move_decoding`, one Triton
+program per row and page part that returns at once where nothing moves), and the step runs
+there; the block left behind keeps the state at its boundary.
+
+Refused at engine start with a message: `all` without that switch, with drafts, or for GDN
+(serve with `--mamba-cache-mode align`), and prefix caching together with speculative decoding
+in `align` mode unless switched on as above.
 """
 from __future__ import annotations
 
@@ -47,25 +58,38 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import _compat
+from . import _compat, batch
 from . import state as S
 
-MODES = ("none", "align")
-# the switch for prefix caching with speculative decoding (not yet checked on a GPU)
+MODES = ("none", "align", "all")
+# the switches for prefix caching with speculative decoding, and for `all` mode (neither yet
+# checked on a GPU)
 SPEC_SWITCH = "REPLAYSSM_VLLM_PREFIX_SPEC"
+ALL_SWITCH = "REPLAYSSM_VLLM_PREFIX_ALL"
 
 
-def check_cache_mode(mode: str, num_spec: int) -> None:
+def check_cache_mode(mode: str, num_spec: int, family: str = "mamba2") -> None:
     """Refuse, with what to do instead, the prefix-caching settings the plugin does not
-    support: `mamba_cache_mode` `mode` with `num_spec` speculative tokens."""
+    support: `mamba_cache_mode` `mode` with `num_spec` speculative tokens, for a layer of
+    `family`."""
     if mode == "none":
         return
     if mode == "all":
-        raise NotImplementedError(
-            "replayssm's vLLM plugin supports prefix caching of recurrent state in vLLM's 'align' mode only "
-            "(mamba_cache_mode='all' is vLLM's default for NemotronH): serve with --mamba-cache-mode align "
-            "(LLM(..., mamba_cache_mode='align') offline), or without --enable-prefix-caching, or unset "
-            "REPLAYSSM_VLLM")
+        if os.environ.get(ALL_SWITCH) != "1":
+            raise NotImplementedError(
+                "replayssm's vLLM plugin keeps prefix caching of recurrent state in vLLM's 'all' mode (vLLM's "
+                f"default for NemotronH) behind {ALL_SWITCH}=1 (experimental: not yet checked on a GPU): serve "
+                "with --mamba-cache-mode align (LLM(..., mamba_cache_mode='align') offline), or set the switch, "
+                "or serve without --enable-prefix-caching, or unset REPLAYSSM_VLLM")
+        if family != "mamba2":
+            raise NotImplementedError(f"replayssm's vLLM plugin: mamba_cache_mode='all' for a {family} layer "
+                                      "(vLLM keeps it for Mamba-2): serve with --mamba-cache-mode align")
+        if num_spec:
+            raise NotImplementedError(
+                f"replayssm's vLLM plugin does not combine mamba_cache_mode='all' with speculative decoding "
+                f"({num_spec} speculative tokens): serve with --mamba-cache-mode align (and {SPEC_SWITCH}=1), "
+                "or without drafts")
+        return
     if mode != "align":
         raise NotImplementedError(f"replayssm's vLLM plugin: unknown mamba_cache_mode {mode!r}; it supports "
                                   f"{MODES}")
@@ -75,6 +99,60 @@ def check_cache_mode(mode: str, num_spec: int) -> None:
             f"decoding ({num_spec} speculative tokens) unless {SPEC_SWITCH}=1 (experimental: not yet checked on "
             "a GPU): serve without --enable-prefix-caching, or without speculative decoding, or unset "
             "REPLAYSSM_VLLM")
+
+
+def all_mode(md) -> bool:
+    """Whether a step's metadata is vLLM's `all` mode (its per-block indices present)."""
+    return getattr(md, "block_idx_last_scheduled_token", None) is not None
+
+
+def prefill_only(md) -> dict:
+    """In `all` mode, the fields to replace, beside the decode rows', when vLLM's own forward
+    runs on the prefill rows alone: its per-row block indices cover decodes then prefills and
+    are split by the decode count, which the prefill-only metadata sets to 0."""
+    nd = md.num_decodes
+    tail = {}
+    for name in ("block_idx_last_computed_token", "block_idx_last_scheduled_token",
+                 "block_idx_last_scheduled_token_prev_step"):
+        t = getattr(md, name, None)
+        tail[name] = None if t is None else t[nd:]
+    return tail
+
+
+def prefill_sources(md) -> Tensor:
+    """`all` mode: each prefill row's block holding its initial state (the last computed
+    token's), `[num_prefills]`."""
+    nd = md.num_decodes
+    return md.state_indices_tensor_p.gather(1, md.block_idx_last_computed_token[nd:, None].long())[:, 0]
+
+
+@torch.no_grad()
+def seed_prefilled(state: S.BlockState, md) -> None:
+    """`all` mode, after vLLM's prefill: every block it wrote (those from the first scheduled
+    token's to the last's, each holding the state at its end or the last token's) has its
+    checkpoint as the state, records empty."""
+    nd = md.num_decodes
+    idx = md.state_indices_tensor_p
+    col = torch.arange(idx.shape[1], device=idx.device)[None, :]
+    first = md.block_idx_first_scheduled_token_p.long()[:, None]
+    last = md.block_idx_last_scheduled_token[nd:].long()[:, None]
+    written = torch.where((col >= first) & (col <= last), idx, torch.full_like(idx, -1))
+    S.seed(state, batch.slot_ids(written.reshape(-1)))
+
+
+@torch.no_grad()
+def move_decoding(state: S.BlockState, md) -> Tensor:
+    """`all` mode, before a decode step: the decode rows' blocks `(read, written)` are those of
+    the last computed and of the scheduled token; where they differ the read block's page (all
+    of its tensors) is copied to the written one, whose slot ids `[num_decodes]` the step then
+    runs on. Device ops only."""
+    from ...ops.utils.pages import copy_pages
+    nd = md.num_decodes
+    idx = md.state_indices_tensor_d
+    src = batch.slot_ids(idx.gather(1, md.block_idx_last_computed_token[:nd, None].long())[:, 0])
+    dst = batch.slot_ids(idx.gather(1, md.block_idx_last_scheduled_token[:nd, None].long())[:, 0])
+    copy_pages(S.page_view(state), src, dst)
+    return dst
 
 
 _COMMITTED = {}

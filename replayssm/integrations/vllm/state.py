@@ -155,6 +155,21 @@ class BlockState:
         return st
 
 
+def page_view(state: BlockState) -> Tensor:
+    """Each block's page as one row `[N, words]` (int32 words where the page allows, else
+    bytes): the region from the first tensor's start over `spec.page_bytes()`, at vLLM's page
+    stride, so that copying a row copies every tensor of the block (conv state included)."""
+    parts = (state.conv, state.ckpt, state.ld, state.w, state.k, state.cursor)
+    start = min(t.storage_offset() * t.element_size() for t in parts)
+    stride = state.conv.stride(0) * state.conv.element_size()
+    size = state.spec.page_bytes()
+    raw = torch.empty(0, dtype=torch.uint8, device=state.conv.device)
+    raw.set_(state.conv.untyped_storage(), start, (state.N, size), (stride, 1))
+    if start % 4 == 0 and stride % 4 == 0 and size % 4 == 0:
+        return raw.view(torch.int32)
+    return raw
+
+
 # ------------------------------------------------------------------------------ device ops
 
 def live_rows(slots: Tensor) -> Tuple[Tensor, Tensor]:
