@@ -13,18 +13,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _copy_pages_kernel(pages, src, dst, words, stride, BLOCK: tl.constexpr):
+def _copy_pages_kernel(pages, src, dst, words, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    # a fixed number of programs per row, each striding over its part of the page: rows that
+    # stay cost PARTS programs that exit after two loads, however large the page
     row = tl.program_id(0)
     part = tl.program_id(1)
     s = tl.load(src + row).to(tl.int64)
     d = tl.load(dst + row).to(tl.int64)
     if (s != d) & (s >= 0) & (d >= 0):
-        o = part * BLOCK + tl.arange(0, BLOCK)
-        m = o < words
-        tl.store(pages + d * stride + o, tl.load(pages + s * stride + o, mask=m), mask=m)
+        for start in range(part * BLOCK, words, PARTS * BLOCK):
+            o = start + tl.arange(0, BLOCK)
+            m = o < words
+            tl.store(pages + d * stride + o, tl.load(pages + s * stride + o, mask=m), mask=m)
 
 
-def copy_pages(pages: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, block: int = 2048) -> None:
+def copy_pages(pages: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, block: int = 1024,
+               parts: int = 16) -> None:
     """`pages[dst[i]] = pages[src[i]]` for every row `i` with `src[i] != dst[i]`, both `>= 0`
     (padding rows: -1). `pages` `[N, W]` with a unit last stride (any dtype: a page's words);
     `src`, `dst` `[B]` integer block ids. On the CPU without the interpreter, a host-indexed
@@ -38,7 +42,8 @@ def copy_pages(pages: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, block:
         return
     if pages.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         W = pages.shape[1]
-        _copy_pages_kernel[(src.numel(), triton.cdiv(W, block))](pages, src, dst, W, pages.stride(0), BLOCK=block)
+        parts = max(1, min(parts, triton.cdiv(W, block)))
+        _copy_pages_kernel[(src.numel(), parts)](pages, src, dst, W, pages.stride(0), PARTS=parts, BLOCK=block)
         return
     live = (src != dst) & (src >= 0) & (dst >= 0)
     pages[dst[live].long()] = pages[src[live].long()]
