@@ -43,7 +43,8 @@ its last token (`seed_prefilled`: those blocks' records empty), reading its init
 block of the last computed token (whose records `batch.before_prefill` folds first). A decode step
 reads the block of the last computed token and writes that of its token: where they differ (the
 token starts a block) the whole page moves to the new block first (`move_decoding`, a few
-Triton programs per row that return at once where nothing moves), and the step runs there; the block left behind keeps the state at its boundary.
+Triton programs per row that return at once where nothing moves), and the step runs there;
+the block left behind keeps the state at its boundary.
 
 Refused at engine start with a message: `all` without that switch, with drafts, or for GDN
 (serve with `--mamba-cache-mode align`), and prefix caching together with speculative decoding
