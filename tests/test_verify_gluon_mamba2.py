@@ -103,6 +103,12 @@ def test_verify_config_gluon_key(monkeypatch):
         verify_config(*S, 4, dict(BV=48), device="cuda")
     with pytest.raises(ValueError, match="unknown"):
         verify_config(*S, 4, dict(glu0n=True))
+    # mma with gluon: the Gluon kernel's tile products on the tensor cores, kq on unless asked
+    # off; mma alone stays the Triton tensor-core kernel
+    assert verify_config(*S, 8, dict(gluon=True, mma=True), device="cuda") == dict(
+        BV=64, num_warps=4, num_stages=1, gluon=True, kq=True, mma=True)
+    assert verify_config(*S, 8, dict(gluon=True, mma=True, kq=False), device="cuda")["kq"] is False
+    assert verify_config(*S, 8, dict(mma=True), device="cuda")["gluon"] is False
     # gluon=True asked for explicitly on the CPU is accepted (the interpreter runs Triton)
     assert verify_config(*S, 8, dict(gluon=True), device="cpu")["gluon"] is True
     assert gluon_verify_unsupported(*S, 9, 16, 25, 64, 4) and gluon_verify_unsupported(*S, 4, 16, 20, 64, 2)
@@ -192,6 +198,12 @@ ROUND_CASES = [
     pytest.param(NANO, 4, dict(gluon=True, kq=True), id="nano4b-kq-T4"),
     pytest.param(NANO, 8, dict(gluon=True, kq=True), id="nano4b-kq-T8"),
     pytest.param(TINY, 3, dict(gluon=True, kq=True), id="tiny-kq-T3"),
+    # the tile's products on the tensor cores (`mma`; kq with it unless off)
+    pytest.param(SUPER, 8, dict(gluon=True, mma=True), id="super-mma-T8"),
+    pytest.param(SUPER, 2, dict(gluon=True, mma=True), id="super-mma-T2"),
+    pytest.param(NANO, 8, dict(gluon=True, mma=True), id="nano4b-mma-T8"),
+    pytest.param(TINY, 3, dict(gluon=True, mma=True), id="tiny-mma-T3"),          # 8 MMA columns, 3 used
+    pytest.param(SUPER, 8, dict(gluon=True, mma=True, kq=False), id="super-mma-nokq-T8"),
 ]
 
 
@@ -293,6 +305,9 @@ def _every_kind_of_row(shape, L, T, record_dtype, seed):
     pytest.param(TINY, 8, GLUON, torch.float32, 3, id="tiny-L3-T8-fp32"),
     pytest.param(SUPER, 8, dict(gluon=True, kq=True), torch.bfloat16, 16, id="super-kq-T8-bf16"),
     pytest.param(NANO, 2, dict(gluon=True, kq=True), torch.float32, 16, id="nano4b-kq-T2-fp32"),
+    pytest.param(SUPER, 8, dict(gluon=True, mma=True), torch.bfloat16, 16, id="super-mma-T8-bf16"),
+    pytest.param(TINY, 5, dict(gluon=True, mma=True), torch.float32, 16, id="tiny-mma-T5-fp32"),
+    pytest.param(NANO, 2, dict(gluon=True, mma=True), torch.float32, 16, id="nano4b-mma-T2-fp32"),
 ])
 def test_gluon_matches_triton_one_launch(shape, T, config, record_dtype, L):
     _skip_if_fenced(shape, T, L, config)
@@ -354,7 +369,8 @@ def test_gluon_matches_triton_one_launch(shape, T, config, record_dtype, L):
 @needs_gluon
 @pytest.mark.parametrize("shape, T, config", [pytest.param(SUPER, 4, GLUON, id="super-T4"),
                                               pytest.param(NANO, 8, GLUON, id="nano4b-T8"),
-                                              pytest.param(NANO, 8, dict(gluon=True, kq=True), id="nano4b-kq-T8")])
+                                              pytest.param(NANO, 8, dict(gluon=True, kq=True), id="nano4b-kq-T8"),
+                                              pytest.param(SUPER, 8, dict(gluon=True, mma=True), id="super-mma-T8")])
 def test_gluon_cuda_graph_equals_eager(shape, T, config):
     # verify + commit, allocation-free and unvalidated, captured once and replayed over enough
     # steps that every row flushes; the replayed pool and outputs equal the eager ones bit for bit

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..utils.dots import pieces
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 from ..utils.key_products import verify_key_products
 from ..utils.launch import slot_pads
@@ -38,6 +39,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from ..utils.gluon import (_add, _async_load, _barrier, _slot_bases, _softplus, _tile_to_shared,
                                 _verify_arrive)
@@ -97,6 +99,44 @@ if HAVE_GLUON:
         return gl.sum(gl.expand_dims(b_r, 1) * b_Q3, axis=2)
 
     @gluon.jit
+    def _tile_q_mma(s_S, s_Q, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr, QP: gl.constexpr,
+                    NW: gl.constexpr):
+        """The tile `[BV, K]` (fp32, shared) times the queries `s_Q` `[NQ, K]` (as given, shared;
+        rows past T zero): `[BV, NQ]` fp32 in the MMA layout, on the 16-bit tensor cores at fp32
+        accuracy (`utils/dots.py`'s split): each K chunk of 32 of the tile in three bf16 pieces,
+        the queries in QP (bf16 1, fp16 2, fp32 3), the pieces' products down to 2^-16 of the
+        leading one, the leading one in an accumulator of its own, each chunk's sum added into
+        fp32 registers (the tensor cores' accumulation truncates: no chain over all of K)."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        KC: gl.constexpr = 32
+        y = gl.zeros([BV, NQ], gl.float32, MM)
+        for k0 in gl.static_range(0, K, KC):
+            a = s_S.slice(k0, KC, dim=1).load(AL)
+            a0 = a.to(gl.bfloat16)
+            ra = a - a0.to(gl.float32)
+            a1 = ra.to(gl.bfloat16)
+            a2 = (ra - a1.to(gl.float32)).to(gl.bfloat16)
+            b = s_Q.slice(k0, KC, dim=1).permute([1, 0]).load(BO).to(gl.float32)
+            b0 = b.to(gl.bfloat16)
+            rb = b - b0.to(gl.float32)
+            b1 = rb.to(gl.bfloat16)
+            b2 = (rb - b1.to(gl.float32)).to(gl.bfloat16)
+            zero = gl.zeros([BV, NQ], gl.float32, MM)
+            lead = mma_v2(a0, b0, zero)
+            small = mma_v2(a2, b0, zero)                 # the small products first, smallest first
+            if QP > 2:
+                small = mma_v2(a0, b2, small)
+            if QP > 1:
+                small = mma_v2(a1, b1, small)
+            small = mma_v2(a1, b0, small)
+            if QP > 1:
+                small = mma_v2(a0, b1, small)
+            y += lead + small
+        return y
+
+    @gluon.jit
     def _pick(b_w, o_w, i: gl.constexpr):
         # element i of a vector every thread holds whole: an in-thread select the compiler folds
         return gl.sum(gl.where(o_w == i, b_w, 0.0), axis=0)
@@ -151,7 +191,8 @@ if HAVE_GLUON:
         BL: gl.constexpr, NW: gl.constexpr, LKW: gl.constexpr, LRW: gl.constexpr, RC: gl.constexpr,
         RCK: gl.constexpr, RCD: gl.constexpr, VK: gl.constexpr, VW: gl.constexpr, HVP: gl.constexpr,
         HKP: gl.constexpr, HAS_D: gl.constexpr, HAS_Z: gl.constexpr, HAS_N: gl.constexpr,
-        NPOS: gl.constexpr, RECMASK: gl.constexpr, KQ: gl.constexpr,
+        NPOS: gl.constexpr, RECMASK: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, NQ: gl.constexpr,
+        QP: gl.constexpr, YN: gl.constexpr,
     ):
         # Layouts (NW warps, K = 128, BV = 16 NW, TP drafts padded, BL record positions):
         # LT   the tile [BV, K] as copied and folded: a row per warp, 4 columns per lane
@@ -219,6 +260,13 @@ if HAVE_GLUON:
         o_kq = gl.arange(0, K, layout=gl.SliceLayout(0, LQ))
         p_Ct = C + i_b * stride_C_b + i_g * stride_C_g
         b_Qr = gl.load(p_Ct + (o_tq[:, None] * stride_C_t + o_kq[None, :]), mask=(o_tq < T)[:, None], other=0.0)
+        if MMA:
+            # the queries as the tensor cores' operand: NQ (at least 8) rows, zero past T
+            LQN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+            o_tn = gl.arange(0, NQ, layout=gl.SliceLayout(1, LQN))
+            o_kn = gl.arange(0, K, layout=gl.SliceLayout(0, LQN))
+            b_Qn = gl.load(p_Ct + (o_tn[:, None] * stride_C_t + o_kn[None, :]), mask=(o_tn < T)[:, None], other=0.0)
+            s_Q = gl.allocate_shared_memory(C.dtype.element_ty, [NQ, K], SM, b_Qn)
         o_tb = gl.arange(0, PD, layout=gl.SliceLayout(1, LIN))
         o_kb = gl.arange(0, K, layout=gl.SliceLayout(0, LIN))
         p_Bt = B + i_b * stride_B_b + i_g * stride_B_g
@@ -327,9 +375,12 @@ if HAVE_GLUON:
         # 5. the row loop: the tile's rows, the committed keys (chunks below h'), the drafts' keys
         # (KQ: the keys' products with the queries come from the launch before, formed once per
         # row and group, utils/key_products.py)
-        s_y = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
-        for r0 in gl.static_range(0, BV, RC):
-            s_y.slice(r0, RC, dim=0).store(_rows_q(s_S.slice(r0, RC, dim=0), b_Q3, L3))
+        s_y = gl.allocate_shared_memory(gl.float32, [BV, YN], SM)
+        if MMA:
+            s_y.store(_tile_q_mma(s_S, s_Q, BV, K, NQ, QP, NW))
+        else:
+            for r0 in gl.static_range(0, BV, RC):
+                s_y.slice(r0, RC, dim=0).store(_rows_q(s_S.slice(r0, RC, dim=0), b_Q3, L3))
         if not KQ:
             s_kq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             for r0 in gl.static_range(0, BL, RCK):
@@ -367,7 +418,7 @@ if HAVE_GLUON:
         m_rt = gl.expand_dims(o_rc3[:, None] <= o_tc3[None, :], 2)
         b_rec += gl.sum(gl.where(m_rt, gl.expand_dims(b_Xc, 1) * gl.expand_dims(b_wd, 2), 0.0), axis=0)
         b_G = gl.exp(gl.where(flush, 0.0, b_L) + _draft_prefix(o_to, b_lddW, o_w, TP))  # g_{0:p_t}
-        b_y = b_G[:, None] * s_y.permute([1, 0]).load(OL) + b_rec
+        b_y = b_G[:, None] * s_y.slice(0, TP, dim=1).permute([1, 0]).load(OL) + b_rec
         b_xo = s_XD.slice(0, TP, dim=0).load(OL)                                          # x_t as given
         if HAS_D:
             b_y += b_D * b_xo.to(gl.float32)
@@ -397,19 +448,21 @@ if HAVE_GLUON:
 
 
 def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                        arrive, slot_ids, num_drafts, out, window, BV, num_warps, recmask=False, kq=False):
+                        arrive, slot_ids, num_drafts, out, window, BV, num_warps, recmask=False, kq=False, mma=False):
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`); the caller checked
     `gluon_verify_unsupported`. `recmask`: predicate the committed records' copies on the
     cursor (no traffic for empty positions; they then wait for it) rather than the window.
     `kq`: the group's key products with the queries (committed records and drafts) formed first
     by `utils.key_products.verify_key_products`, one program per (row, group), instead of by
-    every program of the group's heads and V-blocks."""
+    every program of the group's heads and V-blocks. `mma`: the tile's products with the queries
+    on the tensor cores (`_tile_q_mma`, exact), instead of the row loop's FMA dots."""
     Bt, T, HV, V = x.shape
     Hk, K = B.shape[2], B.shape[3]
     LB = buf_ld.shape[1]
     if Bt == 0:
         return
     tiles = _tiles(T, window, LB, num_warps)
+    nq = max(8, tiles["TP"])           # the MMA's N: at least the 8 columns of m16n8k16
     pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
     kqs = verify_key_products(C, B, buf_k, cursor, slot_ids, num_drafts, window, tiles["BL"], tiles["TP"],
                               tiles["PD"], pads["pad_k"], pads["pad_cur"]) if kq else slot_ids
@@ -425,4 +478,4 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, BV=BV, NW=num_warps,
         VK=16 // buf_k.element_size(), VW=16 // buf_w.element_size(),
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), RECMASK=bool(recmask), KQ=bool(kq),
-        num_warps=num_warps, **tiles)
+        MMA=bool(mma), NQ=nq, QP=pieces(C.dtype), YN=nq if mma else tiles["TP"], num_warps=num_warps, **tiles)

@@ -255,7 +255,10 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
     kernels' default from `TC_MIN_T` drafts on (below it, and with `mma=False`, the row-dot
     kernel). Not the GPU's default: on an H100 at batch 256, T = 8, it took 1.48-1.65x a
     conventional step for Super (BV=64, 4 warps, `kq`) and 1.64-1.78x for Nano-4B (BV=32, 2
-    warps) where the Gluon kernel took 0.85-1.05x and 1.12-1.36x (docs/verify.md).
+    warps) where the Gluon kernel took 0.85-1.05x and 1.12-1.36x (docs/verify.md). With
+    `gluon=True`: the Gluon kernel with the tile's products with the queries on the tensor
+    cores, exact as above (`gluon_verify._tile_q_mma`), `kq` on unless the config says
+    otherwise; not yet run on a GPU, so nowhere the default.
 
     `kq`: the group's key products with the drafts' queries, committed records' and drafts'
     keys alike, formed first by one program per (row, group)
@@ -283,15 +286,17 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
     for key in ("gluon", "kq", "mma"):
         if not isinstance(config.get(key, False), bool):
             raise ValueError(f"config: {key} must be a bool, got {config[key]!r}")
-    if config.get("mma") and config.get("gluon"):
-        raise ValueError("config: mma and gluon are two kernels; ask for one")
-    gbv = None if config.get("mma") else _gluon_default(HV, V, K, Hk, T, device, window, Lb)
+    # mma alone: the Triton tensor-core kernel; with gluon=True: the Gluon kernel's tile products
+    gbv = None if config.get("mma") and not config.get("gluon") else _gluon_default(HV, V, K, Hk, T, device,
+                                                                                      window, Lb)
     if config.get("gluon", gbv is not None):
         bv, nw = config.get("BV"), config.get("num_warps")
         if bv is None:
             bv = 16 * nw if isinstance(nw, int) else gbv or 16
+        # the tile's products on the tensor cores take the keys' products from the launch before
+        # (kq): the row loop's register-held queries would otherwise stay live beside them
         cfg = dict(BV=bv, num_warps=max(1, bv // 16) if isinstance(bv, int) else 1, num_stages=1, gluon=True,
-                   kq=kq_default(HV, V, Hk, T, bv), mma=False)
+                   kq=bool(config.get("mma")) or kq_default(HV, V, Hk, T, bv), mma=False)
     cfg.update(config)
     for key in ("BV", "num_warps"):
         val = cfg[key]
@@ -332,7 +337,7 @@ def _launch_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cu
             and gluon_verify_unsupported(HV, V, K, Hk, T, window, LB, BV, num_warps) is None
             and gluon_aligned(ckpt, buf_ld, buf_w, buf_k)):
         launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                            arrive, slot_ids, num_drafts, out, window, BV, num_warps, kq=kq)
+                            arrive, slot_ids, num_drafts, out, window, BV, num_warps, kq=kq, mma=mma)
         return
     nvb = triton.cdiv(V, BV)
     if mma:
