@@ -194,7 +194,7 @@ def mamba2_gluon_verify(cfg):
     vals = dict(tiles, HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T, BV=c["BV"],
                 NW=c["num_warps"], VK=8, VW=8, HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(G),
                 HAS_D=True, HAS_Z=True, HAS_N=True, RECMASK=False, KQ=bool(int(c["kq"])), MMA=mma, NQ=nq, QP=1,
-                YN=nq if mma else tiles["TP"])
+                YN=nq if mma else tiles["TP"], KP=1)
     fn = jit_function(m._gluon_verify_kernel)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"], GluonASTSource), f"mamba2 gluon verify {c}")

@@ -137,6 +137,45 @@ if HAVE_GLUON:
         return y
 
     @gluon.jit
+    def _fold_mma(s_S, s_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
+                  KP: gl.constexpr, NW: gl.constexpr):
+        """The flush's fold on the tensor cores, exact as `_tile_q_mma`: per chunk of 32 of the
+        tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32 in three bf16 pieces, the
+        keys `[BL, K]` as stored in KP), the products in a fresh accumulator added to `g C_c` in
+        fp32 (never accumulated inside the MMA, whose truncation would bias the checkpoint),
+        stored to shared memory and to the checkpoint `p_S`."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        NC: gl.constexpr = 32
+        a = s_X.load(AL)
+        a0 = a.to(gl.bfloat16)
+        ra = a - a0.to(gl.float32)
+        a1 = ra.to(gl.bfloat16)
+        a2 = (ra - a1.to(gl.float32)).to(gl.bfloat16)
+        o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, MM))
+        o_c = gl.arange(0, NC, layout=gl.SliceLayout(0, MM))
+        for c0 in gl.static_range(0, K, NC):
+            b = s_K.slice(c0, NC, dim=1).load(BO).to(gl.float32)
+            b0 = b.to(gl.bfloat16)
+            rb = b - b0.to(gl.float32)
+            b1 = rb.to(gl.bfloat16)
+            b2 = (rb - b1.to(gl.float32)).to(gl.bfloat16)
+            zero = gl.zeros([BV, NC], gl.float32, MM)
+            lead = mma_v2(a0, b0, zero)
+            small = mma_v2(a2, b0, zero)
+            if KP > 2:
+                small = mma_v2(a0, b2, small)
+            if KP > 1:
+                small = mma_v2(a1, b1, small)
+            small = mma_v2(a1, b0, small)
+            if KP > 1:
+                small = mma_v2(a0, b1, small)
+            b_Sc = b_g * s_S.slice(c0, NC, dim=1).load(MM) + (lead + small)
+            s_S.slice(c0, NC, dim=1).store(b_Sc)
+            gl.store(p_S + (o_r[:, None] * K + (c0 + o_c)[None, :]), b_Sc)
+
+    @gluon.jit
     def _pick(b_w, o_w, i: gl.constexpr):
         # element i of a vector every thread holds whole: an in-thread select the compiler folds
         return gl.sum(gl.where(o_w == i, b_w, 0.0), axis=0)
@@ -192,7 +231,7 @@ if HAVE_GLUON:
         RCK: gl.constexpr, RCD: gl.constexpr, VK: gl.constexpr, VW: gl.constexpr, HVP: gl.constexpr,
         HKP: gl.constexpr, HAS_D: gl.constexpr, HAS_Z: gl.constexpr, HAS_N: gl.constexpr,
         NPOS: gl.constexpr, RECMASK: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, NQ: gl.constexpr,
-        QP: gl.constexpr, YN: gl.constexpr,
+        QP: gl.constexpr, YN: gl.constexpr, KP: gl.constexpr,
     ):
         # Layouts (NW warps, K = 128, BV = 16 NW, TP drafts padded, BL record positions):
         # LT   the tile [BV, K] as copied and folded: a row per warp, 4 columns per lane
@@ -347,7 +386,26 @@ if HAVE_GLUON:
         # the records read from their shared copies), stored to the checkpoint
         cp.wait_group(0)
         _barrier()
-        if flush:
+        if flush and MMA:
+            # on the tensor cores: dS = X @ K_c per chunk of 32 columns, X[v, j] = coef_j x_j[v]
+            # (zero at and past the cursor: records there may hold NaN, and 0 * NaN is NaN in a
+            # product), the keys as stored (zeroed there likewise), then C <- g C + dS in fp32
+            LXJ: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
+            o_jX = gl.arange(0, BL, layout=gl.SliceLayout(0, LXJ))
+            b_coefX = gl.convert_layout(gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), gl.SliceLayout(0, LXJ))
+            b_WX = s_W.permute([1, 0]).load(LXJ).to(gl.float32)                         # [BV, BL]
+            s_X = gl.allocate_shared_memory(gl.float32, [BV, BL], SM,
+                                            gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0))
+            LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+            o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
+            b_Kz = s_K.load(LKZ)
+            _barrier()
+            # in place: with a flush no committed key is read again (h' = 0)
+            s_K.store(gl.where((o_jK < h)[:, None], b_Kz, gl.zeros_like(b_Kz)))
+            _barrier()
+            _fold_mma(s_S, s_X, s_K, p_S, gl.exp(b_L), BV, K, BL, KP, NW)
+            _barrier()
+        elif flush:
             # LF: 4 consecutive rows x 4 columns per thread, so that a record's values for a
             # thread's rows are one vector load; rows RCF = 4 NW per chunk
             LF: gl.constexpr = gl.BlockedLayout([4, 4], [1, 32], [NW, 1], [1, 0])
@@ -478,4 +536,5 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=window, T=T, BV=BV, NW=num_warps,
         VK=16 // buf_k.element_size(), VW=16 // buf_w.element_size(),
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), RECMASK=bool(recmask), KQ=bool(kq),
-        MMA=bool(mma), NQ=nq, QP=pieces(C.dtype), YN=nq if mma else tiles["TP"], num_warps=num_warps, **tiles)
+        MMA=bool(mma), NQ=nq, QP=pieces(C.dtype), YN=nq if mma else tiles["TP"], KP=pieces(buf_k.dtype),
+        num_warps=num_warps, **tiles)
