@@ -38,7 +38,10 @@ DESIGNS = {
     "gdn-shared-fp16-sr": ("gdn", "fp16", None, "stochastic"),
     "gdn-shared-bf16-near": ("gdn", "bf16", None, "nearest"),
     "gdn-shared-nvfp4-near": ("gdn", "nvfp4", None, "nearest"),
+    "gdn-fp32-fp8": ("gdn", "fp32", "fp8_e4m3", "stochastic"),
+    "gdn-shared-fp8-sr": ("gdn", "fp8_e4m3", None, "stochastic"),
     "kda-fp32-bf16": ("kda", "fp32", "bf16", "stochastic"),
+    "kda-fp32-fp8": ("kda", "fp32", "fp8_e4m3", "stochastic"),
     "kda-shared-fp16-sr": ("kda", "fp16", None, "stochastic"),
 }
 # the records a steady row writes at its cursor, with what may differ from the single launch
@@ -50,17 +53,23 @@ RECORD_TOL = {"w": 1e-5, "k": 1e-6, "ld": 1e-6, "beta": 1e-6, "v": 0.0}
 # the dispatch, on the CPU
 
 
-def test_gluon_lp_unsupported_reasons():
-    """What the Gluon kernel covers: GDN and KDA, fp16/bf16 reads (fp8/NVFP4 fenced as Mamba-2's,
-    KDA's NVFP4 never), windows 2..32, K = 128, 16 rows per warp dividing V."""
+def test_gluon_lp_unsupported_reasons(monkeypatch):
+    """What the Gluon kernel covers: GDN and KDA, fp16/bf16 reads (fp8/NVFP4 behind a switch until
+    they have run on a GPU, KDA's NVFP4 never), windows 2..32, K = 128, 16 rows per warp dividing V."""
     f = gluon_lowp.gluon_lp_unsupported
+    monkeypatch.delenv(gluon_lowp.FP8_NVFP4_SWITCH, raising=False)
     for family, fmt in (("gdn", "fp16"), ("gdn", "bf16"), ("kda", "bf16")):
         why = f(family, LP_CODES[fmt], 128, 128, 16, 17, 64)
         assert why is None if HAVE_GLUON else "no Gluon" in why
     assert "mamba2" in f("mamba2", 1, 128, 128, 16, 17, 64)
     assert "code 0" in f("gdn", 0, 128, 128, 16, 17, 64)                       # an fp32 shared checkpoint
-    assert "probe" in f("gdn", LP_CODES["fp8_e4m3"], 128, 128, 16, 17, 64)
-    assert "probe" in f("gdn", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
+    assert gluon_lowp.FP8_NVFP4_SWITCH in f("gdn", LP_CODES["fp8_e4m3"], 128, 128, 16, 17, 64)
+    assert gluon_lowp.FP8_NVFP4_SWITCH in f("gdn", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
+    assert "KDA" in f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
+    monkeypatch.setenv(gluon_lowp.FP8_NVFP4_SWITCH, "1")
+    for family, fmt in (("gdn", "fp8_e4m3"), ("gdn", "nvfp4"), ("kda", "fp8_e4m3")):
+        why = f(family, LP_CODES[fmt], 128, 128, 16, 17, 64)
+        assert why is None if HAVE_GLUON else "no Gluon" in why
     assert "KDA" in f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
     assert "window 1" in f("gdn", 1, 128, 128, 1, 17, 64)
     if HAVE_GLUON:
@@ -291,6 +300,19 @@ def test_split_matches_single_launch_gpu(shape, name, gluon_launches):
     a padding row: the split with the Gluon kernel against the single launch (state bit for bit
     but the steady rows' new records, within `RECORD_TOL`; steady outputs within 1e-5) and the
     reference pool (1e-4)."""
+    _gpu_split(name, shape, 8, 16, 40, {}, gluon_launches)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name, shape", [(n, s) for n in ("gdn-fp32-fp8", "gdn-fp32-nvfp4", "gdn-shared-fp8-sr",
+                                                              "gdn-shared-nvfp4-near")
+                                          for s in ("qwen3.5-4b", "qwen3.5-122b")]
+                         + [("kda-fp32-fp8", "kimi-linear-48b")])
+def test_split_fp8_nvfp4_matches_single_launch_gpu(shape, name, gluon_launches, monkeypatch):
+    """fp8_e4m3 and NVFP4 reads in the Gluon kernel, switched on (`FP8_NVFP4_SWITCH`, off by
+    default until this has passed): as `test_split_matches_single_launch_gpu`."""
+    monkeypatch.setenv(gluon_lowp.FP8_NVFP4_SWITCH, "1")
     _gpu_split(name, shape, 8, 16, 40, {}, gluon_launches)
 
 
