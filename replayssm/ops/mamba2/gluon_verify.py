@@ -99,79 +99,68 @@ if HAVE_GLUON:
         return gl.sum(gl.expand_dims(b_r, 1) * b_Q3, axis=2)
 
     @gluon.jit
+    def _split_bf16(x):
+        # fp32 x as three bf16 pieces by round-to-nearest, x == p0 + p1 + p2 exactly (dots.py)
+        p0 = x.to(gl.bfloat16)
+        r = x - p0.to(gl.float32)
+        p1 = r.to(gl.bfloat16)
+        return p0, p1, (r - p1.to(gl.float32)).to(gl.bfloat16)
+
+    @gluon.jit
+    def _mma_exact(a0, a1, a2, b, zero, BP: gl.constexpr):
+        """`a @ b` at fp32 accuracy as a fresh value (`dots.dot_bf16x`'s products): `a` as its
+        three pieces (`_split_bf16`) in the dot-operand layout, `b` fp32 of BP pieces (its
+        16-bit source's `pieces`), `zero` the result's zeros in the MMA layout; the leading
+        product in an accumulator of its own, the small ones together, smallest first."""
+        b0, b1, b2 = _split_bf16(b)
+        lead = mma_v2(a0, b0, zero)
+        small = mma_v2(a2, b0, zero)
+        if BP > 2:
+            small = mma_v2(a0, b2, small)
+        if BP > 1:
+            small = mma_v2(a1, b1, small)
+        small = mma_v2(a1, b0, small)
+        if BP > 1:
+            small = mma_v2(a0, b1, small)
+        return lead + small
+
+    @gluon.jit
     def _tile_q_mma(s_S, s_Q, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr, QP: gl.constexpr,
                     NW: gl.constexpr):
         """The tile `[BV, K]` (fp32, shared) times the queries `s_Q` `[NQ, K]` (as given, shared;
         rows past T zero): `[BV, NQ]` fp32 in the MMA layout, on the 16-bit tensor cores at fp32
-        accuracy (`utils/dots.py`'s split): each K chunk of 32 of the tile in three bf16 pieces,
-        the queries in QP (bf16 1, fp16 2, fp32 3), the pieces' products down to 2^-16 of the
-        leading one, the leading one in an accumulator of its own, each chunk's sum added into
-        fp32 registers (the tensor cores' accumulation truncates: no chain over all of K)."""
+        accuracy (`_mma_exact`), a K chunk of 32 a call, each chunk's result added into fp32
+        registers (the tensor cores' accumulation truncates: no chain over all of K)."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         KC: gl.constexpr = 32
         y = gl.zeros([BV, NQ], gl.float32, MM)
         for k0 in gl.static_range(0, K, KC):
-            a = s_S.slice(k0, KC, dim=1).load(AL)
-            a0 = a.to(gl.bfloat16)
-            ra = a - a0.to(gl.float32)
-            a1 = ra.to(gl.bfloat16)
-            a2 = (ra - a1.to(gl.float32)).to(gl.bfloat16)
+            a0, a1, a2 = _split_bf16(s_S.slice(k0, KC, dim=1).load(AL))
             b = s_Q.slice(k0, KC, dim=1).permute([1, 0]).load(BO).to(gl.float32)
-            b0 = b.to(gl.bfloat16)
-            rb = b - b0.to(gl.float32)
-            b1 = rb.to(gl.bfloat16)
-            b2 = (rb - b1.to(gl.float32)).to(gl.bfloat16)
-            zero = gl.zeros([BV, NQ], gl.float32, MM)
-            lead = mma_v2(a0, b0, zero)
-            small = mma_v2(a2, b0, zero)                 # the small products first, smallest first
-            if QP > 2:
-                small = mma_v2(a0, b2, small)
-            if QP > 1:
-                small = mma_v2(a1, b1, small)
-            small = mma_v2(a1, b0, small)
-            if QP > 1:
-                small = mma_v2(a0, b1, small)
-            y += lead + small
+            y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), QP)
         return y
 
     @gluon.jit
     def _fold_mma(s_S, s_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
                   KP: gl.constexpr, NW: gl.constexpr):
         """The flush's fold on the tensor cores, exact as `_tile_q_mma`: per chunk of 32 of the
-        tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32 in three bf16 pieces, the
-        keys `[BL, K]` as stored in KP), the products in a fresh accumulator added to `g C_c` in
-        fp32 (never accumulated inside the MMA, whose truncation would bias the checkpoint),
-        stored to shared memory and to the checkpoint `p_S`."""
+        tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32, the keys `[BL, K]` as
+        stored, KP pieces), the products a fresh value added to `g C_c` in fp32 (never
+        accumulated inside the MMA, whose truncation would bias the checkpoint), stored to
+        shared memory and to the checkpoint `p_S`."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         NC: gl.constexpr = 32
-        a = s_X.load(AL)
-        a0 = a.to(gl.bfloat16)
-        ra = a - a0.to(gl.float32)
-        a1 = ra.to(gl.bfloat16)
-        a2 = (ra - a1.to(gl.float32)).to(gl.bfloat16)
+        a0, a1, a2 = _split_bf16(s_X.load(AL))           # once for every column chunk
         o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, MM))
         o_c = gl.arange(0, NC, layout=gl.SliceLayout(0, MM))
         for c0 in gl.static_range(0, K, NC):
             b = s_K.slice(c0, NC, dim=1).load(BO).to(gl.float32)
-            b0 = b.to(gl.bfloat16)
-            rb = b - b0.to(gl.float32)
-            b1 = rb.to(gl.bfloat16)
-            b2 = (rb - b1.to(gl.float32)).to(gl.bfloat16)
-            zero = gl.zeros([BV, NC], gl.float32, MM)
-            lead = mma_v2(a0, b0, zero)
-            small = mma_v2(a2, b0, zero)
-            if KP > 2:
-                small = mma_v2(a0, b2, small)
-            if KP > 1:
-                small = mma_v2(a1, b1, small)
-            small = mma_v2(a1, b0, small)
-            if KP > 1:
-                small = mma_v2(a0, b1, small)
-            b_Sc = b_g * s_S.slice(c0, NC, dim=1).load(MM) + (lead + small)
+            dS = _mma_exact(a0, a1, a2, b, gl.zeros([BV, NC], gl.float32, MM), KP)
+            b_Sc = b_g * s_S.slice(c0, NC, dim=1).load(MM) + dS
             s_S.slice(c0, NC, dim=1).store(b_Sc)
             gl.store(p_S + (o_r[:, None] * K + (c0 + o_c)[None, :]), b_Sc)
 
