@@ -4,7 +4,9 @@
 #   before, in earlier calls of the same warm machine: steps A and B of shared/vllm/run_device.sh
 #   (c1 -> /tmp/site/vllm; c3 for Qwen3-Next's MoE layer), e.g.
 #          bash benchmarks/tools/vllm_check.sh unpack C1_DIR      then, for Qwen3-Next,   ... unpack C3_DIR
-#   (c1 and c2 together exceed what one call carries, hence separate calls)
+#   (c1 and c2 together exceed what one call carries, hence separate calls; with the tree's
+#   ~33 MB of trained models beside it c1 itself is too large: split it, `split -b 24M C.so.xz
+#   C.so.xz.part-` and fa3.so.xz likewise, one piece per folder and call, `unpack` each folder)
 #   then:  bash benchmarks/tools/vllm_check.sh C2_DIR [pytest args, e.g. -k "nemotron_h_tiny and eager"]
 #   or:    bash benchmarks/tools/vllm_check.sh C2_DIR bench [replayssm bench vllm args]   (the serving benchmark)
 # C2_DIR: the c2 folder of prep_carry.sh (vllm_src.tar.xz, site312.tar.xz, models/). Each LLM start
@@ -12,10 +14,19 @@
 # below), to stay inside one command's limit.
 set -u
 if [ "${1:-}" = unpack ]; then
-  D=/tmp/site/vllm; mkdir -p $D/vllm_flash_attn; X=$2
-  [ -f $X/C.so.xz ] && { xz -T8 -dc $X/C.so.xz > $D/_C_stable_libtorch.abi3.so || exit 1; }
-  [ -f $X/fa3.so.xz ] && { xz -dc $X/fa3.so.xz > $D/vllm_flash_attn/_vllm_fa3_C.abi3.so || exit 1; }
-  [ -f $X/moe.so.xz ] && { xz -T8 -dc $X/moe.so.xz > $D/_moe_C_stable_libtorch.abi3.so || exit 1; }
+  D=/tmp/site/vllm; P=/tmp/vllm_parts; mkdir -p $D/vllm_flash_attn $P; X=$2
+  # pieces of a file too large to travel beside the tree (`split -b 24M C.so.xz C.so.xz.part-`,
+  # each piece in a folder of its own, one call each): gathered in $P until the stream is whole
+  for p in $X/*.xz.part-*; do
+    [ -f "$p" ] || continue
+    cp "$p" $P/; f=$(basename "${p%.part-*}")
+    if cat $P/$f.part-* | xz -t 2>/dev/null; then cat $P/$f.part-* > $P/$f && rm $P/$f.part-* && echo "$f: whole"
+    else echo "$f: $(ls $P/$f.part-* | wc -l) pieces so far"; fi
+  done
+  src() { if [ -f $X/$1 ]; then echo $X/$1; elif [ -f $P/$1 ]; then echo $P/$1; fi; }
+  s=$(src C.so.xz); [ -n "$s" ] && { xz -T8 -dc $s > $D/_C_stable_libtorch.abi3.so || exit 1; rm -f $P/C.so.xz; }
+  s=$(src fa3.so.xz); [ -n "$s" ] && { xz -dc $s > $D/vllm_flash_attn/_vllm_fa3_C.abi3.so || exit 1; rm -f $P/fa3.so.xz; }
+  s=$(src moe.so.xz); [ -n "$s" ] && { xz -T8 -dc $s > $D/_moe_C_stable_libtorch.abi3.so || exit 1; rm -f $P/moe.so.xz; }
   ls -la $D; exit 0
 fi
 # a copied working tree may carry a stale .git: set REPLAYSSM_COMMIT=<the commit> for the results' git_commit
