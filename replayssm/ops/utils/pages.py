@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _copy_pages_kernel(pages, src, dst, words, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+def _replay_copy_pages_kernel(pages, src, dst, words, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr):
     # a fixed number of programs per row, each striding over its part of the page: rows that
     # stay cost PARTS programs that exit after two loads, however large the page
     row = tl.program_id(0)
@@ -43,7 +43,7 @@ def copy_pages(pages: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, block:
     if pages.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         W = pages.shape[1]
         parts = max(1, min(parts, triton.cdiv(W, block)))
-        _copy_pages_kernel[(src.numel(), parts)](pages, src, dst, W, pages.stride(0), PARTS=parts, BLOCK=block)
+        _replay_copy_pages_kernel[(src.numel(), parts)](pages, src, dst, W, pages.stride(0), PARTS=parts, BLOCK=block)
         return
     live = (src != dst) & (src >= 0) & (dst >= 0)
     pages[dst[live].long()] = pages[src[live].long()]
