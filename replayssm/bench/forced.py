@@ -166,8 +166,8 @@ def _prefix_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    elif query.is_cuda and _decode_kernel().supports(q, mask):
-        out = _decode_kernel().decode_attention(q, k, v, mask, scale)
+    elif query.is_cuda and (kernel := _decode_kernel()).supports(q, mask):
+        out = kernel.decode_attention(q, k, v, mask, scale)
     else:
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale     # [B, kv, H // kv, n]
         # the mask [B, 1, 1, n] broadcasts over the grouped heads: True (or 0) attends

@@ -147,10 +147,13 @@ def move_decoding(state: S.BlockState, md) -> Tensor:
     of its tensors) is copied to the written one, whose slot ids `[num_decodes]` the step then
     runs on. Device ops only."""
     from ...ops.utils.pages import copy_pages
-    nd = md.num_decodes
     idx = md.state_indices_tensor_d
-    src = batch.slot_ids(idx.gather(1, md.block_idx_last_computed_token[:nd, None].long())[:, 0])
-    dst = batch.slot_ids(idx.gather(1, md.block_idx_last_scheduled_token[:nd, None].long())[:, 0])
+
+    def blocks():                  # the same for every layer of the step
+        nd = md.num_decodes
+        return tuple(batch.slot_ids(idx.gather(1, t[:nd, None].long())[:, 0])
+                     for t in (md.block_idx_last_computed_token, md.block_idx_last_scheduled_token))
+    src, dst = batch.STEP.get(md, "all_mode_blocks", idx, blocks)
     copy_pages(S.page_view(state), src, dst)
     return dst
 

@@ -158,7 +158,15 @@ class BlockState:
 def page_view(state: BlockState) -> Tensor:
     """Each block's page as one row `[N, words]` (int32 words where the page allows, else
     bytes): the region from the first tensor's start over `spec.page_bytes()`, at vLLM's page
-    stride, so that copying a row copies every tensor of the block (conv state included)."""
+    stride, so that copying a row copies every tensor of the block (conv state included).
+    Built once per state: a decode step asks for it in every layer."""
+    view = state.__dict__.get("_page_view")
+    if view is None:
+        view = state.__dict__["_page_view"] = _page_view(state)
+    return view
+
+
+def _page_view(state: BlockState) -> Tensor:
     parts = (state.conv, state.ckpt, state.ld, state.w, state.k, state.cursor)
     start = min(t.storage_offset() * t.element_size() for t in parts)
     stride = state.conv.stride(0) * state.conv.element_size()
