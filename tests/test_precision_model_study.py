@@ -91,9 +91,11 @@ def test_cli_writes_json_and_plot(tmp_path):
         cli.main(["study", "precision-model", "--designs", "shared,bogus"])
 
 
-def test_parts_side_by_side_merge_into_one_study(tmp_path, capsys):
-    # runs side by side, each a share of the variants, merged into one study
+def test_parts_side_by_side_merge_into_one_study(tmp_path, capsys, monkeypatch):
+    # runs side by side, each a share of the variants, merged into one study (one commit named
+    # for both: a checkout with local changes would otherwise give each part a note of its own)
     from replayssm import cli
+    monkeypatch.setenv("REPLAYSSM_COMMIT", "0123abc")
     common = ["study", "precision-model", "--models", "tiny_nemotron_h", "--tokens", "4", "--prefill", "2",
               "--formats", "fp16", "--device", "cpu", "--no-plot"]
     cli.main(common + ["--designs", "separate", "--out", str(tmp_path / "a.json")])
