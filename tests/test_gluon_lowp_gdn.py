@@ -53,23 +53,16 @@ RECORD_TOL = {"w": 1e-5, "k": 1e-6, "ld": 1e-6, "beta": 1e-6, "v": 0.0}
 # the dispatch, on the CPU
 
 
-def test_gluon_lp_unsupported_reasons(monkeypatch):
-    """What the Gluon kernel covers: GDN and KDA, fp16/bf16 reads (fp8/NVFP4 behind a switch until
-    they have run on a GPU, KDA's NVFP4 never), windows 2..32, K = 128, 16 rows per warp dividing V."""
+def test_gluon_lp_unsupported_reasons():
+    """What the Gluon kernel covers: GDN and KDA, fp16/bf16/fp8_e4m3/NVFP4 reads (KDA's NVFP4
+    not), windows 2..32, K = 128, 16 rows per warp dividing V."""
     f = gluon_lowp.gluon_lp_unsupported
-    monkeypatch.delenv(gluon_lowp.FP8_NVFP4_SWITCH, raising=False)
-    for family, fmt in (("gdn", "fp16"), ("gdn", "bf16"), ("kda", "bf16")):
+    for family, fmt in (("gdn", "fp16"), ("gdn", "bf16"), ("kda", "bf16"), ("gdn", "fp8_e4m3"), ("gdn", "nvfp4"),
+                        ("kda", "fp8_e4m3")):
         why = f(family, LP_CODES[fmt], 128, 128, 16, 17, 64)
         assert why is None if HAVE_GLUON else "no Gluon" in why
     assert "mamba2" in f("mamba2", 1, 128, 128, 16, 17, 64)
     assert "code 0" in f("gdn", 0, 128, 128, 16, 17, 64)                       # an fp32 shared checkpoint
-    assert gluon_lowp.FP8_NVFP4_SWITCH in f("gdn", LP_CODES["fp8_e4m3"], 128, 128, 16, 17, 64)
-    assert gluon_lowp.FP8_NVFP4_SWITCH in f("gdn", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
-    assert "KDA" in f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
-    monkeypatch.setenv(gluon_lowp.FP8_NVFP4_SWITCH, "1")
-    for family, fmt in (("gdn", "fp8_e4m3"), ("gdn", "nvfp4"), ("kda", "fp8_e4m3")):
-        why = f(family, LP_CODES[fmt], 128, 128, 16, 17, 64)
-        assert why is None if HAVE_GLUON else "no Gluon" in why
     assert "KDA" in f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
     assert "window 1" in f("gdn", 1, 128, 128, 1, 17, 64)
     if HAVE_GLUON:
@@ -309,10 +302,8 @@ def test_split_matches_single_launch_gpu(shape, name, gluon_launches):
                                                               "gdn-shared-nvfp4-near")
                                           for s in ("qwen3.5-4b", "qwen3.5-122b")]
                          + [("kda-fp32-fp8", "kimi-linear-48b")])
-def test_split_fp8_nvfp4_matches_single_launch_gpu(shape, name, gluon_launches, monkeypatch):
-    """fp8_e4m3 and NVFP4 reads in the Gluon kernel, switched on (`FP8_NVFP4_SWITCH`, off by
-    default until this has passed): as `test_split_matches_single_launch_gpu`."""
-    monkeypatch.setenv(gluon_lowp.FP8_NVFP4_SWITCH, "1")
+def test_split_fp8_nvfp4_matches_single_launch_gpu(shape, name, gluon_launches):
+    """fp8_e4m3 and NVFP4 reads in the Gluon kernel: as `test_split_matches_single_launch_gpu`."""
     _gpu_split(name, shape, 8, 16, 40, {}, gluon_launches)
 
 

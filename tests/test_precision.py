@@ -165,6 +165,7 @@ def test_slow_low_precision_reads_name_their_measurement():
         assert card in text and path in text and fmt in text
         assert all(re.search(rf"{re.escape(s)} {r:.2f}x", text) for s, r in points)
     assert backends.slow_lp_read("mamba2", "fp8_e4m3") is None and backends.slow_lp_read("gdn", "fp16") is None
+    assert backends.slow_lp_read("gdn", "fp8_e4m3") is None and backends.slow_lp_read("kda", "fp8_e4m3") is None
     assert backends.slow_lp_read("gdn", None) is None
 
 
@@ -176,11 +177,13 @@ def test_pool_warns_where_its_copy_reads_slower_than_fp32():
     from replayssm import SlotPool, SlowReadWarning
     from replayssm.testing import make_params
     params = make_params("gdn", 8, 128)
-    with pytest.warns(SlowReadWarning, match="qwen3.5-4b 0.34x"):
-        SlotPool(params, 4, 128, 128, 2, device="cuda", lp_format="fp8_e4m3")
+    with pytest.warns(SlowReadWarning, match="kimi-linear-48b 0.22x"):
+        SlotPool(make_params("kda", 8, 128), 4, 128, 128, 2, device="cuda", lp_format="nvfp4")
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowReadWarning)
         SlotPool(params, 4, 128, 128, 2, device="cuda", lp_format="fp16")
+        SlotPool(params, 4, 128, 128, 2, device="cuda", lp_format="fp8_e4m3")
+        SlotPool(params, 4, 128, 128, 2, device="cuda", lp_format="nvfp4")
         SlotPool(make_params("mamba2", 8, 128), 4, 64, 128, 2, device="cuda", lp_format="fp8_e4m3")
 
 
