@@ -274,7 +274,14 @@ if HAVE_GLUON:
 
         # 1. the tile to shared memory (its own copy group)
         p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + v0 * K
-        s_S = _tile_to_shared(p_S, BV, K, LT, SM)
+        if MMA:
+            # the MMA operand layout reads 8 rows x 32 bytes per warp access; rows K * 4 bytes
+            # apart all start in bank 0, an 8-way conflict unswizzled. 16-byte units XOR-ed with
+            # the row (mod 8) spread them over the 32 banks (2 wavefronts for 256 bytes, the
+            # least), and keep the copy's 16-byte pieces and the row loop's reads contiguous
+            s_S = _tile_to_shared(p_S, BV, K, LT, gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+        else:
+            s_S = _tile_to_shared(p_S, BV, K, LT, SM)
 
         # 2. cursor, draft count, the drafts' inputs (none waits for the cursor)
         h = gl.load(cursor + slot)
@@ -294,7 +301,10 @@ if HAVE_GLUON:
             o_tn = gl.arange(0, NQ, layout=gl.SliceLayout(1, LQN))
             o_kn = gl.arange(0, K, layout=gl.SliceLayout(0, LQN))
             b_Qn = gl.load(p_Ct + (o_tn[:, None] * stride_C_t + o_kn[None, :]), mask=(o_tn < T)[:, None], other=0.0)
-            s_Q = gl.allocate_shared_memory(C.dtype.element_ty, [NQ, K], SM, b_Qn)
+            # read transposed as the B operand (ldmatrix for 16-bit queries: 8 rows of 16 bytes,
+            # K * 2 bytes apart, in one bank group unswizzled): 8-element units XOR-ed with the row
+            s_Q = gl.allocate_shared_memory(C.dtype.element_ty, [NQ, K], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]),
+                                            b_Qn)
         o_tb = gl.arange(0, PD, layout=gl.SliceLayout(1, LIN))
         o_kb = gl.arange(0, K, layout=gl.SliceLayout(0, LIN))
         p_Bt = B + i_b * stride_B_b + i_g * stride_B_g
@@ -375,49 +385,55 @@ if HAVE_GLUON:
         # the records read from their shared copies), stored to the checkpoint
         cp.wait_group(0)
         _barrier()
-        if flush and MMA:
-            # on the tensor cores: dS = X @ K_c per chunk of 32 columns, X[v, j] = coef_j x_j[v]
-            # (zero at and past the cursor: records there may hold NaN, and 0 * NaN is NaN in a
-            # product), the keys as stored (zeroed there likewise), then C <- g C + dS in fp32
-            LXJ: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
-            o_jX = gl.arange(0, BL, layout=gl.SliceLayout(0, LXJ))
-            b_coefX = gl.convert_layout(gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), gl.SliceLayout(0, LXJ))
-            b_WX = s_W.permute([1, 0]).load(LXJ).to(gl.float32)                         # [BV, BL]
-            s_X = gl.allocate_shared_memory(gl.float32, [BV, BL], SM,
-                                            gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0))
-            LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-            o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
-            b_Kz = s_K.load(LKZ)
-            _barrier()
-            # in place: with a flush no committed key is read again (h' = 0)
-            s_K.store(gl.where((o_jK < h)[:, None], b_Kz, gl.zeros_like(b_Kz)))
-            _barrier()
-            _fold_mma(s_S, s_X, s_K, p_S, gl.exp(b_L), BV, K, BL, KP, NW)
-            _barrier()
-        elif flush:
-            # LF: 4 consecutive rows x 4 columns per thread, so that a record's values for a
-            # thread's rows are one vector load; rows RCF = 4 NW per chunk
-            LF: gl.constexpr = gl.BlockedLayout([4, 4], [1, 32], [NW, 1], [1, 0])
-            RCF: gl.constexpr = 4 * NW
-            b_g = gl.exp(b_L)
-            b_coefP = gl.convert_layout(gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), LP)
-            o_lP = gl.arange(0, BL, layout=LP)
-            o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LF))
-            s_Wt = s_W.permute([1, 0])                                                  # [BV, BL]
-            for r0 in gl.static_range(0, BV, RCF):
-                o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LF))
-                b_Sc = b_g * s_S.slice(r0, RCF, dim=0).load(LF)
-                for j in gl.static_range(BL):
-                    # a uniform branch, not a select: positions past the cursor are never read
-                    # (they may hold NaN) and cost nothing
-                    if j < h:
-                        # w_j [RCF, 1] and k_j [1, K] as 2-d slices in LF itself: no conversion
-                        w_j = s_Wt.slice(r0, RCF, dim=0).slice(j, 1, dim=1).load(LF).to(gl.float32)
-                        k_j = s_K.slice(j, 1, dim=0).load(LF).to(gl.float32)
-                        b_Sc += (_pick(b_coefP, o_lP, j) * w_j) * k_j
-                s_S.slice(r0, RCF, dim=0).store(b_Sc)
-                gl.store(p_S + (o_rc[:, None] * K + o_tk[None, :]), b_Sc)
-            _barrier()
+        if MMA:
+            # (MMA is the outer test: a constexpr, so that the FMA fold below, whose row slices
+            # would split the swizzled tile, is not built beside it)
+            if flush:
+                # on the tensor cores: dS = X @ K_c per chunk of 32 columns, X[v, j] = coef_j x_j[v]
+                # (zero at and past the cursor: records there may hold NaN, and 0 * NaN is NaN in a
+                # product), the keys as stored (zeroed there likewise), then C <- g C + dS in fp32
+                LXJ: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
+                o_jX = gl.arange(0, BL, layout=gl.SliceLayout(0, LXJ))
+                b_coefX = gl.convert_layout(gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), gl.SliceLayout(0, LXJ))
+                b_WX = s_W.permute([1, 0]).load(LXJ).to(gl.float32)                         # [BV, BL]
+                # 8-byte units swizzled: rows BL * 4 bytes apart would put the A operand's 8 rows in
+                # two bank groups
+                s_X = gl.allocate_shared_memory(gl.float32, [BV, BL], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]),
+                                                gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0))
+                LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+                o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
+                b_Kz = s_K.load(LKZ)
+                _barrier()
+                # in place: with a flush no committed key is read again (h' = 0)
+                s_K.store(gl.where((o_jK < h)[:, None], b_Kz, gl.zeros_like(b_Kz)))
+                _barrier()
+                _fold_mma(s_S, s_X, s_K, p_S, gl.exp(b_L), BV, K, BL, KP, NW)
+                _barrier()
+        else:
+            if flush:
+                # LF: 4 consecutive rows x 4 columns per thread, so that a record's values for a
+                # thread's rows are one vector load; rows RCF = 4 NW per chunk
+                LF: gl.constexpr = gl.BlockedLayout([4, 4], [1, 32], [NW, 1], [1, 0])
+                RCF: gl.constexpr = 4 * NW
+                b_g = gl.exp(b_L)
+                b_coefP = gl.convert_layout(gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), LP)
+                o_lP = gl.arange(0, BL, layout=LP)
+                o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LF))
+                s_Wt = s_W.permute([1, 0])                                                  # [BV, BL]
+                for r0 in gl.static_range(0, BV, RCF):
+                    o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LF))
+                    b_Sc = b_g * s_S.slice(r0, RCF, dim=0).load(LF)
+                    for j in gl.static_range(BL):
+                        # a uniform branch, not a select: positions past the cursor are never read
+                        # (they may hold NaN) and cost nothing
+                        if j < h:
+                            # w_j [RCF, 1] and k_j [1, K] as 2-d slices in LF itself: no conversion
+                            w_j = s_Wt.slice(r0, RCF, dim=0).slice(j, 1, dim=1).load(LF).to(gl.float32)
+                            k_j = s_K.slice(j, 1, dim=0).load(LF).to(gl.float32)
+                            b_Sc += (_pick(b_coefP, o_lP, j) * w_j) * k_j
+                    s_S.slice(r0, RCF, dim=0).store(b_Sc)
+                    gl.store(p_S + (o_rc[:, None] * K + o_tk[None, :]), b_Sc)
+                _barrier()
 
         # 5. the row loop: the tile's rows, the committed keys (chunks below h'), the drafts' keys
         # (KQ: the keys' products with the queries come from the launch before, formed once per
