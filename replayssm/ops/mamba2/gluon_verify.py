@@ -125,25 +125,32 @@ if HAVE_GLUON:
         return lead + small
 
     @gluon.jit
-    def _tile_q_mma(s_S, s_Q, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr, QP: gl.constexpr,
-                    NW: gl.constexpr):
-        """The tile `[BV, K]` (fp32, shared) times the queries `s_Q` `[NQ, K]` (as given, shared;
-        rows past T zero): `[BV, NQ]` fp32 in the MMA layout, on the 16-bit tensor cores at fp32
-        accuracy (`_mma_exact`), a K chunk of 32 a call, each chunk's result added into fp32
-        registers (the tensor cores' accumulation truncates: no chain over all of K)."""
+    def _tile_q_mma(s_S, p_C, stride_C_t, T, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
+                    QP: gl.constexpr, NW: gl.constexpr):
+        """The tile `[BV, K]` (fp32, shared) times the T queries at `p_C` (rows `stride_C_t`
+        apart, as given; NQ columns, zero past T): `[BV, NQ]` fp32 in the MMA layout, on the
+        16-bit tensor cores at fp32 accuracy (`_mma_exact`), a K chunk of 32 a call, each
+        chunk's result added into fp32 registers (the tensor cores' accumulation truncates: no
+        chain over all of K). The queries are loaded in the B operand's layout from global
+        memory (L2: every program of the group reads them), not staged: 2 KB more shared
+        memory would leave 4 programs per SM at Super's shape, not 5."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         KC: gl.constexpr = 32
+        o_kb = gl.arange(0, KC, layout=gl.SliceLayout(1, BO))
+        o_tb = gl.arange(0, NQ, layout=gl.SliceLayout(0, BO))
+        p_b = p_C + (o_tb[None, :] * stride_C_t + o_kb[:, None])
+        m_b = (o_tb < T)[None, :] & (o_kb < KC)[:, None]
         y = gl.zeros([BV, NQ], gl.float32, MM)
         for k0 in gl.static_range(0, K, KC):
             a0, a1, a2 = _split_bf16(s_S.slice(k0, KC, dim=1).load(AL))
-            b = s_Q.slice(k0, KC, dim=1).permute([1, 0]).load(BO).to(gl.float32)
+            b = gl.load(p_b + k0, mask=m_b, other=0.0).to(gl.float32)
             y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), QP)
         return y
 
     @gluon.jit
-    def _fold_mma(s_S, s_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
+    def _fold_mma(s_S, b_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
                   KP: gl.constexpr, NW: gl.constexpr):
         """The flush's fold on the tensor cores, exact as `_tile_q_mma`: per chunk of 32 of the
         tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32, the keys `[BL, K]` as
@@ -154,7 +161,7 @@ if HAVE_GLUON:
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         NC: gl.constexpr = 32
-        a0, a1, a2 = _split_bf16(s_X.load(AL))           # once for every column chunk
+        a0, a1, a2 = _split_bf16(b_X)                    # once for every column chunk
         o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, MM))
         o_c = gl.arange(0, NC, layout=gl.SliceLayout(0, MM))
         for c0 in gl.static_range(0, K, NC):
@@ -295,16 +302,6 @@ if HAVE_GLUON:
         o_kq = gl.arange(0, K, layout=gl.SliceLayout(0, LQ))
         p_Ct = C + i_b * stride_C_b + i_g * stride_C_g
         b_Qr = gl.load(p_Ct + (o_tq[:, None] * stride_C_t + o_kq[None, :]), mask=(o_tq < T)[:, None], other=0.0)
-        if MMA:
-            # the queries as the tensor cores' operand: NQ (at least 8) rows, zero past T
-            LQN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-            o_tn = gl.arange(0, NQ, layout=gl.SliceLayout(1, LQN))
-            o_kn = gl.arange(0, K, layout=gl.SliceLayout(0, LQN))
-            b_Qn = gl.load(p_Ct + (o_tn[:, None] * stride_C_t + o_kn[None, :]), mask=(o_tn < T)[:, None], other=0.0)
-            # read transposed as the B operand (ldmatrix for 16-bit queries: 8 rows of 16 bytes,
-            # K * 2 bytes apart, in one bank group unswizzled): 8-element units XOR-ed with the row
-            s_Q = gl.allocate_shared_memory(C.dtype.element_ty, [NQ, K], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]),
-                                            b_Qn)
         o_tb = gl.arange(0, PD, layout=gl.SliceLayout(1, LIN))
         o_kb = gl.arange(0, K, layout=gl.SliceLayout(0, LIN))
         p_Bt = B + i_b * stride_B_b + i_g * stride_B_g
@@ -392,14 +389,15 @@ if HAVE_GLUON:
                 # on the tensor cores: dS = X @ K_c per chunk of 32 columns, X[v, j] = coef_j x_j[v]
                 # (zero at and past the cursor: records there may hold NaN, and 0 * NaN is NaN in a
                 # product), the keys as stored (zeroed there likewise), then C <- g C + dS in fp32
-                LXJ: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
-                o_jX = gl.arange(0, BL, layout=gl.SliceLayout(0, LXJ))
-                b_coefX = gl.convert_layout(gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), gl.SliceLayout(0, LXJ))
-                b_WX = s_W.permute([1, 0]).load(LXJ).to(gl.float32)                         # [BV, BL]
-                # 8-byte units swizzled: rows BL * 4 bytes apart would put the A operand's 8 rows in
-                # two bank groups
-                s_X = gl.allocate_shared_memory(gl.float32, [BV, BL], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]),
-                                                gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0))
+                # X formed in the A operand's layout from the records' shared copy: in registers,
+                # not staged (4 KB more shared memory would leave 4 programs per SM, not 5)
+                MMX: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1],
+                                                              instr_shape=[16, 8])
+                AX: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMX, k_width=2)
+                o_jX = gl.arange(0, BL, layout=gl.SliceLayout(0, AX))
+                b_coefX = gl.convert_layout(gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), gl.SliceLayout(0, AX))
+                b_WX = s_W.permute([1, 0]).load(AX).to(gl.float32)                          # [BV, BL]
+                b_X = gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0)
                 LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
                 o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
                 b_Kz = s_K.load(LKZ)
@@ -407,7 +405,7 @@ if HAVE_GLUON:
                 # in place: with a flush no committed key is read again (h' = 0)
                 s_K.store(gl.where((o_jK < h)[:, None], b_Kz, gl.zeros_like(b_Kz)))
                 _barrier()
-                _fold_mma(s_S, s_X, s_K, p_S, gl.exp(b_L), BV, K, BL, KP, NW)
+                _fold_mma(s_S, b_X, s_K, p_S, gl.exp(b_L), BV, K, BL, KP, NW)
                 _barrier()
         else:
             if flush:
@@ -440,7 +438,7 @@ if HAVE_GLUON:
         # row and group, utils/key_products.py)
         s_y = gl.allocate_shared_memory(gl.float32, [BV, YN], SM)
         if MMA:
-            s_y.store(_tile_q_mma(s_S, s_Q, BV, K, NQ, QP, NW))
+            s_y.store(_tile_q_mma(s_S, p_Ct, stride_C_t, T, BV, K, NQ, QP, NW))
         else:
             for r0 in gl.static_range(0, BV, RC):
                 s_y.slice(r0, RC, dim=0).store(_rows_q(s_S.slice(r0, RC, dim=0), b_Q3, L3))
