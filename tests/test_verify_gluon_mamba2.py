@@ -76,8 +76,12 @@ def test_verify_config_gluon_key(monkeypatch):
     for T in (1, 2, 4, 8):
         assert verify_config(*S, T, device="cuda") == dict(BV=64, num_warps=4, num_stages=1, gluon=True, kq=False, mma=False)
         # Nano-4B's 60 programs a group: the key products' launch from 4 drafts on
-        assert verify_config(*N, T, device="cuda") == dict(BV=16, num_warps=1, num_stages=1, gluon=True, kq=T >= 4, mma=False)
-    assert verify_config(*N, 8, dict(kq=False), device="cuda")["kq"] is False
+        # ... and at 8 drafts its tile products on the tensor cores (measured faster there)
+        assert verify_config(*N, T, device="cuda") == dict(BV=16, num_warps=1, num_stages=1, gluon=True, kq=T >= 4,
+                                                           mma=T == 8)
+    assert verify_config(*N, 8, dict(kq=False, mma=False), device="cuda")["kq"] is False
+    assert verify_config(*N, 8, dict(mma=False), device="cuda")["mma"] is False
+    assert verify_config(*N, 8, dict(gluon=True))["mma"] is False                      # not on the interpreter
     assert verify_config(*N, 8, dict(BV=64), device="cuda")["kq"] is False          # 24 programs a group
     assert verify_config(*S, 2, dict(num_warps=2), device="cuda")["BV"] == 32
     assert verify_config(*S, 2, dict(BV=32), device="cuda")["num_warps"] == 2

@@ -230,6 +230,19 @@ def _gluon_default(HV: int, V: int, K: int, Hk: int, T: int, device, window: Opt
 KQ_MIN_T, KQ_MIN_PROGRAMS = 4, 32
 
 
+# the Gluon kernel's tile products on the tensor cores (`mma`) by default for one-warp programs
+# at this many drafts. H100, batch 256, window 16, drafts all rejected .. all accepted, over a
+# conventional step (verify_gluon_mma_h100.json): Nano-4B (16 rows) T=8 1.05-1.24x against the
+# FMA kernel's 1.11-1.35x, but T=4 0.86-0.94x against 0.82-0.92x; Super (64 rows) slower at
+# both (T=8 0.96-1.14x against 0.85-1.05x). Only T=8 was measured faster (and tested there)
+GLUON_MMA_T = 8
+
+
+def gluon_mma_default(T: int, BV) -> bool:
+    """Whether the Gluon verify forms the tile's products on the tensor cores by default."""
+    return BV == 16 and T == GLUON_MMA_T
+
+
 def kq_default(HV: int, V: int, Hk: int, T: int, BV) -> bool:
     """Whether the Gluon verify forms the key products in a launch before it by default."""
     return isinstance(BV, int) and T >= KQ_MIN_T and (HV // Hk) * -(-V // BV) >= KQ_MIN_PROGRAMS
@@ -258,7 +271,7 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
     warps) where the Gluon kernel took 0.85-1.05x and 1.12-1.36x (docs/verify.md). With
     `gluon=True`: the Gluon kernel with the tile's products with the queries on the tensor
     cores, exact as above (`gluon_verify._tile_q_mma`), `kq` on unless the config says
-    otherwise; not yet run on a GPU, so nowhere the default.
+    otherwise; the default for one-warp programs at T = 8 (`gluon_mma_default`).
 
     `kq`: the group's key products with the drafts' queries, committed records' and drafts'
     keys alike, formed first by one program per (row, group)
@@ -295,8 +308,9 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
             bv = 16 * nw if isinstance(nw, int) else gbv or 16
         # the tile's products on the tensor cores take the keys' products from the launch before
         # (kq): the row loop's register-held queries would otherwise stay live beside them
+        mma = config.get("mma", gbv is not None and gluon_mma_default(T, bv))
         cfg = dict(BV=bv, num_warps=max(1, bv // 16) if isinstance(bv, int) else 1, num_stages=1, gluon=True,
-                   kq=bool(config.get("mma")) or kq_default(HV, V, Hk, T, bv), mma=False)
+                   kq=bool(mma) or kq_default(HV, V, Hk, T, bv), mma=bool(mma))
     cfg.update(config)
     for key in ("BV", "num_warps"):
         val = cfg[key]
