@@ -115,6 +115,17 @@ def test_gpu_gluon_kq_rounds_against_reference(name, T):
 
 @gpu
 @needs_gluon
+@pytest.mark.parametrize("T", [2, 5, 8])
+@pytest.mark.parametrize("name", ["small", "qwen3.5-4b", "qwen3.5-122b"])
+def test_gpu_gluon_mma_rounds_against_reference(name, T):
+    # the tile's products with the drafts' keys and queries on the tensor cores, exact
+    # (`mma`), with and without the key head's products from the launch before
+    _rounds_against_reference("gdn", name, T, [{"gluon": True, "mma": True},
+                                               {"gluon": True, "mma": True, "kq": True}])
+
+
+@gpu
+@needs_gluon
 @pytest.mark.parametrize("T", [2, 4, 8])
 @pytest.mark.parametrize("name", ["small", "kimi-linear-48b"])
 def test_gpu_gluon_kda_rounds_against_reference(name, T):
@@ -343,6 +354,17 @@ def test_verify_config_gluon_key():
                         (("gdn", 32, 16, 128, 128, 8, 40, 48, 64, 4), "window"),
                         (("gdn", 30, 16, 128, 128, 8, 16, 24, 64, 4), "multiple")):
         assert match in (gluon_verify_unsupported(*args) or ""), (args, match)
+    # gluon=True with mma=True: the Gluon kernel's tile products on the tensor cores (GDN only;
+    # off the GPU the launch takes the Triton tensor-core kernel)
+    c = verify_config("gdn", 128, 128, 8, {"gluon": True, "mma": True}, HV=32, Hk=16, window=16, Lb=24, gpu=True)
+    assert c["gluon"] and c["mma"] and not c["kq"] and (c["BV"], c["num_warps"], c["maxnreg"]) == (64, 4, 128), c
+    assert verify_config("gdn", 128, 128, 8, {"gluon": True, "mma": True, "kq": True}, gpu=True)["kq"]
+    assert not verify_config("gdn", 128, 128, 8, GLUON, gpu=True)["mma"]              # not the default
+    for family, config, kw, match in (("kda", {"gluon": True, "mma": True}, {}, "GDN only"),
+                                      ("gdn", {"gluon": True, "mma": True}, dict(window=40, Lb=48), "window"),
+                                      ("gdn", {"gluon": True, "mma": True, "BV": 32, "num_warps": 4}, {}, "BV=32")):
+        with pytest.raises(ValueError, match=match):
+            verify_config(family, 128, 128, 8, config, gpu=True, **kw)
     # validation
     for config, match in (({"gluon": 1}, "gluon=1 must be a bool"), ({"maxnreg": -1}, "maxnreg=-1"),
                           ({"maxnreg": True}, "maxnreg=True"), ({"gluon": True, "BV": 48}, "BV=48"),
@@ -460,7 +482,7 @@ ptr = dict({n: "*bf16" for n in ("q", "k", "v", "a", "b", "o")}, A_log="*fp32", 
            arrive="*i32", slot_ids="*i32", num_drafts="*i32", kq="*fp32")
 nb = 4 if rec == "fp32" else 2
 vals = m.gluon_verify_constexprs(T, HV, Hk, 128, 128, L, L + T, 64, 4, w_bytes=nb, k_bytes=nb, family=family,
-                                 kq=sys.argv[7:8] == ["kq"])
+                                 kq="kq" in sys.argv[7:], mma="mma" in sys.argv[7:])
 sig, const = {}, {}
 for i, n in enumerate(fn.arg_names):
     if n in ptr:
@@ -492,7 +514,9 @@ print("shared", k.metadata.shared)
     pytest.param("kda", 8, 32, 32, 16, "bf16", 56, id="kimi-kda-T8", marks=pytest.mark.slow),
     pytest.param("kda", 4, 32, 32, 32, "fp32", 80, id="kimi-kda-T4-window32-fp32", marks=pytest.mark.slow),
     # the key head's products loaded (`kq`)
-    pytest.param("gdn-kq", 8, 32, 16, 16, "bf16", 48, id="4b-T8-kq", marks=pytest.mark.slow)])
+    pytest.param("gdn-kq", 8, 32, 16, 16, "bf16", 48, id="4b-T8-kq", marks=pytest.mark.slow),
+    # the tile's products on the tensor cores (`mma`), the swizzled tile
+    pytest.param("gdn-mma", 8, 32, 16, 16, "bf16", 48, id="4b-T8-mma")])
 def test_gluon_verify_compiles_for_sm90(family, T, HV, Hk, L, rec, kb):
     # the Gluon kernel cannot run on the CPU: that it builds with this Triton (3.6 on the H200
     # machine, newer elsewhere: the shims of utils/gluon.py and _rows_view) is checked here
@@ -502,9 +526,9 @@ def test_gluon_verify_compiles_for_sm90(family, T, HV, Hk, L, rec, kb):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    extra = ["kq"] if family.endswith("-kq") else []
+    family, *extra = family.split("-")
     r = subprocess.run([sys.executable, "-c", _COMPILE, str(T), str(HV), str(Hk), str(L), rec,
-                        family.removesuffix("-kq"), *extra], env=env, capture_output=True, text=True, timeout=600)
+                        family, *extra], env=env, capture_output=True, text=True, timeout=600)
     if r.returncode and "ptxas" in r.stderr and "No such file" in r.stderr:
         pytest.skip("no CUDA toolchain bundled with this Triton")
     assert r.returncode == 0, r.stderr[-3000:]

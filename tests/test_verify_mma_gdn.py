@@ -125,7 +125,8 @@ def test_drafts_past_count_and_poisoned_drafts():
 
 
 def test_config_key():
-    # off by default; GDN only; a kernel of its own (not with gluon or kq); windows up to 32;
+    # off by default; GDN only; a kernel of its own (not with kq; with gluon=True asked for, the
+    # Gluon kernel's tensor-core products: test_verify_gluon_gdn.py); windows up to 32;
     # BV of at least 16; defaults BV = 64 (the largest of 64, 32, 16 dividing V) in 4 warps
     for gpu_ in (True, False):
         assert not verify_config("gdn", 128, 128, 4, gpu=gpu_, window=16, Lb=20)["mma"]
@@ -134,8 +135,7 @@ def test_config_key():
     assert verify_config("gdn", 48, 128, 2, {"mma": True})["BV"] == 16
     for family, config, kw, match in (
             ("kda", {"mma": True}, {}, "GDN only"),
-            ("gdn", {"mma": True, "gluon": True}, {}, "not with gluon"),
-            ("gdn", {"mma": True, "kq": True}, {}, "not with gluon"),
+            ("gdn", {"mma": True, "kq": True}, {}, "not with kq"),
             ("gdn", {"mma": True}, dict(window=40, Lb=44), "window 40"),
             ("gdn", {"mma": True, "BV": 8}, {}, "BV=8"),
             ("gdn", {"mma": 1}, {}, "mma=1 must be a bool")):

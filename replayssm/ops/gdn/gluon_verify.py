@@ -52,6 +52,7 @@ from typing import Optional
 
 import triton
 
+from ..utils.dots import pieces
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 from ..utils.key_products import gdn_verify_key_products
 from ..utils.launch import slot_pads
@@ -66,6 +67,8 @@ if HAVE_GLUON:
 
     from ..utils.gluon import (_add, _async_load, _barrier, _products_to_shared, _record_weights, _rows_view,
                                 _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
+    from ..utils.gluon_mma import _tile_vector_pairs_mma
+    from .gluon_verify_drafts import _write_drafts_shared, _write_drafts_shared_kda
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -89,83 +92,22 @@ def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: i
 
 def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
-                            w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False) -> dict:
+                            w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False,
+                            mma: bool = False, x_pieces: int = 1) -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
-    "kda"."""
+    "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
+    `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores."""
     TP = max(2, triton.next_power_of_2(T))
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
-                NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn")
+                NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
+                MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps))
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
-                             stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
-                             T: gl.constexpr, HV: gl.constexpr, HK: gl.constexpr, K: gl.constexpr,
-                             LBCAP: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr,
-                             USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr):
-        """On an early flush, by the slot's last program: every value head's log decay and every
-        key head's normalised key of drafts `0..n-1` at positions `0..n-1`, recomputed from the
-        inputs (verify._write_shared), which the slot's other programs read as committed records
-        until they all arrived."""
-        LH: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-        LV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        o_hk = gl.arange(0, HKP, layout=gl.SliceLayout(1, LH))
-        o_kh = gl.arange(0, K, layout=gl.SliceLayout(0, LH))
-        m_kh = (o_hk < HK)[:, None] & (o_kh >= 0)[None, :]
-        o_hv = gl.arange(0, HVP, layout=LV)
-        m_hv = o_hv < HV
-        b_A = gl.exp(gl.load(A_log + o_hv, mask=m_hv, other=0.0).to(gl.float32))
-        b_dt = gl.load(dt_bias + o_hv, mask=m_hv, other=0.0).to(gl.float32)
-        for t in gl.static_range(T):
-            ok = t < n
-            b_k = gl.load(k + i_b * stride_k_b + t * stride_k_t + o_hk[:, None] * stride_k_h + o_kh[None, :],
-                          mask=m_kh, other=0.0).to(gl.float32)
-            if USE_QK_L2NORM:
-                b_k = b_k * gl.rsqrt(gl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-            p_kb = buf_k + ((slot * LBCAP + t) * HK + o_hk)[:, None] * K + o_kh[None, :]
-            gl.store(p_kb, b_k.to(p_kb.dtype.element_ty), mask=m_kh & ok)
-            b_a = gl.load(a + i_b * stride_a_b + t * stride_a_t + o_hv * stride_a_h, mask=m_hv,
-                          other=0.0).to(gl.float32)
-            gl.store(buf_ld + (slot * LBCAP + t) * HV + o_hv, -b_A * _softplus(b_a + b_dt), mask=m_hv & ok)
-
-    @gluon.jit
-    def _write_drafts_shared_kda(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
-                                 stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
-                                 T: gl.constexpr, HV: gl.constexpr, HK: gl.constexpr, K: gl.constexpr,
-                                 LBCAP: gl.constexpr, USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr):
-        """`_write_drafts_shared` for KDA, whose decays are `[K]` vectors: value heads (then key
-        heads) RH at a time, a loop over them with the drafts unrolled inside, so that the
-        registers of this rare path (every program's) stay bounded at any HV and T."""
-        RH: gl.constexpr = 2 * NW
-        LH: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-        o_r = gl.arange(0, RH, layout=gl.SliceLayout(1, LH))
-        o_kh = gl.arange(0, K, layout=gl.SliceLayout(0, LH))
-        for h0 in range(0, HV, RH):
-            o_hv = h0 + o_r
-            m_hv = (o_hv < HV)[:, None] & (o_kh >= 0)[None, :]
-            b_A = gl.exp(gl.load(A_log + o_hv, mask=o_hv < HV, other=0.0).to(gl.float32))[:, None]
-            b_dt = gl.load(dt_bias + o_hv[:, None] * K + o_kh[None, :], mask=m_hv, other=0.0).to(gl.float32)
-            for t in gl.static_range(T):
-                b_a = gl.load(a + i_b * stride_a_b + t * stride_a_t + o_hv[:, None] * stride_a_h + o_kh[None, :],
-                              mask=m_hv, other=0.0).to(gl.float32)
-                gl.store(buf_ld + ((slot * LBCAP + t) * HV + o_hv)[:, None] * K + o_kh[None, :],
-                         -b_A * _softplus(b_a + b_dt), mask=m_hv & (t < n))
-        for h0 in range(0, HK, RH):
-            o_hk = h0 + o_r
-            m_kh = (o_hk < HK)[:, None] & (o_kh >= 0)[None, :]
-            for t in gl.static_range(T):
-                b_k = gl.load(k + i_b * stride_k_b + t * stride_k_t + o_hk[:, None] * stride_k_h + o_kh[None, :],
-                              mask=m_kh, other=0.0).to(gl.float32)
-                if USE_QK_L2NORM:
-                    b_k = b_k * gl.rsqrt(gl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-                p_kb = buf_k + ((slot * LBCAP + t) * HK + o_hk)[:, None] * K + o_kh[None, :]
-                gl.store(p_kb, b_k.to(p_kb.dtype.element_ty), mask=m_kh & (t < n))
 
     @gluon.jit
     def _records_to_shared(p_R, h, BL: gl.constexpr, N: gl.constexpr, STRIDE: gl.constexpr,
@@ -233,7 +175,7 @@ if HAVE_GLUON:
         V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr,
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
-        IS_KDA: gl.constexpr, KQ: gl.constexpr,
+        IS_KDA: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, XP: gl.constexpr, SWZ: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -301,7 +243,12 @@ if HAVE_GLUON:
             # as the keys; the same buffer later holds the weighted keys
             p_ldh = buf_ld + slot * (LBCAP * HV * K) + i_hv * K
             s_LD = _records_to_shared(p_ldh + HV * K, gl.minimum(window, LBCAP) - 1, BL, K, HV * K, 4, NW)
-        s_C = _tile_to_shared(p_C, BV, K, LT, SM)
+        if MMA:
+            # read as the A operand of the tensor cores: swizzled (utils/gluon_mma.py), in
+            # phases of at most RCF rows so that the fold's row chunks stay whole patterns
+            s_C = _tile_to_shared(p_C, BV, K, LT, gl.SwizzledSharedLayout(4, 1, SWZ, [1, 0]))
+        else:
+            s_C = _tile_to_shared(p_C, BV, K, LT, SM)
         h = gl.load(cursor + slot).to(gl.int32)
         s_U = _records_to_shared(p_Uh, h, BL, BV, HV * V, VW, NW)
 
@@ -352,8 +299,10 @@ if HAVE_GLUON:
 
         # the drafts' normalised keys, scaled queries (as verify's _load_qk), log decays
         if USE_QK_L2NORM:
-            b_kD = b_kD * gl.rsqrt(gl.sum(b_kD * b_kD, axis=1) + 1e-6)[:, None]
-            b_qD = b_qD * gl.rsqrt(gl.sum(b_qD * b_qD, axis=1) + 1e-6)[:, None]
+            b_rk = gl.rsqrt(gl.sum(b_kD * b_kD, axis=1) + 1e-6)
+            b_rq = gl.rsqrt(gl.sum(b_qD * b_qD, axis=1) + 1e-6)
+            b_kD = b_kD * b_rk[:, None]
+            b_qD = b_qD * b_rq[:, None]
         b_qD = b_qD * scale
         if not IS_KDA:
             b_ldc = -gl.exp(b_Alog) * _softplus(b_ar.to(gl.float32) + b_dtb)          # [TP] LC
@@ -448,12 +397,34 @@ if HAVE_GLUON:
         # 3. C x for the 2T vectors, RC rows at a time, each chunk of the tile read once
         cp.wait_group(0)
         _barrier()
-        s_Yk = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
-        s_Yq = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
-        for r0 in gl.static_range(0, BV, RC):
-            b_Cm = s_C.slice(r0, RC, dim=0).load(LR)[:, None, :]
-            s_Yk.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_kD[None, :, :], axis=2))
-            s_Yq.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_qD[None, :, :], axis=2))
+        if MMA:
+            # on the tensor cores, exact (utils/gluon_mma.py): the tile times the drafts' raw
+            # keys and queries as given, the norms and scale applied to the products' columns
+            MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+            o_nM = gl.arange(0, 8, layout=gl.SliceLayout(0, MM))
+            f_k = gl.zeros([8], gl.float32, gl.SliceLayout(0, MM)) + 1.0
+            f_q = f_k * scale
+            if USE_QK_L2NORM:
+                for t in gl.static_range(TP):
+                    on = o_nM == t
+                    f_k = gl.where(on, gl.sum(gl.where(o_tD == t, b_rk, 0.0), axis=0), f_k)
+                    f_q = gl.where(on, scale * gl.sum(gl.where(o_tD == t, b_rq, 0.0), axis=0), f_q)
+            s_Yk8 = gl.allocate_shared_memory(gl.float32, [BV, 8], SM)
+            s_Yq8 = gl.allocate_shared_memory(gl.float32, [BV, 8], SM)
+            p_kx = k + i_b * stride_k_b + i_hk * stride_k_h
+            p_qx = q + i_b * stride_q_b + i_hk * stride_q_h
+            b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, p_kx, stride_k_t, p_qx, stride_q_t, T, BV, K, 8, XP, NW)
+            s_Yk8.store(b_Yk * f_k[None, :])
+            s_Yq8.store(b_Yq * f_q[None, :])
+            s_Yk = s_Yk8.slice(0, TP, dim=1)
+            s_Yq = s_Yq8.slice(0, TP, dim=1)
+        else:
+            s_Yk = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
+            s_Yq = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
+            for r0 in gl.static_range(0, BV, RC):
+                b_Cm = s_C.slice(r0, RC, dim=0).load(LR)[:, None, :]
+                s_Yk.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_kD[None, :, :], axis=2))
+                s_Yq.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_qD[None, :, :], axis=2))
         _barrier()
 
         # S_h x = g C x + sum_{j<h} c_j (k_j . x) u_j, per row and draft (on a flush too: the
@@ -561,12 +532,14 @@ if HAVE_GLUON:
 
 def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
                         pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
-                        BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn", kq: bool = False) -> None:
+                        BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn", kq: bool = False,
+                        mma: bool = False) -> None:
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; inputs
     validated, and the caller checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0:
     none). `kq` (GDN): the drafts' Gram products and the records' products with the drafts'
     vectors formed first, once per (row, key head), by `utils.key_products.gdn_verify_key_products`
-    instead of by every program of the key head's value heads and V-blocks."""
+    instead of by every program of the key head's value heads and V-blocks. `mma` (GDN): the
+    tile's products with the drafts' keys and queries on the tensor cores, exact."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if Bt == 0:
@@ -586,5 +559,6 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
-                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq),
+                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq,
+                                  mma, max(pieces(q.dtype), pieces(k.dtype))),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -304,7 +304,9 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     `utils.key_products.gdn_verify_key_products`, instead of by every program of the key head;
     `mma`, GDN only, default off: the kernel of verify_mma.py, its products on 16-bit tensor
     cores at fp32 accuracy, windows up to 32, BV at least 16 (defaults: the largest of 64, 32,
-    16 dividing V, in BV / 16 warps); not with `gluon` or `kq`).
+    16 dividing V, in BV / 16 warps); not with `kq`; with `gluon=True` asked for, the Gluon
+    kernel with the tile's products on the tensor cores, exact, `kq` as asked, not yet run on a
+    GPU).
 
     `gluon` (default True) applies on a GPU (`gpu`; None: CUDA present and not the CPU interpreter) where
     `gluon_verify_unsupported` has no objection to the shape, window (`window`, `Lb`; None: 16
@@ -330,9 +332,10 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     mma = user.pop("mma", False)
     if not isinstance(mma, bool):
         raise ValueError(f"config mma={mma!r} must be a bool")
+    if mma and want and "gluon" in (config or {}):
+        return _gluon_mma_config(family, HV, Hk, V, K, T, user, BK, kq, 16 if window is None else window, Lb)
     if mma:
-        return _mma_config(family, V, K, T, user, BK, want if "gluon" in (config or {}) else False, kq,
-                           16 if window is None else window, Lb)
+        return _mma_config(family, V, K, T, user, BK, False, kq, 16 if window is None else window, Lb)
     if kq and family != "gdn":
         raise ValueError("config kq=True: the key head's shared products are GDN's (KDA's draft vectors carry "
                          "each value head's decays)")
@@ -353,11 +356,29 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     return dict(_check_config(dict(cfg, **user), BK), gluon=False, kq=False, mma=False)
 
 
+def _gluon_mma_config(family: str, HV, Hk, V: int, K: int, T: int, user: dict, BK: int, kq: bool, window: int,
+                      Lb: Optional[int]) -> dict:
+    """`verify_config` for `gluon=True, mma=True` (GDN): the Gluon kernel with the tile's
+    products on the tensor cores, or a ValueError saying why not. Off the GPU the launch runs
+    the Triton tensor-core kernel (verify_mma.py) instead, as exact."""
+    if family != "gdn":
+        raise ValueError("config gluon=True, mma=True: GDN only (KDA's per-channel decays are inside the "
+                         "products' operands, not raw 16-bit inputs)")
+    bv = next((c for c in (64, 32, 16) if V % c == 0), 16)
+    cfg = _check_config(dict({"BV": bv, "num_warps": bv // 16, "num_stages": 1, "KS": min(8, max(1, BK // 4)),
+                              "maxnreg": 128 if T > 4 else 0}, **user), BK)
+    why = gluon_verify_unsupported(family, HV or 1, Hk or 1, V, K, T, window, window + T if Lb is None else Lb,
+                                   cfg["BV"], cfg["num_warps"])
+    if why is not None:
+        raise ValueError(f"config gluon=True, mma=True: {why}")
+    return dict(cfg, gluon=True, kq=kq, mma=True)
+
+
 def _mma_config(family: str, V: int, K: int, T: int, user: dict, BK: int, gluon: bool, kq: bool,
                 window: int, Lb: Optional[int]) -> dict:
     """`verify_config` for `mma=True`: the kernel of verify_mma.py or a ValueError saying why not."""
     if gluon or kq:
-        raise ValueError("config mma=True is a kernel of its own: not with gluon=True or kq=True")
+        raise ValueError("config mma=True is a kernel of its own: not with kq=True")
     bv = next((c for c in (64, 32, 16) if V % c == 0), 16)
     cfg = _check_config(dict({"BV": bv, "num_warps": max(1, bv // 16), "num_stages": 1,
                               "KS": min(8, max(1, BK // 4)), "maxnreg": 0}, **user), BK)
@@ -378,18 +399,19 @@ def launch_verify(family: str, q, k, v, a, b, A_log, dt_bias, scale: float, ckpt
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     Lb = buf_w.shape[1]
-    if mma:
+    gluon_ok = gluon and Bt > 0 and q.is_cuda and not _interpreting() and \
+        gluon_verify_unsupported(family, HV, Hk, V, K, T, window, Lb, BV, num_warps) is None and \
+        gluon_aligned(ckpt, buf_ld, buf_w, buf_k)
+    if mma and not gluon_ok:
         launch_verify_mma(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
                           arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, num_stages, family)
         return
     if Bt == 0:
         return
-    if gluon and q.is_cuda and not _interpreting() and \
-            gluon_verify_unsupported(family, HV, Hk, V, K, T, window, Lb, BV, num_warps) is None and \
-            gluon_aligned(ckpt, buf_ld, buf_w, buf_k):
+    if gluon_ok:
         launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale, ckpt, buf_ld, buf_w, buf_k, cursor, pending,
                             epoch, arrive, slot_ids, num_drafts, window, o, use_qk_l2norm, BV, num_warps, maxnreg,
-                            family, kq)
+                            family, kq, mma)
         return
     BV = min(BV, triton.next_power_of_2(V))
     NV = triton.cdiv(V, BV)

@@ -39,10 +39,9 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
     from ..utils.gluon import (_add, _async_load, _barrier, _slot_bases, _softplus, _tile_to_shared,
                                 _verify_arrive)
+    from ..utils.gluon_mma import _mma_exact, _split_bf16, _tile_vectors_mma
 
 __all__ = ["HAVE_GLUON", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -99,66 +98,14 @@ if HAVE_GLUON:
         return gl.sum(gl.expand_dims(b_r, 1) * b_Q3, axis=2)
 
     @gluon.jit
-    def _split_bf16(x):
-        # fp32 x as three bf16 pieces by round-to-nearest, x == p0 + p1 + p2 exactly (dots.py)
-        p0 = x.to(gl.bfloat16)
-        r = x - p0.to(gl.float32)
-        p1 = r.to(gl.bfloat16)
-        return p0, p1, (r - p1.to(gl.float32)).to(gl.bfloat16)
-
-    @gluon.jit
-    def _mma_exact(a0, a1, a2, b, zero, BP: gl.constexpr):
-        """`a @ b` at fp32 accuracy as a fresh value (`dots.dot_bf16x`'s products): `a` as its
-        three pieces (`_split_bf16`) in the dot-operand layout, `b` fp32 of BP pieces (its
-        16-bit source's `pieces`), `zero` the result's zeros in the MMA layout; the leading
-        product in an accumulator of its own, the small ones together, smallest first."""
-        b0, b1, b2 = _split_bf16(b)
-        lead = mma_v2(a0, b0, zero)
-        small = mma_v2(a2, b0, zero)
-        if BP > 2:
-            small = mma_v2(a0, b2, small)
-        if BP > 1:
-            small = mma_v2(a1, b1, small)
-        small = mma_v2(a1, b0, small)
-        if BP > 1:
-            small = mma_v2(a0, b1, small)
-        return lead + small
-
-    @gluon.jit
-    def _tile_q_mma(s_S, p_C, stride_C_t, T, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
-                    QP: gl.constexpr, NW: gl.constexpr):
-        """The tile `[BV, K]` (fp32, shared) times the T queries at `p_C` (rows `stride_C_t`
-        apart, as given; NQ columns, zero past T): `[BV, NQ]` fp32 in the MMA layout, on the
-        16-bit tensor cores at fp32 accuracy (`_mma_exact`), a K chunk of 32 a call, each
-        chunk's result added into fp32 registers (the tensor cores' accumulation truncates: no
-        chain over all of K). The queries are loaded in the B operand's layout from global
-        memory (L2: every program of the group reads them), not staged: 2 KB more shared
-        memory would leave 4 programs per SM at Super's shape, not 5."""
-        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
-        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
-        KC: gl.constexpr = 32
-        o_kb = gl.arange(0, KC, layout=gl.SliceLayout(1, BO))
-        o_tb = gl.arange(0, NQ, layout=gl.SliceLayout(0, BO))
-        p_b = p_C + (o_tb[None, :] * stride_C_t + o_kb[:, None])
-        m_b = (o_tb < T)[None, :] & (o_kb < KC)[:, None]
-        y = gl.zeros([BV, NQ], gl.float32, MM)
-        for k0 in gl.static_range(0, K, KC):
-            a0, a1, a2 = _split_bf16(s_S.slice(k0, KC, dim=1).load(AL))
-            b = gl.load(p_b + k0, mask=m_b, other=0.0).to(gl.float32)
-            y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), QP)
-        return y
-
-    @gluon.jit
     def _fold_mma(s_S, b_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
                   KP: gl.constexpr, NW: gl.constexpr):
-        """The flush's fold on the tensor cores, exact as `_tile_q_mma`: per chunk of 32 of the
-        tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32, the keys `[BL, K]` as
-        stored, KP pieces), the products a fresh value added to `g C_c` in fp32 (never
+        """The flush's fold on the tensor cores, exact as `utils.gluon_mma._tile_vectors_mma`: per
+        chunk of 32 of the tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32 in the
+        A operand's layout, the keys `[BL, K]` as stored, KP pieces), the products a fresh value added to `g C_c` in fp32 (never
         accumulated inside the MMA, whose truncation would bias the checkpoint), stored to
         shared memory and to the checkpoint `p_S`."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         NC: gl.constexpr = 32
         a0, a1, a2 = _split_bf16(b_X)                    # once for every column chunk
@@ -438,7 +385,7 @@ if HAVE_GLUON:
         # row and group, utils/key_products.py)
         s_y = gl.allocate_shared_memory(gl.float32, [BV, YN], SM)
         if MMA:
-            s_y.store(_tile_q_mma(s_S, p_Ct, stride_C_t, T, BV, K, NQ, QP, NW))
+            s_y.store(_tile_vectors_mma(s_S, p_Ct, stride_C_t, T, BV, K, NQ, QP, NW))
         else:
             for r0 in gl.static_range(0, BV, RC):
                 s_y.slice(r0, RC, dim=0).store(_rows_q(s_S.slice(r0, RC, dim=0), b_Q3, L3))
@@ -516,7 +463,7 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
     `kq`: the group's key products with the queries (committed records and drafts) formed first
     by `utils.key_products.verify_key_products`, one program per (row, group), instead of by
     every program of the group's heads and V-blocks. `mma`: the tile's products with the queries
-    on the tensor cores (`_tile_q_mma`, exact), instead of the row loop's FMA dots."""
+    on the tensor cores (`utils.gluon_mma._tile_vectors_mma`, exact), instead of the row loop's FMA dots."""
     Bt, T, HV, V = x.shape
     Hk, K = B.shape[2], B.shape[3]
     LB = buf_ld.shape[1]

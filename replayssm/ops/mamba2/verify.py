@@ -270,7 +270,7 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
     conventional step for Super (BV=64, 4 warps, `kq`) and 1.64-1.78x for Nano-4B (BV=32, 2
     warps) where the Gluon kernel took 0.85-1.05x and 1.12-1.36x (docs/verify.md). With
     `gluon=True`: the Gluon kernel with the tile's products with the queries on the tensor
-    cores, exact as above (`gluon_verify._tile_q_mma`), `kq` on unless the config says
+    cores, exact as above (`utils.gluon_mma._tile_vectors_mma`), `kq` on unless the config says
     otherwise; the default for one-warp programs at T = 8 (`gluon_mma_default`).
 
     `kq`: the group's key products with the drafts' queries, committed records' and drafts'

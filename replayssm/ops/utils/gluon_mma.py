@@ -1,0 +1,99 @@
+"""Exact fp32 products on the 16-bit tensor cores in Gluon, for the verify kernels' tiles
+(ops/mamba2/gluon_verify.py, ops/gdn/gluon_verify.py): the split of ops/utils/dots.py
+(`dot_bf16x`) in registers of the MMA operand layouts (`mma_v2`, m16n8k16).
+
+An fp32 value is three bf16 pieces by round-to-nearest, exact for normal values (8 + 8 + 8
+significant bits; bf16 has fp32's exponent range). A product keeps the pieces' products down to
+2^-16 of the leading one, the leading product in an accumulator of its own, and every K chunk
+of at most 32 starts a fresh accumulator that is added into fp32 registers: the tensor cores'
+accumulation truncates, and one chain over K = 128 measured biased (docs/verify.md).
+
+A tile read as the A operand is best swizzled in shared memory (`TILE_SWIZZLE`): the operand
+layout reads 8 rows of 32 bytes per warp access, and rows K * 4 bytes apart all start in bank 0
+unswizzled (8-way conflicts); 16-byte units XOR-ed with the row (mod 8) spread them over the
+32 banks and keep 16-byte copies and row reads contiguous.
+"""
+from __future__ import annotations
+
+from .gluon import HAVE_GLUON
+
+__all__ = ["HAVE_GLUON"]
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    @gluon.jit
+    def _split_bf16(x):
+        # fp32 x as three bf16 pieces by round-to-nearest, x == p0 + p1 + p2 exactly (dots.py)
+        p0 = x.to(gl.bfloat16)
+        r = x - p0.to(gl.float32)
+        p1 = r.to(gl.bfloat16)
+        return p0, p1, (r - p1.to(gl.float32)).to(gl.bfloat16)
+
+    @gluon.jit
+    def _mma_exact(a0, a1, a2, b, zero, BP: gl.constexpr):
+        """`a @ b` at fp32 accuracy as a fresh value (`dots.dot_bf16x`'s products): `a` as its
+        three pieces (`_split_bf16`) in the dot-operand layout, `b` fp32 of BP pieces (its
+        16-bit source's `pieces`), `zero` the result's zeros in the MMA layout; the leading
+        product in an accumulator of its own, the small ones together, smallest first."""
+        b0, b1, b2 = _split_bf16(b)
+        lead = mma_v2(a0, b0, zero)
+        small = mma_v2(a2, b0, zero)
+        if BP > 2:
+            small = mma_v2(a0, b2, small)
+        if BP > 1:
+            small = mma_v2(a1, b1, small)
+        small = mma_v2(a1, b0, small)
+        if BP > 1:
+            small = mma_v2(a0, b1, small)
+        return lead + small
+
+    @gluon.jit
+    def _tile_vectors_mma(s_S, p_X, stride_x_t, T, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
+                          XP: gl.constexpr, NW: gl.constexpr):
+        """The tile `[BV, K]` (fp32, shared) times the T vectors at `p_X` (K contiguous elements
+        each, `stride_x_t` apart, as given: XP pieces; NQ columns, zero past T): `[BV, NQ]` fp32
+        in the MMA layout (`NVMMADistributedLayout` v2, warps over the rows), exact
+        (`_mma_exact`), a K chunk of 32 a call, each chunk's result added into fp32 registers.
+        The vectors are loaded in the B operand's layout from global memory (L2: every program
+        of a row's head or group reads them), not staged in shared memory."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        KC: gl.constexpr = 32
+        o_kb = gl.arange(0, KC, layout=gl.SliceLayout(1, BO))
+        o_tb = gl.arange(0, NQ, layout=gl.SliceLayout(0, BO))
+        p_b = p_X + (o_tb[None, :] * stride_x_t + o_kb[:, None])
+        m_b = (o_tb < T)[None, :] & (o_kb < KC)[:, None]
+        y = gl.zeros([BV, NQ], gl.float32, MM)
+        for k0 in gl.static_range(0, K, KC):
+            a0, a1, a2 = _split_bf16(s_S.slice(k0, KC, dim=1).load(AL))
+            b = gl.load(p_b + k0, mask=m_b, other=0.0).to(gl.float32)
+            y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), XP)
+        return y
+
+    @gluon.jit
+    def _tile_vector_pairs_mma(s_S, p_X, stride_x_t, p_Z, stride_z_t, T, BV: gl.constexpr, K: gl.constexpr,
+                               NQ: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr):
+        """`_tile_vectors_mma` for two sets of T vectors (`p_X`, `p_Z`) at once: each K chunk of
+        the tile is read and split once for both products."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        KC: gl.constexpr = 32
+        o_kb = gl.arange(0, KC, layout=gl.SliceLayout(1, BO))
+        o_tb = gl.arange(0, NQ, layout=gl.SliceLayout(0, BO))
+        p_bx = p_X + (o_tb[None, :] * stride_x_t + o_kb[:, None])
+        p_bz = p_Z + (o_tb[None, :] * stride_z_t + o_kb[:, None])
+        m_b = (o_tb < T)[None, :] & (o_kb < KC)[:, None]
+        yx = gl.zeros([BV, NQ], gl.float32, MM)
+        yz = gl.zeros([BV, NQ], gl.float32, MM)
+        for k0 in gl.static_range(0, K, KC):
+            a0, a1, a2 = _split_bf16(s_S.slice(k0, KC, dim=1).load(AL))
+            bx = gl.load(p_bx + k0, mask=m_b, other=0.0).to(gl.float32)
+            bz = gl.load(p_bz + k0, mask=m_b, other=0.0).to(gl.float32)
+            yx += _mma_exact(a0, a1, a2, bx, gl.zeros([BV, NQ], gl.float32, MM), XP)
+            yz += _mma_exact(a0, a1, a2, bz, gl.zeros([BV, NQ], gl.float32, MM), XP)
+        return yx, yz
