@@ -195,3 +195,25 @@ def test_pool_off_the_gpu_does_not_warn_of_gpu_read_speed():
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowReadWarning)
         SlotPool(make_params("gdn", 4, 16), 2, 8, 16, 2, lp_format="fp8_e4m3", backend="reference")
+
+
+def test_studies_record_slow_read_warnings():
+    # what a pool warns of while a study runs is kept in the study's document, once each;
+    # other warnings pass through
+    import warnings
+
+    from replayssm import SlowReadWarning
+    from replayssm.bench.common import recording_slow_reads
+    doc = {}
+    with pytest.warns(UserWarning, match="unrelated"):
+        with recording_slow_reads(doc):
+            warnings.warn("a gdn pool reads its nvfp4 copy slower", SlowReadWarning)
+            warnings.warn("a gdn pool reads its nvfp4 copy slower", SlowReadWarning)
+            warnings.warn("unrelated", UserWarning)
+    with recording_slow_reads(doc):
+        warnings.warn("a kda pool reads its nvfp4 copy slower", SlowReadWarning)
+    assert doc["slow_read_warnings"] == ["a gdn pool reads its nvfp4 copy slower",
+                                         "a kda pool reads its nvfp4 copy slower"]
+    with recording_slow_reads(empty := {}):
+        pass
+    assert empty["slow_read_warnings"] == []

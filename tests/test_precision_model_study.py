@@ -110,6 +110,10 @@ def test_parts_side_by_side_merge_into_one_study(tmp_path, capsys, monkeypatch):
     assert [p["steps"] for p in doc["parts"]] == [4, 4] and len(doc["parts"][1]["variants"]) == 2
     assert all(p["command"] and p["date"] and p["device"] for p in doc["parts"])     # each part's provenance
     assert "git_commit_note" not in doc                                   # one tree ran both
+    assert doc["slow_read_warnings"] == []                                # the CPU: no GPU read speed to warn of
+    two = [json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json")]
+    two[0]["slow_read_warnings"], two[1]["slow_read_warnings"] = ["w1", "w2"], ["w2", "w3"]
+    assert pms.merge(two)["slow_read_warnings"] == ["w1", "w2", "w3"]    # each part's, once
     assert "shared" in capsys.readouterr().out.splitlines()[-1]
     # parts of different studies are refused
     cli.main(common[:-1] + ["--designs", "shared", "--window", "4", "--out", str(tmp_path / "c.json")])

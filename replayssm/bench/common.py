@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -153,3 +155,27 @@ def call_accepting(fn, kwargs):
     """Call `fn` with the keyword arguments its signature accepts (families differ slightly)."""
     names = inspect.signature(fn).parameters
     return fn(**{k: v for k, v in kwargs.items() if k in names})
+
+
+@contextmanager
+def recording_slow_reads(doc: dict):
+    """Record in `doc["slow_read_warnings"]` (once each, in order) the `SlowReadWarning`s that
+    pools raise inside the block (a low-precision copy read slower than fp32 on this device:
+    `pool.backends.SLOW_LP_READS`), and print them; other warnings pass as usual. A study's
+    result then says which of its designs served from such a copy."""
+    from ..pool import SlowReadWarning
+    seen = doc.setdefault("slow_read_warnings", [])
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", SlowReadWarning)
+            yield seen
+    finally:
+        # outside the recording block: the others are re-issued to the filters in force
+        for w in caught:
+            if issubclass(w.category, SlowReadWarning):
+                text = str(w.message)
+                if text not in seen:
+                    seen.append(text)
+                    print(f"warning: {text}", flush=True)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

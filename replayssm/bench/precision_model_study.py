@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 
 from . import forced
-from .common import header, write_results
+from .common import header, recording_slow_reads, write_results
 from .model import MODELS
 from .precision_study import LP_FORMATS, _csv, checkpoints
 from .precision_study import plot as layer_plot
@@ -471,12 +471,13 @@ def main(argv=None) -> dict:
                reference="fp32 replay pools (enable(window=...))", metric="KL(p_fp32 || p_design), nats",
                skipped=[], rows=[])
     for m in args.models:
-        doc["rows"] += run(m, tokens=args.tokens, prefill=args.prefill, batch=args.batch, window=args.window,
-                           designs=args.designs, lp_formats=args.formats, device=device,
-                           dtype=DTYPES[args.dtype], seed=args.seed, backend=args.backend,
-                           time_budget=args.time_budget, progress=lambda s: print(s, flush=True),
-                           skipped=doc["skipped"], overrides=dict(args.config), graphs=args.graphs,
-                           only=only)
+        with recording_slow_reads(doc):
+            doc["rows"] += run(m, tokens=args.tokens, prefill=args.prefill, batch=args.batch, window=args.window,
+                               designs=args.designs, lp_formats=args.formats, device=device,
+                               dtype=DTYPES[args.dtype], seed=args.seed, backend=args.backend,
+                               time_budget=args.time_budget, progress=lambda s: print(s, flush=True),
+                               skipped=doc["skipped"], overrides=dict(args.config), graphs=args.graphs,
+                               only=only)
         write_results(args.out, doc)      # after every model: a run cut short keeps what it measured
     print(f"\nmean KL(p_fp32 || p_design) over the decode steps up to each count ({args.prefill} prefilled, "
           f"batch {args.batch}, window {args.window}, {args.dtype} weights, {device}):")
@@ -510,6 +511,7 @@ def merge(docs: list) -> dict:
             raise ValueError(f"the parts differ in {', '.join(diff)}: not one study")
     out = dict(docs[0], rows=[], skipped=[], parts=[])
     out["models"] = list(dict.fromkeys(m for d in docs for m in d["models"]))
+    out["slow_read_warnings"] = list(dict.fromkeys(w for d in docs for w in d.get("slow_read_warnings", [])))
     for d in docs:
         out["rows"] += d["rows"]
         out["skipped"] += [s for s in d["skipped"] if s not in out["skipped"]]

@@ -60,7 +60,7 @@ from .. import shapes as shp
 from ..pool import SlotPool
 from ..reference.schemes import shared_lowp_step
 from ..testing import make_params
-from .common import header, write_results
+from .common import header, recording_slow_reads, write_results
 from .precision_engine import INPUT_CHUNK, BatchedEngine, StudyInputs, WindowLoop, layer_seed
 
 LP_FORMATS = ("fp16", "bf16", "fp8_e4m3", "nvfp4")
@@ -405,10 +405,11 @@ def main(argv=None) -> dict:
                and device.startswith("cuda") else "reference (shared_lowp_step)",
                rows=[])
     for s in args.shapes:
-        doc["rows"] += run(s, layers=args.layers, tokens=args.tokens, batch=args.batch, window=args.window,
-                           designs=args.designs, lp_formats=args.formats, device=device, seed=args.seed,
-                           engine=args.engine, progress=lambda m: print(m, flush=True),
-                           time_budget=args.time_budget, loop=loop)
+        with recording_slow_reads(doc):
+            doc["rows"] += run(s, layers=args.layers, tokens=args.tokens, batch=args.batch, window=args.window,
+                               designs=args.designs, lp_formats=args.formats, device=device, seed=args.seed,
+                               engine=args.engine, progress=lambda m: print(m, flush=True),
+                               time_budget=args.time_budget, loop=loop)
         write_results(args.out, doc)      # after every shape: a run cut short keeps what it measured
     print(f"\nmean output relative error against float64 over the tokens up to each count "
           f"({args.layers} layers, {args.batch} sequences, window {args.window}, {device}):")
