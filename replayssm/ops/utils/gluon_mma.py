@@ -51,6 +51,17 @@ if HAVE_GLUON:
         return lead + small
 
     @gluon.jit
+    def _b_operand_ptrs(p_X, stride_x_t, T, KC: gl.constexpr, NQ: gl.constexpr, NW: gl.constexpr):
+        """Pointers and mask of a `[KC, NQ]` B operand chunk (the MMA layout of
+        `_tile_vectors_mma`): column t is vector t at `p_X + t * stride_x_t` (K contiguous),
+        masked from T on; add the chunk's K offset to the pointers."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        o_kb = gl.arange(0, KC, layout=gl.SliceLayout(1, BO))
+        o_tb = gl.arange(0, NQ, layout=gl.SliceLayout(0, BO))
+        return p_X + (o_tb[None, :] * stride_x_t + o_kb[:, None]), (o_tb < T)[None, :] & (o_kb < KC)[:, None]
+
+    @gluon.jit
     def _tile_vectors_mma(s_S, p_X, stride_x_t, T, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
                           XP: gl.constexpr, NW: gl.constexpr):
         """The tile `[BV, K]` (fp32, shared) times the T vectors at `p_X` (K contiguous elements
@@ -61,15 +72,10 @@ if HAVE_GLUON:
         of a row's head or group reads them), not staged in shared memory."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
-        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
-        KC: gl.constexpr = 32
-        o_kb = gl.arange(0, KC, layout=gl.SliceLayout(1, BO))
-        o_tb = gl.arange(0, NQ, layout=gl.SliceLayout(0, BO))
-        p_b = p_X + (o_tb[None, :] * stride_x_t + o_kb[:, None])
-        m_b = (o_tb < T)[None, :] & (o_kb < KC)[:, None]
+        p_b, m_b = _b_operand_ptrs(p_X, stride_x_t, T, 32, NQ, NW)
         y = gl.zeros([BV, NQ], gl.float32, MM)
-        for k0 in gl.static_range(0, K, KC):
-            a0, a1, a2 = _split_bf16(s_S.slice(k0, KC, dim=1).load(AL))
+        for k0 in gl.static_range(0, K, 32):
+            a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
             b = gl.load(p_b + k0, mask=m_b, other=0.0).to(gl.float32)
             y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), XP)
         return y
@@ -81,17 +87,12 @@ if HAVE_GLUON:
         the tile is read and split once for both products."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
-        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
-        KC: gl.constexpr = 32
-        o_kb = gl.arange(0, KC, layout=gl.SliceLayout(1, BO))
-        o_tb = gl.arange(0, NQ, layout=gl.SliceLayout(0, BO))
-        p_bx = p_X + (o_tb[None, :] * stride_x_t + o_kb[:, None])
-        p_bz = p_Z + (o_tb[None, :] * stride_z_t + o_kb[:, None])
-        m_b = (o_tb < T)[None, :] & (o_kb < KC)[:, None]
+        p_bx, m_b = _b_operand_ptrs(p_X, stride_x_t, T, 32, NQ, NW)
+        p_bz, _ = _b_operand_ptrs(p_Z, stride_z_t, T, 32, NQ, NW)
         yx = gl.zeros([BV, NQ], gl.float32, MM)
         yz = gl.zeros([BV, NQ], gl.float32, MM)
-        for k0 in gl.static_range(0, K, KC):
-            a0, a1, a2 = _split_bf16(s_S.slice(k0, KC, dim=1).load(AL))
+        for k0 in gl.static_range(0, K, 32):
+            a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
             bx = gl.load(p_bx + k0, mask=m_b, other=0.0).to(gl.float32)
             bz = gl.load(p_bz + k0, mask=m_b, other=0.0).to(gl.float32)
             yx += _mma_exact(a0, a1, a2, bx, gl.zeros([BV, NQ], gl.float32, MM), XP)
