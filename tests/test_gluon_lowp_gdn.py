@@ -43,6 +43,8 @@ DESIGNS = {
     "kda-fp32-bf16": ("kda", "fp32", "bf16", "stochastic"),
     "kda-fp32-fp8": ("kda", "fp32", "fp8_e4m3", "stochastic"),
     "kda-shared-fp16-sr": ("kda", "fp16", None, "stochastic"),
+    "kda-fp32-nvfp4": ("kda", "fp32", "nvfp4", "stochastic"),
+    "kda-shared-nvfp4-near": ("kda", "nvfp4", None, "nearest"),
 }
 # the records a steady row writes at its cursor, with what may differ from the single launch
 # (u: arithmetic on the checkpoint; k: the norm's sum; ld, beta: the same formulas)
@@ -53,9 +55,10 @@ RECORD_TOL = {"w": 1e-5, "k": 1e-6, "ld": 1e-6, "beta": 1e-6, "v": 0.0}
 # the dispatch, on the CPU
 
 
-def test_gluon_lp_unsupported_reasons():
+def test_gluon_lp_unsupported_reasons(monkeypatch):
     """What the Gluon kernel covers: GDN and KDA, fp16/bf16/fp8_e4m3/NVFP4 reads (KDA's NVFP4
-    not), windows 2..32, K = 128, 16 rows per warp dividing V."""
+    behind a switch until it has run on a GPU), windows 2..32, K = 128, 16 rows per warp
+    dividing V."""
     f = gluon_lowp.gluon_lp_unsupported
     for family, fmt in (("gdn", "fp16"), ("gdn", "bf16"), ("kda", "bf16"), ("gdn", "fp8_e4m3"), ("gdn", "nvfp4"),
                         ("kda", "fp8_e4m3")):
@@ -63,7 +66,11 @@ def test_gluon_lp_unsupported_reasons():
         assert why is None if HAVE_GLUON else "no Gluon" in why
     assert "mamba2" in f("mamba2", 1, 128, 128, 16, 17, 64)
     assert "code 0" in f("gdn", 0, 128, 128, 16, 17, 64)                       # an fp32 shared checkpoint
-    assert "KDA" in f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
+    monkeypatch.delenv(gluon_lowp.KDA_NVFP4_SWITCH, raising=False)
+    assert gluon_lowp.KDA_NVFP4_SWITCH in f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
+    monkeypatch.setenv(gluon_lowp.KDA_NVFP4_SWITCH, "1")
+    why = f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
+    assert why is None if HAVE_GLUON else "no Gluon" in why
     assert "window 1" in f("gdn", 1, 128, 128, 1, 17, 64)
     if HAVE_GLUON:
         assert "K=64" in f("gdn", 1, 128, 64, 16, 17, 64)
@@ -305,6 +312,16 @@ def test_split_matches_single_launch_gpu(shape, name, gluon_launches):
 def test_split_fp8_nvfp4_matches_single_launch_gpu(shape, name, gluon_launches):
     """fp8_e4m3 and NVFP4 reads in the Gluon kernel: as `test_split_matches_single_launch_gpu`."""
     _gpu_split(name, shape, 8, 16, 40, {}, gluon_launches)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["kda-fp32-nvfp4", "kda-shared-nvfp4-near"])
+def test_split_kda_nvfp4_matches_single_launch_gpu(name, gluon_launches, monkeypatch):
+    """KDA's NVFP4 reads in the Gluon kernel, its vector table rearranged from registers, switched
+    on (`KDA_NVFP4_SWITCH`, off until this has passed): as `test_split_matches_single_launch_gpu`."""
+    monkeypatch.setenv(gluon_lowp.KDA_NVFP4_SWITCH, "1")
+    _gpu_split(name, "kimi-linear-48b", 8, 16, 40, {}, gluon_launches)
 
 
 @pytest.mark.gpu

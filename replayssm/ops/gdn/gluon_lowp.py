@@ -21,7 +21,8 @@ on the H200 at batch 256 (precision_gluon_gdn_h200.json) fp16/bf16 reads take 0.
 fp32 reads' time at Qwen3.5's shapes and 0.88x at Kimi Linear's (the Triton kernel 1.5-3.1x).
 fp8_e4m3 and NVFP4 copies (Mamba-2's decoders) likewise: on the H100 (precision_lp_h100.json)
 0.53-0.54x and 0.62x the fp32 reads' time at Qwen3.5's shapes, KDA fp8 0.73x, where the Triton
-kernel took 2.1x and 3.1x. KDA's NVFP4 read stays on the Triton kernel (0.22x the fp32 speed).
+kernel took 2.1x and 3.1x. KDA's NVFP4 read (its vector table from registers) is behind a
+switch until it has run on a GPU; the Triton kernel reads it at 0.22x the fp32 speed.
 """
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ if HAVE_GLUON:
                                     lp_vector)
     from .gluon_decode import _delta_token_loads
 
-__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
+__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp", "KDA_NVFP4_SWITCH"]
+
+KDA_NVFP4_SWITCH = "REPLAYSSM_GLUON_KDA_NVFP4"
 
 
 def gluon_lp_unsupported(family: str, lp_code: int, V: int, K: int, window: int, Lb: int,
@@ -53,10 +56,11 @@ def gluon_lp_unsupported(family: str, lp_code: int, V: int, K: int, window: int,
         return f"family {family!r} (GDN and KDA only)"
     if lp_code not in GLUON_LP_CODES:
         return f"read format code {lp_code} (fp16, bf16, fp8_e4m3, nvfp4 only)"
-    if family == "kda" and lp_code == 4:
-        # NVFP4's vector table is gathered from memory (`lp_vector`): KDA's key and query,
-        # scaled per channel by G(0), are not there
-        return "KDA with NVFP4 reads: the scaled key and query are not in memory"
+    if family == "kda" and lp_code == 4 and os.environ.get(KDA_NVFP4_SWITCH) != "1":
+        # KDA's key and query, scaled per channel by G(0), are not in memory, so NVFP4's vector
+        # table is rearranged from registers (`lp_vector`, GATHER off): compiled under Triton
+        # 3.6 (128 registers), not yet run on a GPU; its GPU test turns it on
+        return f"KDA with NVFP4 reads: not yet run on a GPU in this kernel ({KDA_NVFP4_SWITCH}=1 turns it on)"
     if window < 2:
         return "window 1 (the eager step) flushes every row"
     return gluon_shape_supported(V, K, window, Lb, BV, max(1, BV // 16)) or None
@@ -192,9 +196,9 @@ if HAVE_GLUON:
             b_rk = gl.sum(b_U * gl.convert_layout(b_kk, gl.SliceLayout(1, LW))[:, None], axis=0)
             b_rq = gl.sum(b_U * gl.convert_layout(b_kq, gl.SliceLayout(1, LW))[:, None], axis=0)
             b_g0K = gl.convert_layout(b_g0, gl.SliceLayout(0, LK))
-            # (NVFP4 would gather the raw vectors: use_gluon_lp refuses it for KDA)
-            b_kv = lp_vector(b_kK * b_g0K, p_kt, K, LP, NW)
-            b_qv = lp_vector(b_qK * b_g0K, p_qt, K, LP, NW)
+            # (not in memory: NVFP4's table is rearranged from registers)
+            b_kv = lp_vector(b_kK * b_g0K, p_kt, K, LP, NW, False)
+            b_qv = lp_vector(b_qK * b_g0K, p_qt, K, LP, NW, False)
             b_g = 1.0
         else:
             b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)
@@ -208,8 +212,8 @@ if HAVE_GLUON:
             b_rk = gl.sum(b_U * (b_cW * gl.convert_layout(b_kk, gl.SliceLayout(1, LW)))[:, None], axis=0)
             b_rq = gl.sum(b_U * (b_cW * gl.convert_layout(b_kq, gl.SliceLayout(1, LW)))[:, None], axis=0)
             # the raw key and query: their norms multiply the row sums
-            b_kv = lp_vector(b_kK, p_kt, K, LP, NW)
-            b_qv = lp_vector(b_qK, p_qt, K, LP, NW)
+            b_kv = lp_vector(b_kK, p_kt, K, LP, NW, True)
+            b_qv = lp_vector(b_qK, p_qt, K, LP, NW, True)
 
         # 4. the tile, once landed, decoded in row chunks: C k, then C q, through shared memory
         cp.wait_group(0)

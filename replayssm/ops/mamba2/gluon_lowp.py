@@ -129,7 +129,7 @@ if HAVE_GLUON:
         else:
             b_sca = 0
             b_scb = 0
-        b_qv = lp_vector(b_qK, p_Ct, K, LP, NW)
+        b_qv = lp_vector(b_qK, p_Ct, K, LP, NW, True)
 
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
         o_l = gl.arange(0, BL, layout=LA1)

@@ -102,16 +102,20 @@ if HAVE_GLUON:
             return _copy_to_shared(p_T, BV, K, gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0]))
 
     @gluon.jit
-    def lp_vector(b_vK, p_v, K: gl.constexpr, LP: gl.constexpr, NW: gl.constexpr):
+    def lp_vector(b_vK, p_v, K: gl.constexpr, LP: gl.constexpr, NW: gl.constexpr, GATHER: gl.constexpr):
         """A vector `v` `[K]` in the form `lp_row_sums` takes it: fp16/bf16/fp8 `b_vK` (fp32, any
         layout) converted to the read-back's column layout; NVFP4 a shared `[8, K / 8]` table,
-        `t[i, w] = v[8 w + i]` (code i of word w), gathered from `p_v` (fp32 or any float type),
-        read by `lp_row_sums` after the caller's barrier."""
+        `t[i, w] = v[8 w + i]` (code i of word w), gathered from `p_v` (fp32 or any float type;
+        `GATHER`) or, where `v` is not in memory (KDA's vectors scaled per channel), rearranged
+        from `b_vK` in registers; read by `lp_row_sums` after the caller's barrier."""
         if LP == 4:
             LQ: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [NW, 1], [1, 0])
-            o_i = gl.arange(0, 8, layout=gl.SliceLayout(1, LQ))
-            o_w = gl.arange(0, K // 8, layout=gl.SliceLayout(0, LQ))
-            b_t = gl.load(p_v + (o_w[None, :] * 8 + o_i[:, None])).to(gl.float32)
+            if GATHER:
+                o_i = gl.arange(0, 8, layout=gl.SliceLayout(1, LQ))
+                o_w = gl.arange(0, K // 8, layout=gl.SliceLayout(0, LQ))
+                b_t = gl.load(p_v + (o_w[None, :] * 8 + o_i[:, None])).to(gl.float32)
+            else:
+                b_t = gl.convert_layout(gl.permute(gl.reshape(b_vK, [K // 8, 8]), [1, 0]), LQ)
             s_t = gl.allocate_shared_memory(gl.float32, [8, K // 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             s_t.store(b_t)
             return s_t
