@@ -5,7 +5,7 @@
 #   (c1 -> /tmp/site/vllm; c3 for Qwen3-Next's MoE layer), e.g.
 #          bash benchmarks/tools/vllm_check.sh unpack C1_DIR      then, for Qwen3-Next,   ... unpack C3_DIR
 #   (c1 and c2 together exceed what one call carries, hence separate calls; with the tree's
-#   ~33 MB of trained models beside it c1 itself is too large: split it, `split -b 24M C.so.xz
+#   ~33 MB of trained models beside it c1 itself is too large: split it, `split -b 31M C.so.xz
 #   C.so.xz.part-` and fa3.so.xz likewise, one piece per folder and call, `unpack` each folder)
 #   then:  bash benchmarks/tools/vllm_check.sh C2_DIR [pytest args, e.g. -k "nemotron_h_tiny and eager"]
 #   or:    bash benchmarks/tools/vllm_check.sh C2_DIR bench [replayssm bench vllm args]   (the serving benchmark)
@@ -15,7 +15,7 @@
 set -u
 if [ "${1:-}" = unpack ]; then
   D=/tmp/site/vllm; P=/tmp/vllm_parts; mkdir -p $D/vllm_flash_attn $P; X=$2
-  # pieces of a file too large to travel beside the tree (`split -b 24M C.so.xz C.so.xz.part-`,
+  # pieces of a file too large to travel beside the tree (`split -b 31M C.so.xz C.so.xz.part-`,
   # each piece in a folder of its own, one call each): gathered in $P until the stream is whole
   for p in $X/*.xz.part-*; do
     [ -f "$p" ] || continue
