@@ -6,7 +6,7 @@
 #          bash benchmarks/tools/vllm_check.sh unpack C1_DIR      then, for Qwen3-Next,   ... unpack C3_DIR
 #   (c1 and c2 together exceed what one call carries, hence separate calls; with the tree's
 #   ~33 MB of trained models beside it c1 itself is too large: split it, `split -b 31M C.so.xz
-#   C.so.xz.part-` and fa3.so.xz likewise, one piece per folder and call, `unpack` each folder)
+#   C.so.xz.part-`, the second piece beside fa3.so.xz, one folder and call each, `unpack` each folder)
 #   then:  bash benchmarks/tools/vllm_check.sh C2_DIR [pytest args, e.g. -k "nemotron_h_tiny and eager"]
 #   or:    bash benchmarks/tools/vllm_check.sh C2_DIR bench [replayssm bench vllm args]   (the serving benchmark)
 # C2_DIR: the c2 folder of prep_carry.sh (vllm_src.tar.xz, site312.tar.xz, models/). Each LLM start
