@@ -515,8 +515,9 @@ print("shared", k.metadata.shared)
     pytest.param("kda", 4, 32, 32, 32, "fp32", 80, id="kimi-kda-T4-window32-fp32", marks=pytest.mark.slow),
     # the key head's products loaded (`kq`)
     pytest.param("gdn-kq", 8, 32, 16, 16, "bf16", 48, id="4b-T8-kq", marks=pytest.mark.slow),
-    # the tile's products on the tensor cores (`mma`), the swizzled tile
-    pytest.param("gdn-mma", 8, 32, 16, 16, "bf16", 48, id="4b-T8-mma")])
+    # the tile's products on the tensor cores (`mma`): the swizzled tile, the staged raw keys
+    # and queries (4 KB more)
+    pytest.param("gdn-mma", 8, 32, 16, 16, "bf16", 49, id="4b-T8-mma")])
 def test_gluon_verify_compiles_for_sm90(family, T, HV, Hk, L, rec, kb):
     # the Gluon kernel cannot run on the CPU: that it builds with this Triton (3.6 on the H200
     # machine, newer elsewhere: the shims of utils/gluon.py and _rows_view) is checked here

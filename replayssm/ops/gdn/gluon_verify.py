@@ -278,6 +278,20 @@ if HAVE_GLUON:
                        mask=m_D, other=0.0).to(gl.float32)
         b_qD = gl.load(q + i_b * stride_q_b + i_hk * stride_q_h + o_tD[:, None] * stride_q_t + o_kD[None, :],
                        mask=m_D, other=0.0).to(gl.float32)
+        if MMA:
+            # the raw keys and queries as the tensor cores' B operands (8 rows, zero past T),
+            # staged while the tile is in flight (utils/gluon_mma.py)
+            LXN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+            o_tx = gl.arange(0, 8, layout=gl.SliceLayout(1, LXN))
+            o_kx = gl.arange(0, K, layout=gl.SliceLayout(0, LXN))
+            m_x = (o_tx < T)[:, None] & (o_kx >= 0)[None, :]
+            SWX: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+            s_kx = gl.allocate_shared_memory(k.dtype.element_ty, [8, K], SWX, gl.load(
+                k + i_b * stride_k_b + i_hk * stride_k_h + o_tx[:, None] * stride_k_t + o_kx[None, :], mask=m_x,
+                other=0.0))
+            s_qx = gl.allocate_shared_memory(q.dtype.element_ty, [8, K], SWX, gl.load(
+                q + i_b * stride_q_b + i_hk * stride_q_h + o_tx[:, None] * stride_q_t + o_kx[None, :], mask=m_x,
+                other=0.0))
         m_c = o_c < T
         b_vr = gl.load(v + i_b * stride_v_b + i_hv * stride_v_h + v0 + o_y[:, None] + (o_c * stride_v_t)[None, :],
                        mask=m_o, other=0.0)
@@ -411,9 +425,7 @@ if HAVE_GLUON:
                     f_q = gl.where(on, scale * gl.sum(gl.where(o_tD == t, b_rq, 0.0), axis=0), f_q)
             s_Yk8 = gl.allocate_shared_memory(gl.float32, [BV, 8], SM)
             s_Yq8 = gl.allocate_shared_memory(gl.float32, [BV, 8], SM)
-            p_kx = k + i_b * stride_k_b + i_hk * stride_k_h
-            p_qx = q + i_b * stride_q_b + i_hk * stride_q_h
-            b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, p_kx, stride_k_t, p_qx, stride_q_t, T, BV, K, 8, XP, NW)
+            b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW)
             s_Yk8.store(b_Yk * f_k[None, :])
             s_Yq8.store(b_Yq * f_q[None, :])
             s_Yk = s_Yk8.slice(0, TP, dim=1)

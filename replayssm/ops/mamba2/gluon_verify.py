@@ -249,6 +249,16 @@ if HAVE_GLUON:
         o_kq = gl.arange(0, K, layout=gl.SliceLayout(0, LQ))
         p_Ct = C + i_b * stride_C_b + i_g * stride_C_g
         b_Qr = gl.load(p_Ct + (o_tq[:, None] * stride_C_t + o_kq[None, :]), mask=(o_tq < T)[:, None], other=0.0)
+        if MMA:
+            # the queries as the tensor cores' B operand (NQ rows, zero past T), staged now, while
+            # the tile is in flight: loaded after it landed, they would add an L2 round trip to
+            # every program's critical path
+            LQN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+            o_tn = gl.arange(0, NQ, layout=gl.SliceLayout(1, LQN))
+            o_kn = gl.arange(0, K, layout=gl.SliceLayout(0, LQN))
+            b_Qn = gl.load(p_Ct + (o_tn[:, None] * stride_C_t + o_kn[None, :]), mask=(o_tn < T)[:, None], other=0.0)
+            s_Q = gl.allocate_shared_memory(C.dtype.element_ty, [NQ, K], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]),
+                                            b_Qn)
         o_tb = gl.arange(0, PD, layout=gl.SliceLayout(1, LIN))
         o_kb = gl.arange(0, K, layout=gl.SliceLayout(0, LIN))
         p_Bt = B + i_b * stride_B_b + i_g * stride_B_g
@@ -320,7 +330,20 @@ if HAVE_GLUON:
         b_Ed = gl.where(o_rE[:, None] <= o_tE[None, :], gl.exp(b_dsx) * b_dtdE[:, None], 0.0)
         s_Ed = gl.allocate_shared_memory(gl.float32, [PD, TP], SM, b_Ed)
         # the drafts' keys and x (as given) to shared memory for the row loop and the sums
-        s_KD = gl.allocate_shared_memory(B.dtype.element_ty, [PD, K], SM, b_Kdr)
+        if MMA and KQ:
+            # the keys' products come from the launch before, and the tile's from the tensor
+            # cores: the drafts' keys are read only by the program that records them, from global
+            # memory then; their 2 KB of shared memory hold the key products instead (read after
+            # the tile lands, so staged now), keeping 5 programs per SM at Super's shape
+            p_kqp = kq + (i_b * Hk + i_g) * ((BL + PD) * TP)
+            o_jp = gl.arange(0, BL, layout=gl.SliceLayout(1, LE))
+            o_rp = gl.arange(0, PD, layout=gl.SliceLayout(1, LE))
+            s_kqp = gl.allocate_shared_memory(gl.float32, [BL, TP], SM, gl.load(p_kqp + o_jp[:, None] * TP +
+                                                                                o_tE[None, :]))
+            s_kdqp = gl.allocate_shared_memory(gl.float32, [PD, TP], SM, gl.load(p_kqp + (BL + o_rp)[:, None] * TP +
+                                                                                 o_tE[None, :]))
+        else:
+            s_KD = gl.allocate_shared_memory(B.dtype.element_ty, [PD, K], SM, b_Kdr)
         s_XD = gl.allocate_shared_memory(x.dtype.element_ty, [PD, BV], SM, b_Xdr)
         b_Q3 = gl.expand_dims(b_Qr.to(gl.float32), 0)                                  # [1, TP, K]
 
@@ -385,7 +408,7 @@ if HAVE_GLUON:
         # row and group, utils/key_products.py)
         s_y = gl.allocate_shared_memory(gl.float32, [BV, YN], SM)
         if MMA:
-            s_y.store(_tile_vectors_mma(s_S, p_Ct, stride_C_t, T, BV, K, NQ, QP, NW))
+            s_y.store(_tile_vectors_mma(s_S, s_Q, BV, K, NQ, QP, NW))
         else:
             for r0 in gl.static_range(0, BV, RC):
                 s_y.slice(r0, RC, dim=0).store(_rows_q(s_S.slice(r0, RC, dim=0), b_Q3, L3))
@@ -406,7 +429,9 @@ if HAVE_GLUON:
         for c0 in gl.static_range(0, BL, 8):
             if c0 < hc:
                 o_jc = c0 + gl.arange(0, 8, layout=gl.SliceLayout(1, LCE))
-                if KQ:
+                if MMA and KQ:
+                    b_kqc = s_kqp.slice(c0, 8, dim=0).load(LCE)
+                elif KQ:
                     b_kqc = gl.load(p_kq + o_jc[:, None] * TP + o_tc3[None, :])
                 else:
                     b_kqc = s_kq.slice(c0, 8, dim=0).load(LCE)
@@ -415,7 +440,9 @@ if HAVE_GLUON:
                 b_Wc = gl.where((o_jw < hc)[:, None], s_W.slice(c0, 8, dim=0).load(LCW).to(gl.float32), 0.0)
                 b_rec += gl.sum(gl.expand_dims(b_Wc, 1) * gl.expand_dims(b_wc, 2), axis=0)
         o_rc3 = gl.arange(0, PD, layout=gl.SliceLayout(1, LCE))
-        if KQ:
+        if MMA and KQ:
+            b_kdq = s_kdqp.load(LCE)
+        elif KQ:
             b_kdq = gl.load(p_kq + (BL + o_rc3)[:, None] * TP + o_tc3[None, :])
         else:
             b_kdq = s_kdq.load(LCE)
@@ -446,7 +473,12 @@ if HAVE_GLUON:
                 gl.store(p_ldh + (hc + o_td) * HV, b_ldd, mask=o_td < n)
                 if i_h % HG == 0:
                     p_kn = p_Kg + ((hc + o_tb)[:, None] * (Hk * K) + o_kb[None, :])
-                    gl.store(p_kn, s_KD.load(LIN).to(gl.float32).to(buf_k.dtype.element_ty), mask=(o_tb < n)[:, None])
+                    if MMA and KQ:
+                        b_Kdn = gl.load(p_Bt + (o_tb[:, None] * stride_B_t + o_kb[None, :]), mask=(o_tb < T)[:, None],
+                                        other=0.0)
+                    else:
+                        b_Kdn = s_KD.load(LIN)
+                    gl.store(p_kn, b_Kdn.to(gl.float32).to(buf_k.dtype.element_ty), mask=(o_tb < n)[:, None])
 
         last = _verify_arrive(arrive, cursor, pending, epoch, slot, hc, n, flush, HV * NVB)
         if flush & last:

@@ -8,10 +8,12 @@ significant bits; bf16 has fp32's exponent range). A product keeps the pieces' p
 of at most 32 starts a fresh accumulator that is added into fp32 registers: the tensor cores'
 accumulation truncates, and one chain over K = 128 measured biased (docs/verify.md).
 
-A tile read as the A operand is best swizzled in shared memory (`TILE_SWIZZLE`): the operand
-layout reads 8 rows of 32 bytes per warp access, and rows K * 4 bytes apart all start in bank 0
-unswizzled (8-way conflicts); 16-byte units XOR-ed with the row (mod 8) spread them over the
-32 banks and keep 16-byte copies and row reads contiguous.
+A tile read as the A operand is best swizzled in shared memory (`gl.SwizzledSharedLayout(4, 1,
+8, [1, 0])` for fp32): the operand layout reads 8 rows of 32 bytes per warp access, and rows
+K * 4 bytes apart all start in bank 0 unswizzled (8-way conflicts); 16-byte units XOR-ed with
+the row (mod 8) spread them over the 32 banks and keep 16-byte copies and row reads contiguous.
+The vectors, read transposed as the B operand, likewise in units of 8 elements
+(`gl.SwizzledSharedLayout(8, 1, 8, [1, 0])`, ldmatrix for 16-bit ones).
 """
 from __future__ import annotations
 
@@ -51,50 +53,39 @@ if HAVE_GLUON:
         return lead + small
 
     @gluon.jit
-    def _b_operand_ptrs(p_X, stride_x_t, T, KC: gl.constexpr, NQ: gl.constexpr, NW: gl.constexpr):
-        """Pointers and mask of a `[KC, NQ]` B operand chunk (the MMA layout of
-        `_tile_vectors_mma`): column t is vector t at `p_X + t * stride_x_t` (K contiguous),
-        masked from T on; add the chunk's K offset to the pointers."""
-        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
-        o_kb = gl.arange(0, KC, layout=gl.SliceLayout(1, BO))
-        o_tb = gl.arange(0, NQ, layout=gl.SliceLayout(0, BO))
-        return p_X + (o_tb[None, :] * stride_x_t + o_kb[:, None]), (o_tb < T)[None, :] & (o_kb < KC)[:, None]
-
-    @gluon.jit
-    def _tile_vectors_mma(s_S, p_X, stride_x_t, T, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
-                          XP: gl.constexpr, NW: gl.constexpr):
-        """The tile `[BV, K]` (fp32, shared) times the T vectors at `p_X` (K contiguous elements
-        each, `stride_x_t` apart, as given: XP pieces; NQ columns, zero past T): `[BV, NQ]` fp32
-        in the MMA layout (`NVMMADistributedLayout` v2, warps over the rows), exact
-        (`_mma_exact`), a K chunk of 32 a call, each chunk's result added into fp32 registers.
-        The vectors are loaded in the B operand's layout from global memory (L2: every program
-        of a row's head or group reads them), not staged in shared memory."""
+    def _tile_vectors_mma(s_S, s_X, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr, XP: gl.constexpr,
+                          NW: gl.constexpr):
+        """The tile `[BV, K]` (fp32, shared) times the vectors `s_X` `[NQ, K]` (shared, as given:
+        XP pieces; rows past the drafts zero): `[BV, NQ]` fp32 in the MMA layout
+        (`NVMMADistributedLayout` v2, warps over the rows), exact (`_mma_exact`), a K chunk of
+        32 a call, each chunk's result added into fp32 registers. `s_X` is best swizzled in
+        units of 8 elements (module docstring): read transposed as the B operand, its rows K
+        elements apart would fall in one bank group. The caller stages it before its wait for
+        the tile, so that no load waits after the tile has landed."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
-        p_b, m_b = _b_operand_ptrs(p_X, stride_x_t, T, 32, NQ, NW)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         y = gl.zeros([BV, NQ], gl.float32, MM)
         for k0 in gl.static_range(0, K, 32):
             a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
-            b = gl.load(p_b + k0, mask=m_b, other=0.0).to(gl.float32)
+            b = s_X.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
             y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), XP)
         return y
 
     @gluon.jit
-    def _tile_vector_pairs_mma(s_S, p_X, stride_x_t, p_Z, stride_z_t, T, BV: gl.constexpr, K: gl.constexpr,
-                               NQ: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr):
-        """`_tile_vectors_mma` for two sets of T vectors (`p_X`, `p_Z`) at once: each K chunk of
+    def _tile_vector_pairs_mma(s_S, s_X, s_Z, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
+                               XP: gl.constexpr, NW: gl.constexpr):
+        """`_tile_vectors_mma` for two sets of vectors (`s_X`, `s_Z`) at once: each K chunk of
         the tile is read and split once for both products."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
-        p_bx, m_b = _b_operand_ptrs(p_X, stride_x_t, T, 32, NQ, NW)
-        p_bz, _ = _b_operand_ptrs(p_Z, stride_z_t, T, 32, NQ, NW)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         yx = gl.zeros([BV, NQ], gl.float32, MM)
         yz = gl.zeros([BV, NQ], gl.float32, MM)
         for k0 in gl.static_range(0, K, 32):
             a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
-            bx = gl.load(p_bx + k0, mask=m_b, other=0.0).to(gl.float32)
-            bz = gl.load(p_bz + k0, mask=m_b, other=0.0).to(gl.float32)
+            bx = s_X.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
+            bz = s_Z.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
             yx += _mma_exact(a0, a1, a2, bx, gl.zeros([BV, NQ], gl.float32, MM), XP)
             yz += _mma_exact(a0, a1, a2, bz, gl.zeros([BV, NQ], gl.float32, MM), XP)
         return yx, yz
