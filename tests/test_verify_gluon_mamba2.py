@@ -18,6 +18,7 @@ from test_verify_mamba2 import KEYS, NAN, _bits, _check, _inputs, _layer, _pool,
 
 from replayssm.ops.mamba2 import replay_verify  # noqa: E402
 from replayssm.ops.mamba2.gluon_verify import HAVE_GLUON, _tiles, gluon_verify_unsupported  # noqa: E402
+from replayssm.ops.mamba2 import verify as verify_mod  # noqa: E402
 from replayssm.ops.mamba2.verify import verify_config  # noqa: E402
 from replayssm.ops.utils.commit import commit  # noqa: E402
 from replayssm.testing import make_inputs  # noqa: E402
@@ -76,9 +77,15 @@ def test_verify_config_gluon_key(monkeypatch):
     for T in (1, 2, 4, 8):
         assert verify_config(*S, T, device="cuda") == dict(BV=64, num_warps=4, num_stages=1, gluon=True, kq=False, mma=False)
         # Nano-4B's 60 programs a group: the key products' launch from 4 drafts on
-        # ... and at 8 drafts its tile products on the tensor cores (measured faster there)
+        # ... and at 8 drafts its tile products on the tensor cores (measured faster there) once
+        # GLUON_MMA_DEFAULT is on
+        mma = T == 8 and verify_mod.GLUON_MMA_DEFAULT
         assert verify_config(*N, T, device="cuda") == dict(BV=16, num_warps=1, num_stages=1, gluon=True, kq=T >= 4,
-                                                           mma=T == 8)
+                                                           mma=mma)
+    monkeypatch.setattr(verify_mod, "GLUON_MMA_DEFAULT", True)
+    assert verify_config(*N, 8, device="cuda")["mma"] and not verify_config(*N, 4, device="cuda")["mma"]
+    assert not verify_config(*S, 8, device="cuda")["mma"]                             # four warps a program
+    monkeypatch.setattr(verify_mod, "GLUON_MMA_DEFAULT", False)
     assert verify_config(*N, 8, dict(kq=False, mma=False), device="cuda")["kq"] is False
     assert verify_config(*N, 8, dict(mma=False), device="cuda")["mma"] is False
     assert verify_config(*N, 8, dict(gluon=True))["mma"] is False                      # not on the interpreter
