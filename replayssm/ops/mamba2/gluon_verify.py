@@ -102,9 +102,9 @@ if HAVE_GLUON:
                   KP: gl.constexpr, NW: gl.constexpr):
         """The flush's fold on the tensor cores, exact as `utils.gluon_mma._tile_vectors_mma`: per
         chunk of 32 of the tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32 in the
-        A operand's layout, the keys `[BL, K]` as stored, KP pieces), the products a fresh value added to `g C_c` in fp32 (never
-        accumulated inside the MMA, whose truncation would bias the checkpoint), stored to
-        shared memory and to the checkpoint `p_S`."""
+        A operand's layout, the keys `[BL, K]` as stored, KP pieces), the products a fresh value
+        added to `g C_c` in fp32 (never accumulated inside the MMA, whose truncation would bias
+        the checkpoint), stored to shared memory and to the checkpoint `p_S`."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         NC: gl.constexpr = 32
