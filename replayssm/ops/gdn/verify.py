@@ -333,9 +333,17 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     if not isinstance(mma, bool):
         raise ValueError(f"config mma={mma!r} must be a bool")
     if mma and want and "gluon" in (config or {}):
-        return _gluon_mma_config(family, HV, Hk, V, K, T, user, BK, kq, 16 if window is None else window, Lb)
+        if family != "gdn":
+            raise ValueError("config gluon=True, mma=True: GDN only (KDA's per-channel decays are inside the "
+                             "products' operands, not raw 16-bit inputs)")
+        # the Gluon kernel with the tile's products on the tensor cores; off the GPU the launch
+        # runs the Triton tensor-core kernel (verify_mma.py) instead, as exact
+        cfg, why = _gluon_config(family, HV, Hk, V, K, T, user, BK, window, Lb)
+        if why is not None:
+            raise ValueError(f"config gluon=True, mma=True: {why}")
+        return dict(cfg, gluon=True, kq=kq, mma=True)
     if mma:
-        return _mma_config(family, V, K, T, user, BK, False, kq, 16 if window is None else window, Lb)
+        return _mma_config(family, V, K, T, user, BK, kq, 16 if window is None else window, Lb)
     if kq and family != "gdn":
         raise ValueError("config kq=True: the key head's shared products are GDN's (KDA's draft vectors carry "
                          "each value head's decays)")
@@ -343,12 +351,7 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
         gpu = torch.cuda.is_available() and not _interpreting()
     ks = min(8, max(1, BK // 4))
     if want and gpu:
-        bv = next((c for c in (64, 32, 16) if V % c == 0), 16)
-        cfg = _check_config(dict({"BV": bv, "num_warps": bv // 16, "num_stages": 1, "KS": ks,
-                                  "maxnreg": 128 if T > 4 else 0}, **user), BK)
-        L = 16 if window is None else window
-        why = gluon_verify_unsupported(family, HV or 1, Hk or 1, V, K, T, L, L + T if Lb is None else Lb,
-                                       cfg["BV"], cfg["num_warps"])
+        cfg, why = _gluon_config(family, HV, Hk, V, K, T, user, BK, window, Lb)
         if why is None:
             return dict(cfg, gluon=True, kq=kq, mma=False)
     BV = min(32, triton.next_power_of_2(V))
@@ -356,28 +359,22 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     return dict(_check_config(dict(cfg, **user), BK), gluon=False, kq=False, mma=False)
 
 
-def _gluon_mma_config(family: str, HV, Hk, V: int, K: int, T: int, user: dict, BK: int, kq: bool, window: int,
-                      Lb: Optional[int]) -> dict:
-    """`verify_config` for `gluon=True, mma=True` (GDN): the Gluon kernel with the tile's
-    products on the tensor cores, or a ValueError saying why not. Off the GPU the launch runs
-    the Triton tensor-core kernel (verify_mma.py) instead, as exact."""
-    if family != "gdn":
-        raise ValueError("config gluon=True, mma=True: GDN only (KDA's per-channel decays are inside the "
-                         "products' operands, not raw 16-bit inputs)")
+def _gluon_config(family: str, HV, Hk, V: int, K: int, T: int, user: dict, BK: int, window: Optional[int],
+                  Lb: Optional[int]):
+    """The Gluon kernel's launch config (its defaults under the caller's overrides) and why the
+    kernel does not cover it (None when it does)."""
     bv = next((c for c in (64, 32, 16) if V % c == 0), 16)
     cfg = _check_config(dict({"BV": bv, "num_warps": bv // 16, "num_stages": 1, "KS": min(8, max(1, BK // 4)),
                               "maxnreg": 128 if T > 4 else 0}, **user), BK)
-    why = gluon_verify_unsupported(family, HV or 1, Hk or 1, V, K, T, window, window + T if Lb is None else Lb,
-                                   cfg["BV"], cfg["num_warps"])
-    if why is not None:
-        raise ValueError(f"config gluon=True, mma=True: {why}")
-    return dict(cfg, gluon=True, kq=kq, mma=True)
+    L = 16 if window is None else window
+    return cfg, gluon_verify_unsupported(family, HV or 1, Hk or 1, V, K, T, L, L + T if Lb is None else Lb,
+                                         cfg["BV"], cfg["num_warps"])
 
 
-def _mma_config(family: str, V: int, K: int, T: int, user: dict, BK: int, gluon: bool, kq: bool,
-                window: int, Lb: Optional[int]) -> dict:
+def _mma_config(family: str, V: int, K: int, T: int, user: dict, BK: int, kq: bool, window: int,
+                Lb: Optional[int]) -> dict:
     """`verify_config` for `mma=True`: the kernel of verify_mma.py or a ValueError saying why not."""
-    if gluon or kq:
+    if kq:
         raise ValueError("config mma=True is a kernel of its own: not with kq=True")
     bv = next((c for c in (64, 32, 16) if V % c == 0), 16)
     cfg = _check_config(dict({"BV": bv, "num_warps": max(1, bv // 16), "num_stages": 1,
