@@ -471,3 +471,43 @@ def test_verify_lp_real_shapes_gpu(family, hp, lp, monkeypatch):
         d = _code_distance(pools[0], pools[1], hp)
         assert d["frac"] < 0.02 and d["units"] <= 1, d
         assert max(rel_err(e["outs"][0], e["outs"][1]) for e in log) < 40 * ULP[hp]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
+@pytest.mark.parametrize("lp", ["fp16", "bf16"])
+def test_verify_lp_gluon_real_shapes_gpu(lp, T, window, monkeypatch):
+    """Mamba-2's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint
+    (`verify_lp.GLUON_VERIFY_LP_SWITCH` on, as until this has passed; Nemotron-3-Super's shape):
+    `_check_fp32_hp`'s checks and bounds (the copy bit for bit the round-to-nearest encoding of
+    the fp32 checkpoint, copy reads about a unit of the format from fp32 reads, flush rows as
+    fp32 reads), every launch of the fast pool on that kernel."""
+    from replayssm.ops.mamba2 import verify_lp as vlp
+    from replayssm.ops.utils.lowp import LP_CODES
+
+    monkeypatch.setenv(vlp.GLUON_VERIFY_LP_SWITCH, "1")
+    codes = []
+    launch = vlp.launch_gluon_verify
+
+    def counted(*args, **kw):
+        codes.append(kw["lp_code"])
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(vlp, "launch_gluon_verify", counted)
+    monkeypatch.setitem(SHAPES, "mamba2", GPU_SHAPES["mamba2"])
+    _check_fp32_hp("mamba2", lp, T=T, window=window, rounds=6)
+    assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
+
+
+def test_verify_lp_gluon_needs_the_switch_and_a_gpu(monkeypatch):
+    """Off the GPU, or with the switch unset, `lowp_verify` keeps the Triton kernel."""
+    from replayssm.ops.mamba2 import verify_lp as vlp
+
+    monkeypatch.delenv(vlp.GLUON_VERIFY_LP_SWITCH, raising=False)
+    assert not vlp.gluon_verify_lp_on()
+    monkeypatch.setenv(vlp.GLUON_VERIFY_LP_SWITCH, "1")
+    assert vlp.gluon_verify_lp_on()
+    x = torch.zeros(1, 2, 2, 16)
+    ck = dict(HAS_LP=True, HP=0, LP=1, ckpt=torch.zeros(1, 2, 16, 128))
+    assert vlp._gluon_lp_config(x, torch.zeros(1, 2, 1, 128), ck, None, None, None, None, None, 4) is None

@@ -26,6 +26,7 @@ The CPU interpreter cannot run Gluon: `verify.replay_verify` runs the Triton ker
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from ..utils.dots import pieces
@@ -39,9 +40,10 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from ..utils.gluon import (_add, _async_load, _barrier, _slot_bases, _softplus, _tile_to_shared,
-                                _verify_arrive)
-    from ..utils.gluon_mma import _mma_exact, _split_bf16, _tile_vectors_mma
+    from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_tile_view, _slot_bases, _softplus,
+                                _tile_offsets, _tile_to_shared, _verify_arrive)
+    from ..utils.gluon_mma import (_mma_exact, _split_bf16, _tile_chunks_to_shared, _tile_vectors_mma,
+                                   _tile_vectors_mma_landing)
 
 __all__ = ["HAVE_GLUON", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -96,6 +98,29 @@ if HAVE_GLUON:
         (`[1, TP, K]` in L3): `[R, TP]` fp32 in `SliceLayout(2, L3)`."""
         b_r = s_rows.load(gl.SliceLayout(1, L3)).to(gl.float32)
         return gl.sum(gl.expand_dims(b_r, 1) * b_Q3, axis=2)
+
+    @gluon.jit
+    def _rows_q_lp(s_rows, b_Q3, L3: gl.constexpr, LPT: gl.constexpr):
+        """`_rows_q` for rows of a 16-bit copy held as int16 bits (LPT 1 fp16, 2 bf16): each
+        element decoded exactly to fp32."""
+        b_r = s_rows.load(gl.SliceLayout(1, L3))
+        if LPT == 1:
+            b_f = b_r.to(gl.float16, bitcast=True).to(gl.float32)
+        else:
+            b_f = b_r.to(gl.bfloat16, bitcast=True).to(gl.float32)
+        return gl.sum(gl.expand_dims(b_f, 1) * b_Q3, axis=2)
+
+    @gluon.jit
+    def _lp_encode(b, LPT: gl.constexpr):
+        # fp32 -> fp16 / bf16 round-to-nearest, saturating at the largest finite value (NaN kept),
+        # as int16 bits: lowp.store_lp_rows's values
+        if LPT == 1:
+            big: gl.constexpr = 65504.0
+            return gl.where(gl.abs(b) > big, gl.where(b > 0, big, -big), b).to(gl.float16).to(gl.int16, bitcast=True)
+        else:
+            bigb: gl.constexpr = 3.3895313892515355e38
+            return gl.where(gl.abs(b) > bigb, gl.where(b > 0, bigb, -bigb), b).to(gl.bfloat16).to(gl.int16,
+                                                                                                 bitcast=True)
 
     @gluon.jit
     def _fold_mma(s_S, b_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
@@ -163,7 +188,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _gluon_verify_kernel(
         x, dt, B, C, A, dt_bias, D, z, out,
-        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kq,
+        ckpt, ckpt_lp, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kq,
         pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
         stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t,
         stride_B_b, stride_B_t, stride_B_g, stride_C_b, stride_C_t, stride_C_g,
@@ -174,7 +199,7 @@ if HAVE_GLUON:
         RCK: gl.constexpr, RCD: gl.constexpr, VK: gl.constexpr, VW: gl.constexpr, HVP: gl.constexpr,
         HKP: gl.constexpr, HAS_D: gl.constexpr, HAS_Z: gl.constexpr, HAS_N: gl.constexpr,
         NPOS: gl.constexpr, RECMASK: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, NQ: gl.constexpr,
-        QP: gl.constexpr, YN: gl.constexpr, KP: gl.constexpr,
+        QP: gl.constexpr, YN: gl.constexpr, KP: gl.constexpr, PIPE: gl.constexpr, LPT: gl.constexpr,
     ):
         # Layouts (NW warps, K = 128, BV = 16 NW, TP drafts padded, BL record positions):
         # LT   the tile [BV, K] as copied and folded: a row per warp, 4 columns per lane
@@ -203,6 +228,7 @@ if HAVE_GLUON:
         LIN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         LXI: gl.constexpr = gl.BlockedLayout([1, 4], [128 // BV, BV // 4], [NW, 1], [1, 0])
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        LLC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])     # LPT's copy: 8 x 16 bits
         NVB: gl.constexpr = V // BV
         HG: gl.constexpr = HV // Hk
 
@@ -228,22 +254,40 @@ if HAVE_GLUON:
 
         # 1. the tile to shared memory (its own copy group)
         p_S = ckpt + slot * (HV * V * K) + i_h * (V * K) + v0 * K
-        if MMA:
+        if LPT:
+            # a pool with an fp16/bf16 copy (LPT 1/2, verify_lp.py's contract): a row that
+            # flushes folds the fp32 checkpoint, the others' drafts read the copy, half the
+            # bytes; which one is copied waits for the cursor. The copy lands in the first half
+            # of the fp32 tile's shared memory
+            h = gl.load(cursor + slot)
+            n = _draft_count(num_drafts, i_b, h, T, HAS_N)
+            s_S = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
+            s_L = _lp_tile_view(s_S, BV, K, SM)
+            if h + n > WINDOW:
+                _async_load(s_S, p_S + _tile_offsets(BV, K, LT), eviction_policy="evict_first")
+            else:
+                p_L = ckpt_lp + slot * (HV * V * K) + i_h * (V * K) + v0 * K
+                _async_load(s_L, p_L + _tile_offsets(BV, K, LLC), eviction_policy="evict_first")
+            cp.commit_group()
+            _barrier()
+        elif MMA:
             # the MMA operand layout reads 8 rows x 32 bytes per warp access; rows K * 4 bytes
             # apart all start in bank 0, an 8-way conflict unswizzled. 16-byte units XOR-ed with
             # the row (mod 8) spread them over the 32 banks (2 wavefronts for 256 bytes, the
             # least), and keep the copy's 16-byte pieces and the row loop's reads contiguous
-            s_S = _tile_to_shared(p_S, BV, K, LT, gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+            if PIPE:
+                # a copy group per K chunk of 32 columns, so that a chunk's products start as it
+                # lands while the later chunks are still in flight
+                s_S = _tile_chunks_to_shared(p_S, BV, K, NW, gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+            else:
+                s_S = _tile_to_shared(p_S, BV, K, LT, gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
         else:
             s_S = _tile_to_shared(p_S, BV, K, LT, SM)
 
         # 2. cursor, draft count, the drafts' inputs (none waits for the cursor)
-        h = gl.load(cursor + slot)
-        if HAS_N:
-            # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
-            n = gl.minimum(gl.maximum(gl.load(num_drafts + i_b), 0), T)
-        else:
-            n = h * 0 + T
+        if not LPT:
+            h = gl.load(cursor + slot)
+            n = _draft_count(num_drafts, i_b, h, T, HAS_N)
         LQ: gl.constexpr = gl.SliceLayout(0, L3)
         o_tq = gl.arange(0, TP, layout=gl.SliceLayout(1, LQ))
         o_kq = gl.arange(0, K, layout=gl.SliceLayout(0, LQ))
@@ -350,8 +394,13 @@ if HAVE_GLUON:
         # 4. the copies landed; on a flush C <- g_{0:h-1} C + sum_{j<h} g_{j+1:h-1} dt_j x_j k_j^T
         # in row chunks of the tile in shared memory (one exact fp32 rank-1 update per record,
         # the records read from their shared copies), stored to the checkpoint
-        cp.wait_group(0)
-        _barrier()
+        if MMA and PIPE:
+            if flush:
+                cp.wait_group(0)
+                _barrier()
+        else:
+            cp.wait_group(0)
+            _barrier()
         if MMA:
             # (MMA is the outer test: a constexpr, so that the FMA fold below, whose row slices
             # would split the swizzled tile, is not built beside it)
@@ -401,6 +450,10 @@ if HAVE_GLUON:
                             b_Sc += (_pick(b_coefP, o_lP, j) * w_j) * k_j
                     s_S.slice(r0, RCF, dim=0).store(b_Sc)
                     gl.store(p_S + (o_rc[:, None] * K + o_tk[None, :]), b_Sc)
+                    if LPT:
+                        # the copy round-to-nearest from the new checkpoint (lowp.store_lp_rows)
+                        gl.store(ckpt_lp + slot * (HV * V * K) + i_h * (V * K) + v0 * K +
+                                 (o_rc[:, None] * K + o_tk[None, :]), _lp_encode(b_Sc, LPT))
                 _barrier()
 
         # 5. the row loop: the tile's rows, the committed keys (chunks below h'), the drafts' keys
@@ -408,7 +461,19 @@ if HAVE_GLUON:
         # row and group, utils/key_products.py)
         s_y = gl.allocate_shared_memory(gl.float32, [BV, YN], SM)
         if MMA:
-            s_y.store(_tile_vectors_mma(s_S, s_Q, BV, K, NQ, QP, NW))
+            if PIPE:
+                # chunk c waits only for its own copy group (the groups after it, the records'
+                # last, may still be in flight; after a flush all have landed)
+                s_y.store(_tile_vectors_mma_landing(s_S, s_Q, BV, K, NQ, QP, NW))
+            else:
+                s_y.store(_tile_vectors_mma(s_S, s_Q, BV, K, NQ, QP, NW))
+        elif LPT:
+            if flush:
+                for r0 in gl.static_range(0, BV, RC):
+                    s_y.slice(r0, RC, dim=0).store(_rows_q(s_S.slice(r0, RC, dim=0), b_Q3, L3))
+            else:
+                for r0 in gl.static_range(0, BV, RC):
+                    s_y.slice(r0, RC, dim=0).store(_rows_q_lp(s_L.slice(r0, RC, dim=0), b_Q3, L3, LPT))
         else:
             for r0 in gl.static_range(0, BV, RC):
                 s_y.slice(r0, RC, dim=0).store(_rows_q(s_S.slice(r0, RC, dim=0), b_Q3, L3))
@@ -420,6 +485,8 @@ if HAVE_GLUON:
             s_kdq = gl.allocate_shared_memory(gl.float32, [PD, TP], SM)
             for r0 in gl.static_range(0, PD, RCD):
                 s_kdq.slice(r0, RCD, dim=0).store(_rows_q(s_KD.slice(r0, RCD, dim=0), b_Q3, L3))
+        if MMA and PIPE:
+            cp.wait_group(0)                             # the records' group
         _barrier()
         p_kq = kq + (i_b * Hk + i_g) * ((BL + PD) * TP)
         o_tc3 = gl.arange(0, TP, layout=gl.SliceLayout(0, LCE))
@@ -488,14 +555,18 @@ if HAVE_GLUON:
 
 
 def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
-                        arrive, slot_ids, num_drafts, out, window, BV, num_warps, recmask=False, kq=False, mma=False):
+                        arrive, slot_ids, num_drafts, out, window, BV, num_warps, recmask=False, kq=False, mma=False,
+                        ckpt_lp=None, lp_code=0):
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`); the caller checked
     `gluon_verify_unsupported`. `recmask`: predicate the committed records' copies on the
     cursor (no traffic for empty positions; they then wait for it) rather than the window.
     `kq`: the group's key products with the queries (committed records and drafts) formed first
     by `utils.key_products.verify_key_products`, one program per (row, group), instead of by
     every program of the group's heads and V-blocks. `mma`: the tile's products with the queries
-    on the tensor cores (`utils.gluon_mma._tile_vectors_mma`, exact), instead of the row loop's FMA dots."""
+    on the tensor cores (`utils.gluon_mma._tile_vectors_mma`, exact), instead of the row loop's FMA dots.
+    `ckpt_lp`, `lp_code` (1 fp16, 2 bf16; FMA dots only, contiguous unpadded checkpoints): a pool's
+    low-precision copy as int16 bits, verify_lp.py's contract (rows without an early flush read
+    the copy; a flush folds `ckpt` and writes both)."""
     Bt, T, HV, V = x.shape
     Hk, K = B.shape[2], B.shape[3]
     LB = buf_ld.shape[1]
@@ -503,13 +574,18 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
         return
     tiles = _tiles(T, window, LB, num_warps)
     nq = max(8, tiles["TP"])           # the MMA's N: at least the 8 columns of m16n8k16
+    if lp_code and (mma or lp_code not in (1, 2) or ckpt_lp is None):
+        raise ValueError("a low-precision copy: fp16 or bf16 (lp_code 1, 2) with the FMA dots")
     pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
+    if lp_code and any(pads.values()):
+        raise ValueError("a low-precision copy takes contiguous, unpadded state")
     kqs = verify_key_products(C, B, buf_k, cursor, slot_ids, num_drafts, window, tiles["BL"], tiles["TP"],
                               tiles["PD"], pads["pad_k"], pads["pad_cur"]) if kq else slot_ids
     # D, z and num_drafts absent: None (the heuristics set HAS_D, HAS_Z, HAS_N)
     _gluon_verify_kernel[(HV * (V // BV), Bt)](
         x, dt, B, C, A, dt_bias, D, z, out,
-        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kqs,
+        ckpt, ckpt if ckpt_lp is None else ckpt_lp, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
+        num_drafts, kqs,
         *pads.values(),
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
@@ -519,4 +595,5 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
         VK=16 // buf_k.element_size(), VW=16 // buf_w.element_size(),
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), RECMASK=bool(recmask), KQ=bool(kq),
         MMA=bool(mma), NQ=nq, QP=pieces(C.dtype), YN=nq if mma else tiles["TP"], KP=pieces(buf_k.dtype),
+        PIPE=bool(mma) and os.environ.get("REPLAYSSM_GLUON_MMA_PIPE") == "1", LPT=int(lp_code),
         num_warps=num_warps, **tiles)

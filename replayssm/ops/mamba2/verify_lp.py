@@ -25,10 +25,14 @@ positions still hold the records of the refold.
 
 A program owns `BV` value rows of one head as a plain `[BV, BK]` tile (the layout the LP
 decoder returns) and serves the T drafts with one matrix-vector product each, as verify.py's
-row-dot kernel; no tensor-core variant.
+row-dot kernel; no tensor-core variant. An fp16 or bf16 copy beside an fp32 checkpoint can take
+the Gluon verify kernel instead (gluon_verify.py, `lp_code`: the copy's tile staged in place of
+the fp32 one on rows without a flush), behind `REPLAYSSM_GLUON_VERIFY_LP=1` until its GPU tests
+have passed.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -38,15 +42,19 @@ from torch import Tensor
 
 from ..utils.checks import check_window
 from ..utils.cursor import verify_hand_off
-from ..utils.launch import arrive_counter
-from ..utils.lowp import (head_counter, last_at_head, load_lp_tile, lowp_config, nvfp4_stand_in, store_lp_rows,
-                          store_nvfp4_head)
-from ..utils.sround import checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows, store_sr_rows
+from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
+from ..utils.lowp import (LP_CODES, head_counter, last_at_head, load_lp_tile, lowp_config, nvfp4_stand_in,
+                          store_lp_rows, store_nvfp4_head)
+from ..utils.sround import (HP_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows,
+                            store_sr_rows)
 from .common import (OPTIONAL_INPUTS, check_slots, check_state, check_tensor, draft_decays, given,
                      verify_row_bounds, write_shared_drafts)
-from .verify import _check_verify_inputs
+from .gluon_verify import HAVE_GLUON, launch_gluon_verify
+from .verify import _check_verify_inputs, _interpreting, verify_config
 
-__all__ = ["lowp_verify", "verify_lp_config"]
+__all__ = ["GLUON_VERIFY_LP_SWITCH", "gluon_verify_lp_on", "lowp_verify", "verify_lp_config"]
+
+GLUON_VERIFY_LP_SWITCH = "REPLAYSSM_GLUON_VERIFY_LP"
 
 
 def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
@@ -275,6 +283,29 @@ def _lowp_verify_kernel(
                             i_b * stride_B_b, stride_B_t, stride_B_g, o_k, m_k, HV, Hk, K, LB, T, HVP, HKP)
 
 
+def gluon_verify_lp_on() -> bool:
+    """Whether `lowp_verify` may take the Gluon verify kernel for an fp16/bf16 copy beside an
+    fp32 checkpoint (`REPLAYSSM_GLUON_VERIFY_LP=1`; off until its GPU tests have passed)."""
+    return os.environ.get(GLUON_VERIFY_LP_SWITCH) == "1"
+
+
+def _gluon_lp_config(x, B, ck, buf_ld, buf_w, buf_k, cursor, pending, window) -> Optional[dict]:
+    """The Gluon verify kernel's config for this launch (verify.py's default, FMA dots) where it
+    takes it: an fp32 checkpoint with an fp16 or bf16 copy (no stochastic rounding, no scales),
+    on CUDA outside the interpreter, a shape and window it covers, 16-byte aligned state;
+    otherwise None (the Triton kernel)."""
+    if not (gluon_verify_lp_on() and HAVE_GLUON and x.is_cuda and not _interpreting() and ck["HAS_LP"]
+            and ck["HP"] == HP_CODES["fp32"] and ck["LP"] in (LP_CODES["fp16"], LP_CODES["bf16"])):
+        return None
+    Bt, T, HV, V = x.shape
+    Hk, K, LB = B.shape[2], B.shape[3], buf_ld.shape[1]
+    cfg = verify_config(HV, V, K, Hk, T, {"mma": False}, device=x.device, window=window, Lb=LB)
+    if not cfg["gluon"] or not gluon_aligned(ck["ckpt"], buf_ld, buf_w, buf_k):
+        return None
+    # (the kernel indexes the copy as the checkpoint, contiguous: no slot padding)
+    return None if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()) else cfg
+
+
 def lowp_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias: Tensor,
                 D: Optional[Tensor], z: Optional[Tensor], ckpt, ckpt_lp: Optional[dict],
                 lp_format: Optional[str], buf_ld: Tensor, buf_w: Tensor, buf_k: Tensor, cursor: Tensor,
@@ -335,6 +366,12 @@ def lowp_verify(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, dt_bias:
         arrive = arrive_counter(x.device, N)
     Bt, T = x.shape[0], x.shape[1]
     if Bt == 0:
+        return out
+    gcfg = None if config is not None else _gluon_lp_config(x, B, ck, buf_ld, buf_w, buf_k, cursor, pending, window)
+    if gcfg is not None:
+        launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending, epoch,
+                            arrive, slot_ids, num_drafts, out, window, gcfg["BV"], gcfg["num_warps"],
+                            kq=gcfg["kq"], ckpt_lp=ck["lp_data"], lp_code=ck["LP"])
         return out
     Hk, LB = B.shape[2], buf_ld.shape[1]
     nvb = triton.cdiv(V, BV)

@@ -56,6 +56,7 @@ if HAVE_GLUON:
         def _rows_view(s_X, R: gl.constexpr, N: gl.constexpr):
             """As above, with the later name."""
             return s_X.reinterpret(s_X.dtype, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    _NEW_REINTERPRET = gl.constexpr(not hasattr(gl.shared_memory_descriptor, "_reinterpret"))
 
     @gluon.jit
     def _slot_bases(slot, ckpt, buf_ld, buf_w, buf_k, cursor, pad_ckpt, pad_ld, pad_w, pad_k, pad_cur):
@@ -89,6 +90,32 @@ if HAVE_GLUON:
         cp.commit_group()
         _barrier()
         return s_T
+
+    @gluon.jit
+    def _tile_offsets(R: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
+        # element offsets of a row-major [R, C] tile, rows C apart, in layout L
+        o_r = gl.arange(0, R, layout=gl.SliceLayout(1, L))
+        o_c = gl.arange(0, C, layout=gl.SliceLayout(0, L))
+        return o_r[:, None] * C + o_c[None, :]
+
+    @gluon.jit
+    def _lp_tile_view(s_S, BV: gl.constexpr, K: gl.constexpr, SM: gl.constexpr):
+        """The first half of an fp32 `[BV, K]` shared tile seen as an int16 `[BV, K]` tile (a
+        16-bit copy's bits, copied there instead of the fp32 rows)."""
+        if _NEW_REINTERPRET:
+            s_2 = s_S.reinterpret(gl.int16, [2 * BV, K], SM)
+        else:
+            s_2 = s_S._reinterpret(gl.int16, [2 * BV, K], SM)
+        return s_2.slice(0, BV, dim=0)
+
+    @gluon.jit
+    def _draft_count(num_drafts, i_b, h, T: gl.constexpr, HAS_N: gl.constexpr):
+        # a row's draft count; unvalidated counts are clamped to 0..T, so that no draft lands
+        # past the buffer
+        if HAS_N:
+            return gl.minimum(gl.maximum(gl.load(num_drafts + i_b), 0), T)
+        else:
+            return h * 0 + T
 
     @gluon.jit
     def _arrive_early(arrive, slot, h, LA1: gl.constexpr):

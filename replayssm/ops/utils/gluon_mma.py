@@ -24,7 +24,9 @@ __all__ = ["HAVE_GLUON"]
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from .gluon import _async_load, _barrier
 
     @gluon.jit
     def _split_bf16(x):
@@ -69,6 +71,42 @@ if HAVE_GLUON:
         for k0 in gl.static_range(0, K, 32):
             a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
             b = s_X.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
+            y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), XP)
+        return y
+
+    @gluon.jit
+    def _tile_chunks_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, NW: gl.constexpr, SM: gl.constexpr):
+        """`utils.gluon._tile_to_shared` in K chunks of 32 columns, a copy group each (K / 32
+        groups, in column order), for `_tile_vectors_mma_landing`. 16-byte pieces, a warp
+        covering 4 rows of a chunk per access."""
+        LC: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, LC))
+        o_c = gl.arange(0, 32, layout=gl.SliceLayout(0, LC))
+        s_T = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
+        for k0 in gl.static_range(0, K, 32):
+            _async_load(s_T.slice(k0, 32, dim=1), p_T + (o_r[:, None] * K + (k0 + o_c)[None, :]),
+                        eviction_policy="evict_first")
+            cp.commit_group()
+        _barrier()
+        return s_T
+
+    @gluon.jit
+    def _tile_vectors_mma_landing(s_S, s_X, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
+                                  XP: gl.constexpr, NW: gl.constexpr):
+        """`_tile_vectors_mma` on a tile copied by `_tile_chunks_to_shared`, with exactly one
+        copy group committed after the tile's (the caller's records): chunk c waits for its own
+        group only, then a barrier (the MMA layout reads rows other warps copied). The caller
+        waits for the last group itself."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        NCH: gl.constexpr = K // 32
+        y = gl.zeros([BV, NQ], gl.float32, MM)
+        for c in gl.static_range(NCH):
+            cp.wait_group(NCH - c)
+            _barrier()
+            a0, a1, a2 = _split_bf16(s_S.slice(32 * c, 32, dim=1).load(AL))
+            b = s_X.slice(32 * c, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
             y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), XP)
         return y
 
