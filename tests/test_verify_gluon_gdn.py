@@ -359,7 +359,14 @@ def test_verify_config_gluon_key():
     c = verify_config("gdn", 128, 128, 8, {"gluon": True, "mma": True}, HV=32, Hk=16, window=16, Lb=24, gpu=True)
     assert c["gluon"] and c["mma"] and not c["kq"] and (c["BV"], c["num_warps"], c["maxnreg"]) == (64, 4, 128), c
     assert verify_config("gdn", 128, 128, 8, {"gluon": True, "mma": True, "kq": True}, gpu=True)["kq"]
-    assert not verify_config("gdn", 128, 128, 8, GLUON, gpu=True)["mma"]              # not the default
+    # ... which is GDN's default at 8 drafts (measured faster there), not at 4, not for KDA,
+    # and off where the config says so
+    assert verify_config("gdn", 128, 128, 8, GLUON, gpu=True)["mma"]
+    assert verify_config("gdn", 128, 128, 8, HV=32, Hk=16, window=16, Lb=24, gpu=True)["mma"]
+    assert not verify_config("gdn", 128, 128, 4, GLUON, gpu=True)["mma"]
+    assert not verify_config("kda", 128, 128, 8, GLUON, gpu=True)["mma"]
+    assert not verify_config("gdn", 128, 128, 8, {"mma": False}, gpu=True)["mma"]
+    assert not verify_config("gdn", 128, 128, 8, gpu=False)["mma"]                    # the Triton kernel
     for family, config, kw, match in (("kda", {"gluon": True, "mma": True}, {}, "GDN only"),
                                       ("gdn", {"gluon": True, "mma": True}, dict(window=40, Lb=48), "window"),
                                       ("gdn", {"gluon": True, "mma": True, "BV": 32, "num_warps": 4}, {}, "BV=32")):

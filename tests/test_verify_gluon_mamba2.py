@@ -75,17 +75,17 @@ def test_verify_config_gluon_key(monkeypatch):
     with pytest.raises(ValueError, match="above the window"):
         verify_config(*S, 8, dict(gluon=True), device="cuda", window=4, Lb=12)
     for T in (1, 2, 4, 8):
-        assert verify_config(*S, T, device="cuda") == dict(BV=64, num_warps=4, num_stages=1, gluon=True, kq=False, mma=False)
+        # at 8 drafts the tile's products on the tensor cores (measured faster there), with the
+        # key products from the launch before
+        mma = T == 8
+        assert verify_config(*S, T, device="cuda") == dict(BV=64, num_warps=4, num_stages=1, gluon=True, kq=mma,
+                                                           mma=mma)
         # Nano-4B's 60 programs a group: the key products' launch from 4 drafts on
-        # ... and at 8 drafts its tile products on the tensor cores (measured faster there) once
-        # GLUON_MMA_DEFAULT is on
-        mma = T == 8 and verify_mod.GLUON_MMA_DEFAULT
         assert verify_config(*N, T, device="cuda") == dict(BV=16, num_warps=1, num_stages=1, gluon=True, kq=T >= 4,
                                                            mma=mma)
-    monkeypatch.setattr(verify_mod, "GLUON_MMA_DEFAULT", True)
-    assert verify_config(*N, 8, device="cuda")["mma"] and not verify_config(*N, 4, device="cuda")["mma"]
-    assert not verify_config(*S, 8, device="cuda")["mma"]                             # four warps a program
+    assert not verify_config(*S, 8, dict(BV=32), device="cuda")["mma"]                # 32 rows: not measured
     monkeypatch.setattr(verify_mod, "GLUON_MMA_DEFAULT", False)
+    assert not verify_config(*N, 8, device="cuda")["mma"] and not verify_config(*S, 8, device="cuda")["mma"]
     assert verify_config(*N, 8, dict(kq=False, mma=False), device="cuda")["kq"] is False
     assert verify_config(*N, 8, dict(mma=False), device="cuda")["mma"] is False
     assert verify_config(*N, 8, dict(gluon=True))["mma"] is False                      # not on the interpreter

@@ -478,15 +478,14 @@ def test_verify_lp_real_shapes_gpu(family, hp, lp, monkeypatch):
 @pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
 @pytest.mark.parametrize("lp", ["fp16", "bf16"])
 def test_verify_lp_gluon_real_shapes_gpu(lp, T, window, monkeypatch):
-    """Mamba-2's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint
-    (`verify_lp.GLUON_VERIFY_LP_SWITCH` on, as until this has passed; Nemotron-3-Super's shape):
-    `_check_fp32_hp`'s checks and bounds (the copy bit for bit the round-to-nearest encoding of
-    the fp32 checkpoint, copy reads about a unit of the format from fp32 reads, flush rows as
-    fp32 reads), every launch of the fast pool on that kernel."""
+    """Mamba-2's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint (the GPU's
+    default; Nemotron-3-Super's shape): `_check_fp32_hp`'s checks and bounds (the copy bit for
+    bit the round-to-nearest encoding of the fp32 checkpoint, copy reads about a unit of the
+    format from fp32 reads, flush rows as fp32 reads), every launch of the fast pool on that
+    kernel."""
     from replayssm.ops.mamba2 import verify_lp as vlp
     from replayssm.ops.utils.lowp import LP_CODES
 
-    monkeypatch.setenv(vlp.GLUON_VERIFY_LP_SWITCH, "1")
     codes = []
     launch = vlp.launch_gluon_verify
 
@@ -500,14 +499,15 @@ def test_verify_lp_gluon_real_shapes_gpu(lp, T, window, monkeypatch):
     assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
 
 
-def test_verify_lp_gluon_needs_the_switch_and_a_gpu(monkeypatch):
-    """Off the GPU, or with the switch unset, `lowp_verify` keeps the Triton kernel."""
+def test_verify_lp_gluon_only_where_it_applies():
+    """`lowp_verify` keeps the Triton kernel off the GPU, and for copies other than fp16/bf16
+    or an HP checkpoint other than fp32 (the Gluon kernel's contract)."""
     from replayssm.ops.mamba2 import verify_lp as vlp
+    from replayssm.ops.utils.lowp import LP_CODES
+    from replayssm.ops.utils.sround import HP_CODES
 
-    monkeypatch.delenv(vlp.GLUON_VERIFY_LP_SWITCH, raising=False)
-    assert not vlp.gluon_verify_lp_on()
-    monkeypatch.setenv(vlp.GLUON_VERIFY_LP_SWITCH, "1")
-    assert vlp.gluon_verify_lp_on()
     x = torch.zeros(1, 2, 2, 16)
-    ck = dict(HAS_LP=True, HP=0, LP=1, ckpt=torch.zeros(1, 2, 16, 128))
-    assert vlp._gluon_lp_config(x, torch.zeros(1, 2, 1, 128), ck, None, None, None, None, None, 4) is None
+    args = (torch.zeros(1, 2, 1, 128), None, None, None, None, None, 4)
+    for hp, lp in (("fp32", "fp16"), ("fp32", "fp8_e4m3"), ("bf16", "fp16")):
+        ck = dict(HAS_LP=True, HP=HP_CODES[hp], LP=LP_CODES[lp], ckpt=torch.zeros(1, 2, 16, 128))
+        assert vlp._gluon_lp_config(x, args[0], ck, *args[1:]) is None, (hp, lp)

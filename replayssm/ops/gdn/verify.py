@@ -302,11 +302,11 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     yet timed: the drafts' Gram products and the records' products with the drafts' keys and
     queries formed once per (row, key head) by a launch before it,
     `utils.key_products.gdn_verify_key_products`, instead of by every program of the key head;
-    `mma`, GDN only, default off: the kernel of verify_mma.py, its products on 16-bit tensor
-    cores at fp32 accuracy, windows up to 32, BV at least 16 (defaults: the largest of 64, 32,
-    16 dividing V, in BV / 16 warps); not with `kq`; with `gluon=True` asked for, the Gluon
-    kernel with the tile's products on the tensor cores, exact, `kq` as asked, not yet run on a
-    GPU).
+    `mma`, GDN only: the kernel of verify_mma.py, its products on 16-bit tensor cores at fp32
+    accuracy, windows up to 32, BV at least 16 (defaults: the largest of 64, 32, 16 dividing V,
+    in BV / 16 warps); not with `kq`; with `gluon=True` asked for, the Gluon kernel with the
+    tile's products on the tensor cores, exact, `kq` as asked. That Gluon variant is the default
+    where the Gluon kernel runs at T = 8 (`gluon_mma_default`); elsewhere `mma` is off unless asked).
 
     `gluon` (default True) applies on a GPU (`gpu`; None: CUDA present and not the CPU interpreter) where
     `gluon_verify_unsupported` has no objection to the shape, window (`window`, `Lb`; None: 16
@@ -353,10 +353,25 @@ def verify_config(family: str, V: int, K: int, T: int, config: Optional[dict] = 
     if want and gpu:
         cfg, why = _gluon_config(family, HV, Hk, V, K, T, user, BK, window, Lb)
         if why is None:
-            return dict(cfg, gluon=True, kq=kq, mma=False)
+            return dict(cfg, gluon=True, kq=kq, mma=gluon_mma_default(family, T, config))
     BV = min(32, triton.next_power_of_2(V))
     cfg = {"BV": BV, "num_warps": 4 if BV * BK >= 4096 else 1, "num_stages": 1, "KS": ks, "maxnreg": 0}
     return dict(_check_config(dict(cfg, **user), BK), gluon=False, kq=False, mma=False)
+
+
+# GDN's Gluon kernel forms the tile's products on the tensor cores by default at this many
+# drafts. H100, batch 256, window 16, drafts all rejected .. all accepted, over a conventional
+# step (verify_gluon_mma_gdn_h100.json): Qwen3.5-4B T=8 1.22-1.53x against the FMA kernel's
+# 1.28-1.60x, Qwen3.5-122B 1.21-1.50x against 1.23-1.56x; at T=4 slower (0.83-0.97x against
+# 0.81-0.94x, 0.81-0.96x against 0.76-0.89x). The H200 is not measured. Its GPU tests:
+# tests/test_verify_gluon_gdn.py -k mma
+GLUON_MMA_T = 8
+
+
+def gluon_mma_default(family: str, T: int, config: Optional[dict]) -> bool:
+    """Whether the Gluon verify kernel takes the tensor-core tile products when the config does
+    not say: GDN at `GLUON_MMA_T` drafts."""
+    return family == "gdn" and T == GLUON_MMA_T and "mma" not in (config or {})
 
 
 def _gluon_config(family: str, HV, Hk, V: int, K: int, T: int, user: dict, BK: int, window: Optional[int],

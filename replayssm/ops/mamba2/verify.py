@@ -230,20 +230,21 @@ def _gluon_default(HV: int, V: int, K: int, Hk: int, T: int, device, window: Opt
 KQ_MIN_T, KQ_MIN_PROGRAMS = 4, 32
 
 
-# the Gluon kernel's tile products on the tensor cores (`mma`) by default for one-warp programs
-# at this many drafts. H100, batch 256, window 16, drafts all rejected .. all accepted, over a
-# conventional step (verify_gluon_mma_h100.json, the build of 988e47f): Nano-4B (16 rows) T=8
-# 1.05-1.24x against the FMA kernel's 1.11-1.35x, but T=4 0.86-0.94x against 0.82-0.92x; Super
-# (64 rows) slower at both (T=8 0.96-1.14x against 0.85-1.05x). Only T=8 was measured faster.
-# Off (GLUON_MMA_DEFAULT) until the build that stages every operand before the tile lands has
-# passed its GPU tests: a default runs only kernels that ran against the reference on a GPU
+# the Gluon kernel's tile products on the tensor cores (`mma`) by default at this many drafts,
+# for the program sizes measured (Nano-4B 16 rows, Super 64). H100, batch 256, window 16,
+# drafts all rejected .. all accepted, over a conventional step, the build that stages every
+# operand before the tile lands (verify_gluon_mma_h100.json): Super T=8 0.80-1.02x against the
+# FMA kernel's 0.84-1.04x, Nano-4B 1.00-1.26x against 1.12-1.35x; at T=4 mma was slower (Super
+# 0.75-0.84x against 0.69-0.79x) or level (Nano-4B 0.81-0.93x against 0.83-0.92x). The H200 is
+# not measured. Its GPU tests: tests/test_verify_gluon_mamba2.py -k mma
 GLUON_MMA_T = 8
-GLUON_MMA_DEFAULT = False
+GLUON_MMA_DEFAULT = True
+GLUON_MMA_BV = (16, 64)
 
 
 def gluon_mma_default(T: int, BV) -> bool:
     """Whether the Gluon verify forms the tile's products on the tensor cores by default."""
-    return GLUON_MMA_DEFAULT and BV == 16 and T == GLUON_MMA_T
+    return GLUON_MMA_DEFAULT and BV in GLUON_MMA_BV and T == GLUON_MMA_T
 
 
 def kq_default(HV: int, V: int, Hk: int, T: int, BV) -> bool:
@@ -274,8 +275,7 @@ def verify_config(HV: int, V: int, K: int, Hk: int, T: int, config: Optional[dic
     warps) where the Gluon kernel took 0.85-1.05x and 1.12-1.36x (docs/verify.md). With
     `gluon=True`: the Gluon kernel with the tile's products with the queries on the tensor
     cores, exact as above (`utils.gluon_mma._tile_vectors_mma`), `kq` on unless the config says
-    otherwise; the default for one-warp programs at T = 8 once `GLUON_MMA_DEFAULT` is on
-    (`gluon_mma_default`).
+    otherwise; the default at T = 8 for 16- and 64-row programs (`gluon_mma_default`).
 
     `kq`: the group's key products with the drafts' queries, committed records' and drafts'
     keys alike, formed first by one program per (row, group)
