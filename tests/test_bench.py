@@ -77,6 +77,38 @@ def test_verify_benchmark_variants_get_their_own_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", ["mamba2/4/2/16/32", "gdn/4/2/16/32", "kda/2/2/16/16"])
+def test_verify_benchmark_low_precision_copy_variant(monkeypatch, shape):
+    """A variant with `lp` runs the replay scheme on `lowp_verify` with that copy: the same
+    cursors as the fp32 replay; Mamba-2's outputs within the copy's rounding of the fp32 ones
+    (GDN/KDA's raw records are random, not the ones behind their `u`: there finite outputs)."""
+    import functools
+
+    from replayssm.bench import verify
+
+    def case():
+        torch.manual_seed(0)                             # (the checkpoint and records: global RNG)
+        c = verify.Case(shape, 3, 4, 2, device="cpu", snapshot=False)
+        c.accepted.fill_(2)
+        return c
+
+    a, b = case(), case()
+    calls = []
+    if a.family == "mamba2":
+        lowp = a.ops.lowp_verify
+        monkeypatch.setattr(a.ops, "lowp_verify", functools.wraps(lowp)(lambda *x, **k: calls.append(1) or lowp(*x, **k)))
+    for _ in range(3):                                    # cursors 0..2 + 6: every row flushes once
+        a.replay_step({"lp": "fp16"})
+        b.replay_step()
+        assert torch.equal(a.cursor, b.cursor)
+        assert torch.isfinite(a.out.float()).all()
+        if a.family == "mamba2":
+            err = (a.out.float() - b.out.float()).abs().max() / b.out.float().abs().max()
+            assert 0 < err < 5e-3, err                    # fp16 reads, not the fp32 checkpoint
+    assert len(calls) == (3 if a.family == "mamba2" else 0)
+    assert set(a.ckpt_lp) == {"fp16"} and a.ckpt_lp["fp16"]["data"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("shape", ["mamba2/4/2/16/32", "gdn/4/2/16/32", "kda/2/2/16/16"])
 def test_verify_benchmark_times_the_fork_beside_ours(monkeypatch, shape):
     # with the fork's functions (here stand-ins that record their calls: its source is not in
     # this tree) each accepted count gets a `fork` row, run with that count, and the replay rows

@@ -25,6 +25,10 @@ steps the early flushes fall as they would at that acceptance length (all accept
 rounded, within `[max(T, 2), 32]`: the pool needs `L >= T`, the Gluon kernels take windows up
 to 32); each row carries its `window`.
 
+A variant with `lp` (`--variants '[{"lp": "fp16"}]'`) times the replay scheme of a pool with that
+low-precision copy beside the fp32 checkpoint: `ops.<family>.lowp_verify` + `commit`, non-flush
+rows' drafts reading the copy, flushing rows folding the fp32 checkpoint and rewriting both.
+
 `us_per_accepted_token` is the step's time over `accepted`, the tokens each row keeps (mean
 acceptance length = `accepted`). Token inputs and outputs have `--input-dtype` (bf16 default);
 layer parameters and states fp32, records `--record-dtype`.
@@ -85,12 +89,45 @@ class Case:
     def replay_step(self, config=None):
         from ..ops.utils.commit import commit
 
-        call_accepting(self.ops.replay_verify, dict(self.drafts, **self._params(), ckpt=self.ckpt, buf_ld=self.buf_ld,
-                                           buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor,
-                                           pending=self.pending, epoch=self.epoch, arrive=self.arrive,
-                                           slot_ids=self.slot_ids, window=self.window, out=self.out,
-                                           config=config, validate=False))
+        state = dict(buf_ld=self.buf_ld, buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor, pending=self.pending,
+                     epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids, window=self.window, out=self.out,
+                     validate=False)
+        if config and "lp" in config:
+            # a pool with a low-precision copy beside the fp32 checkpoint (`lowp_verify`; the rest
+            # of the variant is its config, none: its defaults)
+            rest = {k: v for k, v in config.items() if k != "lp"}
+            fn, fam = self.ops.lowp_verify, {}
+            if self.family != "mamba2":
+                from ..ops.gdn.verify_lp import lowp_verify as fn      # (KDA's wrapper takes *args)
+                fam = dict(family=self.family)
+            call_accepting(fn, dict(self.drafts, **self._params(), **state, **self._raw_records(), **fam,
+                                    ckpt=self.ckpt, ckpt_lp=self._lp_copy(config["lp"]), lp_format=config["lp"],
+                                    config=rest or None))
+        else:
+            call_accepting(self.ops.replay_verify, dict(self.drafts, **self._params(), **state, ckpt=self.ckpt,
+                                                        config=config))
         commit(self.cursor, self.pending, self.slot_ids, self.accepted)
+
+    def _lp_copy(self, fmt: str) -> dict:
+        # the copy of the checkpoint in `fmt`, round-to-nearest (a pool's after `load`), made once
+        if not hasattr(self, "ckpt_lp"):
+            from .. import formats
+
+            self.ckpt_lp = {}
+        if fmt not in self.ckpt_lp:
+            self.ckpt_lp[fmt] = formats.encode(self.ckpt, fmt, "nearest")
+        return self.ckpt_lp[fmt]
+
+    def _raw_records(self) -> dict:
+        # GDN/KDA pools with a copy keep each record's raw `v` and `beta` (their flush recomputes
+        # `u` from them); Mamba-2 has none
+        if self.family == "mamba2":
+            return {}
+        if not hasattr(self, "buf_v"):
+            N, Lb = self.buf_w.shape[:2]
+            self.buf_v = (0.1 * torch.randn(N, Lb, self.HV, self.V, device=self.buf_w.device)).to(self.buf_w.dtype)
+            self.buf_beta = torch.rand(N, Lb, self.HV, device=self.buf_w.device, dtype=self.buf_ld.dtype)
+        return dict(buf_v=self.buf_v, buf_beta=self.buf_beta)
 
     def snapshot_step(self):
         from ..ops.utils.snapshot import snapshot_commit
@@ -238,7 +275,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variants", default=None,
                     help="JSON list of verify launch configs to time beside the defaults at every point "
-                         '(e.g. \'[{"BV": 64, "num_warps": 4}]\'); their rows carry `config`')
+                         '(e.g. \'[{"BV": 64, "num_warps": 4}]\'); their rows carry `config`. A config with '
+                         '`lp` (fp16, bf16, fp8_e4m3, nvfp4) times a pool with that low-precision copy beside '
+                         'the fp32 checkpoint (`lowp_verify`, its other keys its config)')
     ap.add_argument("--fork-src", default=None, metavar="DIR",
                     help="a checkout of the public ReplaySSM fork (github.com/Johnny-Liou/ReplaySSM; the "
                          "folder holding vllm/, with replayssm.bench.peers.fork.FORK_FILES): its verify "
