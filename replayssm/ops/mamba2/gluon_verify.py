@@ -42,6 +42,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_tile_view, _slot_bases, _softplus,
                                 _tile_offsets, _tile_to_shared, _verify_arrive)
+    from .gluon_verify_drafts import _write_shared_drafts
     from ..utils.gluon_mma import (_mma_exact, _split_bf16, _tile_chunks_to_shared, _tile_vectors_mma,
                                    _tile_vectors_mma_landing)
 
@@ -156,33 +157,6 @@ if HAVE_GLUON:
         for i in gl.static_range(TP):
             acc += gl.where(o_t >= i, _pick(b_lddW, o_w, i), 0.0)
         return acc
-
-    @gluon.jit
-    def _write_shared_drafts(dt, B, A, dt_bias, buf_ld, buf_k, slot, n, off_dt, stride_dt_t, off_B, stride_B_t,
-                             stride_B_g, HV: gl.constexpr, Hk: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
-                             T: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, NW: gl.constexpr):
-        """`common.write_shared_drafts` in Gluon: after an early flush, by the slot's last program,
-        every head's log decay and every group's key of the drafts at positions `0..n-1`, from
-        the inputs (other programs of the slot read these positions as committed records until
-        all arrived)."""
-        LH: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        LG: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-        o_hv = gl.arange(0, HVP, layout=LH)
-        m_hv = o_hv < HV
-        o_g = gl.arange(0, HKP, layout=gl.SliceLayout(1, LG))
-        o_k = gl.arange(0, K, layout=gl.SliceLayout(0, LG))
-        m_gk = (o_g < Hk)[:, None] & (o_k < K)[None, :]
-        b_As = gl.load(A + o_hv, mask=m_hv, other=0.0).to(gl.float32)
-        b_bias = gl.load(dt_bias + o_hv, mask=m_hv, other=0.0).to(gl.float32)
-        p_lds = buf_ld + slot * (LB * HV) + o_hv
-        p_ks = buf_k + slot * (LB * Hk * K) + o_g[:, None] * K + o_k[None, :]
-        for t in gl.static_range(T):
-            if t < n:
-                b_dts = gl.load(dt + off_dt + t * stride_dt_t + o_hv, mask=m_hv, other=0.0).to(gl.float32)
-                gl.store(p_lds + t * HV, _softplus(b_dts + b_bias) * b_As, mask=m_hv)
-                b_Ks = gl.load(B + off_B + t * stride_B_t + o_g[:, None] * stride_B_g + o_k[None, :], mask=m_gk,
-                               other=0.0)
-                gl.store(p_ks + t * (Hk * K), b_Ks.to(gl.float32).to(buf_k.dtype.element_ty), mask=m_gk)
 
     @triton.heuristics(dict(OPTIONAL_INPUTS, HAS_N=given("num_drafts")))
     @gluon.jit
