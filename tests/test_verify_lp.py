@@ -477,9 +477,10 @@ def test_verify_lp_real_shapes_gpu(family, hp, lp, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
 @pytest.mark.parametrize("lp", ["fp16", "bf16"])
-def test_verify_lp_gluon_real_shapes_gpu(lp, T, window, monkeypatch):
+@pytest.mark.parametrize("model", ["super", "nano"])
+def test_verify_lp_gluon_real_shapes_gpu(model, lp, T, window, monkeypatch):
     """Mamba-2's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint (the GPU's
-    default; Nemotron-3-Super's shape): `_check_fp32_hp`'s checks and bounds (the copy bit for
+    default for 64-row programs; Nemotron-3-Super's and Nano-4B's shapes): `_check_fp32_hp`'s checks and bounds (the copy bit for
     bit the round-to-nearest encoding of the fp32 checkpoint, copy reads about a unit of the
     format from fp32 reads, flush rows as fp32 reads), every launch of the fast pool on that
     kernel."""
@@ -494,7 +495,9 @@ def test_verify_lp_gluon_real_shapes_gpu(lp, T, window, monkeypatch):
         return launch(*args, **kw)
 
     monkeypatch.setattr(vlp, "launch_gluon_verify", counted)
-    monkeypatch.setitem(SHAPES, "mamba2", GPU_SHAPES["mamba2"])
+    # Nano-4B: 16-row programs with the key products' launch (its GLUON_LP_BV entry waits for this)
+    monkeypatch.setitem(SHAPES, "mamba2", GPU_SHAPES["mamba2"] if model == "super" else (96, 8, 80, 128))
+    monkeypatch.setattr(vlp, "GLUON_LP_BV", (16, 64))
     _check_fp32_hp("mamba2", lp, T=T, window=window, rounds=6)
     assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
 

@@ -56,6 +56,11 @@ from .verify import _check_verify_inputs, _interpreting, verify_config
 
 __all__ = ["lowp_verify", "verify_lp_config"]
 
+# the Gluon kernel's program sizes whose copy reads have run against the reference on a GPU
+# (Super's 64-row programs; Nano-4B's 16-row ones, with `kq`, compile and await
+# `test_verify_lp_gluon_real_shapes_gpu[nano...]`)
+GLUON_LP_BV = (64,)
+
 
 def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
     """The launch config (`BV` value rows per program, a power of two; `num_warps`) with a
@@ -294,7 +299,7 @@ def _gluon_lp_config(x, B, ck, buf_ld, buf_w, buf_k, cursor, pending, window) ->
     Bt, T, HV, V = x.shape
     Hk, K, LB = B.shape[2], B.shape[3], buf_ld.shape[1]
     cfg = verify_config(HV, V, K, Hk, T, {"mma": False}, device=x.device, window=window, Lb=LB)
-    if not cfg["gluon"] or not gluon_aligned(ck["ckpt"], buf_ld, buf_w, buf_k):
+    if not cfg["gluon"] or cfg["BV"] not in GLUON_LP_BV or not gluon_aligned(ck["ckpt"], buf_ld, buf_w, buf_k):
         return None
     # (the kernel indexes the copy as the checkpoint, contiguous: no slot padding)
     return None if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()) else cfg
