@@ -106,6 +106,11 @@ def test_verify_benchmark_low_precision_copy_variant(monkeypatch, shape):
             assert 0 < err < 5e-3, err                    # fp16 reads, not the fp32 checkpoint
     assert len(calls) == (3 if a.family == "mamba2" else 0)
     assert set(a.ckpt_lp) == {"fp16"} and a.ckpt_lp["fp16"]["data"].dtype == torch.float16
+    HV, V, K = a.HV, a.V, a.K
+    raw = 0 if a.family == "mamba2" else (4 + 2) * HV * (V * 2 + 4)          # bf16 v, fp32 beta
+    assert a.memory_per_sequence("fp16")["replay"] == a.memory_per_sequence()["replay"] + HV * V * K * 2 + raw
+    a.replay_step({"lp": "fp8_e4m3"})                     # a second copy beside the first
+    assert set(a.ckpt_lp) == {"fp16", "fp8_e4m3"} and torch.isfinite(a.out.float()).all()
 
 
 @pytest.mark.parametrize("shape", ["mamba2/4/2/16/32", "gdn/4/2/16/32", "kda/2/2/16/16"])

@@ -110,9 +110,9 @@ class Case:
 
     def _lp_copy(self, fmt: str) -> dict:
         # the copy of the checkpoint in `fmt`, round-to-nearest (a pool's after `load`), made once
-        if not hasattr(self, "ckpt_lp"):
-            from .. import formats
+        from .. import formats
 
+        if not hasattr(self, "ckpt_lp"):
             self.ckpt_lp = {}
         if fmt not in self.ckpt_lp:
             self.ckpt_lp[fmt] = formats.encode(self.ckpt, fmt, "nearest")
@@ -140,9 +140,11 @@ class Case:
         call_accepting(self.ops.conventional_decode, dict(self.token, **self._params(), state=self.state,
                                                  slot_ids=self.slot_ids, out=self.out1, validate=False))
 
-    def memory_per_sequence(self) -> dict:
-        """Bytes per sequence of each scheme's state (cursor and counters left out)."""
-        rep = sum(t.element_size() * t.numel() for t in (self.ckpt, self.buf_ld, self.buf_w, self.buf_k))
+    def memory_per_sequence(self, lp=None) -> dict:
+        """Bytes per sequence of each scheme's state (cursor and counters left out); `lp`: replay's
+        with that low-precision copy (and GDN/KDA's raw records) besides."""
+        extra = list(self._lp_copy(lp).values()) + list(self._raw_records().values()) if lp else []
+        rep = sum(t.element_size() * t.numel() for t in [self.ckpt, self.buf_ld, self.buf_w, self.buf_k] + extra)
         state = self.ckpt.element_size() * self.ckpt.numel()
         return {"replay": rep // self.batch, "snapshot": (self.T + 1) * state // self.batch,
                 "conventional": state // self.batch}
@@ -198,6 +200,8 @@ def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record
                    us_per_accepted_token=t / a, bytes_per_sequence=mem.get(name))
         if cfg is not None:
             row["config"] = cfg
+            if "lp" in cfg:
+                row["bytes_per_sequence"] = case.memory_per_sequence(cfg["lp"])["replay"]
         rows.append(row)
     if fk is not None:
         forks = {r["accepted"]: r["us_per_step"] for r in rows if r["scheme"] == "fork"}
