@@ -126,6 +126,17 @@ def test_gpu_gluon_mma_rounds_against_reference(name, T):
 
 @gpu
 @needs_gluon
+@pytest.mark.parametrize("T", [2, 8])
+@pytest.mark.parametrize("name", ["small", "qwen3.5-4b"])
+def test_gpu_gluon_mma_fold_rounds_against_reference(name, T, monkeypatch):
+    # an early flush's fold on the tensor cores too (REPLAYSSM_GLUON_GDN_FOLD_MMA, experimental
+    # until this has passed), bf16 and fp32 records
+    monkeypatch.setenv("REPLAYSSM_GLUON_GDN_FOLD_MMA", "1")
+    _rounds_against_reference("gdn", name, T, [{"gluon": True, "mma": True}])
+
+
+@gpu
+@needs_gluon
 @pytest.mark.parametrize("T", [2, 4, 8])
 @pytest.mark.parametrize("name", ["small", "kimi-linear-48b"])
 def test_gpu_gluon_kda_rounds_against_reference(name, T):

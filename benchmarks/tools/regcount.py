@@ -332,7 +332,8 @@ def delta_gluon_verify(cfg, family="gdn"):
     rb = 4 if c["rec"] == "fp32" else 2
     vals = m.gluon_verify_constexprs(c["T"], c["HV"], c["HK"], 128, 128, 16, 16 + c["T"], c["BV"], c["num_warps"],
                                      w_bytes=rb, k_bytes=rb, family=family, kq=bool(int(c.get("kq", 0))),
-                                     mma=bool(int(c.get("mma", 0))), x_pieces=3 if c["inputs"] == "fp32" else 1)
+                                     mma=bool(int(c.get("mma", 0))), x_pieces=3 if c["inputs"] == "fp32" else 1,
+                                     k_pieces=3 if c["rec"] == "fp32" else 1)
     kernel = jit_function(m._gluon_verify_kernel)
     sig, const = signature(kernel, ptr, vals, floats=("scale",))
     return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource, c["maxnreg"]),

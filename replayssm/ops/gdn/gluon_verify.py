@@ -48,6 +48,7 @@ with the Triton kernel.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import triton
@@ -67,7 +68,7 @@ if HAVE_GLUON:
 
     from ..utils.gluon import (_add, _async_load, _barrier, _products_to_shared, _record_weights, _rows_view,
                                 _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
-    from ..utils.gluon_mma import _tile_vector_pairs_mma
+    from ..utils.gluon_mma import _fold_mma_records, _tile_vector_pairs_mma
     from .gluon_verify_drafts import _write_drafts_shared, _write_drafts_shared_kda
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
@@ -93,18 +94,22 @@ def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: i
 def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
                             w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False,
-                            mma: bool = False, x_pieces: int = 1) -> dict:
+                            mma: bool = False, x_pieces: int = 1, k_pieces: int = 1) -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
     "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
-    `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores."""
+    `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores; with `REPLAYSSM_GLUON_GDN_FOLD_MMA=1`
+    (experimental, not yet run on a GPU) an early flush's fold too, the key records of
+    `k_pieces` pieces."""
     TP = max(2, triton.next_power_of_2(T))
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
                 NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
-                MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps))
+                MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps),
+                FOLDMMA=bool(mma) and family == "gdn" and os.environ.get("REPLAYSSM_GLUON_GDN_FOLD_MMA") == "1",
+                KP=k_pieces)
 
 
 if HAVE_GLUON:
@@ -176,6 +181,7 @@ if HAVE_GLUON:
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
         IS_KDA: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, XP: gl.constexpr, SWZ: gl.constexpr,
+        FOLDMMA: gl.constexpr, KP: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -514,6 +520,10 @@ if HAVE_GLUON:
                         b_uw = s_U1.index(jf).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
                         b_Cc += b_uw[:, None] * s_Kw1.index(jf).load(gl.SliceLayout(0, LT))[None, :]
                     gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+        elif FOLDMMA:
+            if flush:
+                # on the tensor cores, exact (utils.gluon_mma._fold_mma_records): experimental
+                _fold_mma_records(s_C, s_U, s_K, b_coef, hb, p_C, b_g, BV, K, BL, KP, NW)
         else:
             if flush:
                 o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
@@ -572,5 +582,5 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
                                   num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq,
-                                  mma, max(pieces(q.dtype), pieces(k.dtype))),
+                                  mma, max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype)),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

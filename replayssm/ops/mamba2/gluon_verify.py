@@ -43,7 +43,7 @@ if HAVE_GLUON:
     from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_tile_view, _slot_bases, _softplus,
                                 _tile_offsets, _tile_to_shared, _verify_arrive)
     from .gluon_verify_drafts import _write_shared_drafts
-    from ..utils.gluon_mma import (_mma_exact, _split_bf16, _tile_chunks_to_shared, _tile_vectors_mma,
+    from ..utils.gluon_mma import (_fold_mma_records, _tile_chunks_to_shared, _tile_vectors_mma,
                                    _tile_vectors_mma_landing)
 
 __all__ = ["HAVE_GLUON", "gluon_verify_unsupported", "launch_gluon_verify"]
@@ -122,27 +122,6 @@ if HAVE_GLUON:
             bigb: gl.constexpr = 3.3895313892515355e38
             return gl.where(gl.abs(b) > bigb, gl.where(b > 0, bigb, -bigb), b).to(gl.bfloat16).to(gl.int16,
                                                                                                  bitcast=True)
-
-    @gluon.jit
-    def _fold_mma(s_S, b_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
-                  KP: gl.constexpr, NW: gl.constexpr):
-        """The flush's fold on the tensor cores, exact as `utils.gluon_mma._tile_vectors_mma`: per
-        chunk of 32 of the tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32 in the
-        A operand's layout, the keys `[BL, K]` as stored, KP pieces), the products a fresh value
-        added to `g C_c` in fp32 (never accumulated inside the MMA, whose truncation would bias
-        the checkpoint), stored to shared memory and to the checkpoint `p_S`."""
-        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
-        NC: gl.constexpr = 32
-        a0, a1, a2 = _split_bf16(b_X)                    # once for every column chunk
-        o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, MM))
-        o_c = gl.arange(0, NC, layout=gl.SliceLayout(0, MM))
-        for c0 in gl.static_range(0, K, NC):
-            b = s_K.slice(c0, NC, dim=1).load(BO).to(gl.float32)
-            dS = _mma_exact(a0, a1, a2, b, gl.zeros([BV, NC], gl.float32, MM), KP)
-            b_Sc = b_g * s_S.slice(c0, NC, dim=1).load(MM) + dS
-            s_S.slice(c0, NC, dim=1).store(b_Sc)
-            gl.store(p_S + (o_r[:, None] * K + (c0 + o_c)[None, :]), b_Sc)
 
     @gluon.jit
     def _pick(b_w, o_w, i: gl.constexpr):
@@ -384,21 +363,8 @@ if HAVE_GLUON:
                 # product), the keys as stored (zeroed there likewise), then C <- g C + dS in fp32
                 # X formed in the A operand's layout from the records' shared copy: in registers,
                 # not staged (4 KB more shared memory would leave 4 programs per SM, not 5)
-                MMX: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1],
-                                                              instr_shape=[16, 8])
-                AX: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMX, k_width=2)
-                o_jX = gl.arange(0, BL, layout=gl.SliceLayout(0, AX))
-                b_coefX = gl.convert_layout(gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), gl.SliceLayout(0, AX))
-                b_WX = s_W.permute([1, 0]).load(AX).to(gl.float32)                          # [BV, BL]
-                b_X = gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0)
-                LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-                o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
-                b_Kz = s_K.load(LKZ)
-                _barrier()
-                # in place: with a flush no committed key is read again (h' = 0)
-                s_K.store(gl.where((o_jK < h)[:, None], b_Kz, gl.zeros_like(b_Kz)))
-                _barrier()
-                _fold_mma(s_S, b_X, s_K, p_S, gl.exp(b_L), BV, K, BL, KP, NW)
+                _fold_mma_records(s_S, s_W, s_K, gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), h, p_S, gl.exp(b_L),
+                                  BV, K, BL, KP, NW)
                 _barrier()
         else:
             if flush:

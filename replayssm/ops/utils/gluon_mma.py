@@ -55,6 +55,50 @@ if HAVE_GLUON:
         return lead + small
 
     @gluon.jit
+    def _fold_mma(s_S, b_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
+                  KP: gl.constexpr, NW: gl.constexpr):
+        """The flush's fold on the tensor cores, exact as `utils.gluon_mma._tile_vectors_mma`: per
+        chunk of 32 of the tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32 in the
+        A operand's layout, the keys `[BL, K]` as stored, KP pieces), the products a fresh value
+        added to `g C_c` in fp32 (never accumulated inside the MMA, whose truncation would bias
+        the checkpoint), stored to shared memory and to the checkpoint `p_S`."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        NC: gl.constexpr = 32
+        a0, a1, a2 = _split_bf16(b_X)                    # once for every column chunk
+        o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, MM))
+        o_c = gl.arange(0, NC, layout=gl.SliceLayout(0, MM))
+        for c0 in gl.static_range(0, K, NC):
+            b = s_K.slice(c0, NC, dim=1).load(BO).to(gl.float32)
+            dS = _mma_exact(a0, a1, a2, b, gl.zeros([BV, NC], gl.float32, MM), KP)
+            b_Sc = b_g * s_S.slice(c0, NC, dim=1).load(MM) + dS
+            s_S.slice(c0, NC, dim=1).store(b_Sc)
+            gl.store(p_S + (o_r[:, None] * K + (c0 + o_c)[None, :]), b_Sc)
+
+    @gluon.jit
+    def _fold_mma_records(s_S, s_W, s_K, b_coef, h, p_S, b_g, BV: gl.constexpr, K: gl.constexpr,
+                          BL: gl.constexpr, KP: gl.constexpr, NW: gl.constexpr):
+        """An early flush's fold on the tensor cores, `C <- g C + sum_{j<h} coef_j w_j k_j^T`, from
+        the records' shared copies (`s_W` `[BL, BV]` values, `s_K` `[BL, K]` keys as stored) and
+        `b_coef` `[BL]` (any layout, zero at and past h): `X[v, j] = coef_j w_j[v]` formed in the
+        A operand's registers (records there may hold NaN, and 0 * NaN is NaN in a product, so
+        X and the keys are zeroed there; the keys in place: no key is read after a flush's fold),
+        then `_fold_mma`. The caller passes a barrier before reading `s_S` again."""
+        MMX: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AX: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMX, k_width=2)
+        o_jX = gl.arange(0, BL, layout=gl.SliceLayout(0, AX))
+        b_coefX = gl.convert_layout(b_coef, gl.SliceLayout(0, AX))
+        b_WX = s_W.permute([1, 0]).load(AX).to(gl.float32)                          # [BV, BL]
+        b_X = gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0)
+        LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
+        b_Kz = s_K.load(LKZ)
+        _barrier()
+        s_K.store(gl.where((o_jK < h)[:, None], b_Kz, gl.zeros_like(b_Kz)))
+        _barrier()
+        _fold_mma(s_S, b_X, s_K, p_S, b_g, BV, K, BL, KP, NW)
+
+    @gluon.jit
     def _tile_vectors_mma(s_S, s_X, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr, XP: gl.constexpr,
                           NW: gl.constexpr):
         """The tile `[BV, K]` (fp32, shared) times the vectors `s_X` `[NQ, K]` (shared, as given:
