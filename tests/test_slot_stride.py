@@ -106,6 +106,8 @@ GLUON_CASES = [
     ("mamba2", "verify", 3, {"gluon": True, "kq": True}),              # the group's products first
     ("gdn", "decode", 1, {"gluon": True}),
     ("gdn", "verify", 3, {"gluon": True}),
+    ("mamba2", "verify", 4, {"gluon": True, "mma": True}),             # the tile's products on the tensor cores
+    ("gdn", "verify", 4, {"gluon": True, "mma": True}),
     ("kda", "decode", 1, {"gluon": True, "BC": 4}),                  # KDA's flush, 4 records an iteration
 ]
 
