@@ -17,12 +17,13 @@ a steady row's `u` record is arithmetic on the checkpoint (summed here in anothe
 the Triton kernel's), so it differs from the single launch's in fp32 rounding, and so does the
 key record where the norm's sum does; the HP refold reads the raw records, the checkpoints of
 a flush are the same Triton code's. The default (`lowp_config`'s `gluon`) where it covers the shape:
-on the H200 at batch 256 (precision_gluon_gdn_h200.json) fp16/bf16 reads take 0.70-0.74x the
-fp32 reads' time at Qwen3.5's shapes and 0.88x at Kimi Linear's (the Triton kernel 1.5-3.1x).
+on the H200 at batch 256 (precision_gluon_gdn_h200.json, in git history at 82c90d4) fp16/bf16
+reads take 0.70-0.74x the fp32 reads' time at Qwen3.5's shapes and 0.88x at Kimi Linear's (the
+Triton kernel 1.5-3.1x).
 fp8_e4m3 and NVFP4 copies (Mamba-2's decoders) likewise: on the H100 (precision_lp_h100.json)
 0.53-0.54x and 0.62x the fp32 reads' time at Qwen3.5's shapes, KDA fp8 0.73x, where the Triton
 kernel took 2.1x and 3.1x. KDA's NVFP4 read (its vector table from registers) is behind a
-switch until it has run on a GPU; the Triton kernel reads it at 0.22x the fp32 speed.
+switch until it is timed (its GPU test passes); the Triton kernel reads it at 0.22x the fp32 speed.
 """
 from __future__ import annotations
 
