@@ -82,6 +82,8 @@ class Case:
             self.states = init[:, None].repeat(1, T + 1, 1, 1, 1)
             self.base = torch.zeros(N, dtype=torch.int32, device=dev)
         self.ops = family_ops(fam)
+        self.ckpt_lp = {}                    # low-precision copies, made when a variant asks (`_lp_copy`)
+        self.buf_v = self.buf_beta = None    # GDN/KDA raw records, likewise (`_raw_records`)
 
     def _params(self):
         return layer_kwargs(self.family, self.params)
@@ -112,8 +114,6 @@ class Case:
         # the copy of the checkpoint in `fmt`, round-to-nearest (a pool's after `load`), made once
         from .. import formats
 
-        if not hasattr(self, "ckpt_lp"):
-            self.ckpt_lp = {}
         if fmt not in self.ckpt_lp:
             self.ckpt_lp[fmt] = formats.encode(self.ckpt, fmt, "nearest")
         return self.ckpt_lp[fmt]
@@ -123,7 +123,7 @@ class Case:
         # `u` from them); Mamba-2 has none
         if self.family == "mamba2":
             return {}
-        if not hasattr(self, "buf_v"):
+        if self.buf_v is None:
             N, Lb = self.buf_w.shape[:2]
             self.buf_v = (0.1 * torch.randn(N, Lb, self.HV, self.V, device=self.buf_w.device)).to(self.buf_w.dtype)
             self.buf_beta = torch.rand(N, Lb, self.HV, device=self.buf_w.device, dtype=self.buf_ld.dtype)

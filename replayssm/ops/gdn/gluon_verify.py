@@ -129,6 +129,16 @@ if HAVE_GLUON:
         return s_R
 
     @gluon.jit
+    def _row_pair_products(s_R, b_x, b_z, s_X, s_Z, N: gl.constexpr, STEP: gl.constexpr, LR: gl.constexpr):
+        """Rows `s_R` `[N, K]` (shared) times two sets of vectors held in registers (`b_x`, `b_z`,
+        `[TP, K]` in `SliceLayout(0, L3)`), STEP rows (LR's) at a time, into the shared `[N, TP]`
+        `s_X`, `s_Z`: each row chunk read once for both."""
+        for r0 in gl.static_range(0, N, STEP):
+            b_m = s_R.slice(r0, STEP, dim=0).load(LR)[:, None, :]
+            s_X.slice(r0, STEP, dim=0).store(gl.sum(b_m * b_x[None, :, :], axis=2))
+            s_Z.slice(r0, STEP, dim=0).store(gl.sum(b_m * b_z[None, :, :], axis=2))
+
+    @gluon.jit
     def _kda_draft_grams(q, k, a, A_log, dt_bias, p_ldh, i_b, i_hv, i_hk, hc, n, sole, scale,
                          stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
                          stride_a_b, stride_a_t, stride_a_h, s_Gk, s_Gq, s_A,
@@ -363,10 +373,7 @@ if HAVE_GLUON:
             # the records' products with the 2T vectors: [j, t] = (c_j * k_j) . (x_t * a_0 ... a_t)
             s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-            for j0 in gl.static_range(0, BL, NW):
-                b_Kj = s_Kw.slice(j0, NW, dim=0).load(LR)[:, None, :]
-                s_Zk.slice(j0, NW, dim=0).store(gl.sum(b_Kj * b_kD[None, :, :], axis=2))
-                s_Zq.slice(j0, NW, dim=0).store(gl.sum(b_Kj * b_qD[None, :, :], axis=2))
+            _row_pair_products(s_Kw, b_kD, b_qD, s_Zk, s_Zq, BL, NW, LR)
             # and the checkpoint's products take g too: C (g * a_0 ... a_t * x_t)
             b_gD = gl.convert_layout(b_gE, gl.SliceLayout(0, LD))[None, :]
             b_kD = b_kD * b_gD
@@ -439,10 +446,7 @@ if HAVE_GLUON:
         else:
             s_Yk = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
             s_Yq = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
-            for r0 in gl.static_range(0, BV, RC):
-                b_Cm = s_C.slice(r0, RC, dim=0).load(LR)[:, None, :]
-                s_Yk.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_kD[None, :, :], axis=2))
-                s_Yq.slice(r0, RC, dim=0).store(gl.sum(b_Cm * b_qD[None, :, :], axis=2))
+            _row_pair_products(s_C, b_kD, b_qD, s_Yk, s_Yq, BV, RC, LR)
         _barrier()
 
         # S_h x = g C x + sum_{j<h} c_j (k_j . x) u_j, per row and draft (on a flush too: the

@@ -43,8 +43,7 @@ if HAVE_GLUON:
     from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_tile_view, _slot_bases, _softplus,
                                 _tile_offsets, _tile_to_shared, _verify_arrive)
     from .gluon_verify_drafts import _write_shared_drafts
-    from ..utils.gluon_mma import (_fold_mma_records, _tile_chunks_to_shared, _tile_vectors_mma,
-                                   _tile_vectors_mma_landing)
+    from ..utils.gluon_mma import _fold_mma_records, _tile_chunks_to_shared, _tile_vectors_mma
 
 __all__ = ["HAVE_GLUON", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -401,12 +400,9 @@ if HAVE_GLUON:
         # row and group, utils/key_products.py)
         s_y = gl.allocate_shared_memory(gl.float32, [BV, YN], SM)
         if MMA:
-            if PIPE:
-                # chunk c waits only for its own copy group (the groups after it, the records'
-                # last, may still be in flight; after a flush all have landed)
-                s_y.store(_tile_vectors_mma_landing(s_S, s_Q, BV, K, NQ, QP, NW))
-            else:
-                s_y.store(_tile_vectors_mma(s_S, s_Q, BV, K, NQ, QP, NW))
+            # PIPE: chunk c waits only for its own copy group (the groups after it, the records'
+            # last, may still be in flight; after a flush all have landed)
+            s_y.store(_tile_vectors_mma(s_S, s_Q, BV, K, NQ, QP, NW, PIPE))
         elif LPT:
             if flush:
                 for r0 in gl.static_range(0, BV, RC):

@@ -79,24 +79,22 @@ if HAVE_GLUON:
         return a + b
 
     @gluon.jit
-    def _tile_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, LT: gl.constexpr, SM: gl.constexpr):
-        """Start the asynchronous copy of the `[BV, K]` fp32 tile at `p_T` (rows K apart) into
-        shared memory, in the 16-byte pieces of LT; returns the shared tile. The barrier after it
-        keeps the assembler from scheduling the copies after the cursor's wait."""
-        o_tr = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
-        o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
-        s_T = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
-        _async_load(s_T, p_T + (o_tr[:, None] * K + o_tk[None, :]), eviction_policy="evict_first")
-        cp.commit_group()
-        _barrier()
-        return s_T
-
-    @gluon.jit
     def _tile_offsets(R: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
         # element offsets of a row-major [R, C] tile, rows C apart, in layout L
         o_r = gl.arange(0, R, layout=gl.SliceLayout(1, L))
         o_c = gl.arange(0, C, layout=gl.SliceLayout(0, L))
         return o_r[:, None] * C + o_c[None, :]
+
+    @gluon.jit
+    def _tile_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, LT: gl.constexpr, SM: gl.constexpr):
+        """Start the asynchronous copy of the `[BV, K]` fp32 tile at `p_T` (rows K apart) into
+        shared memory, in the 16-byte pieces of LT; returns the shared tile. The barrier after it
+        keeps the assembler from scheduling the copies after the cursor's wait."""
+        s_T = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
+        _async_load(s_T, p_T + _tile_offsets(BV, K, LT), eviction_policy="evict_first")
+        cp.commit_group()
+        _barrier()
+        return s_T
 
     @gluon.jit
     def _lp_tile_view(s_S, BV: gl.constexpr, K: gl.constexpr, SM: gl.constexpr):

@@ -100,19 +100,25 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_vectors_mma(s_S, s_X, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr, XP: gl.constexpr,
-                          NW: gl.constexpr):
+                          NW: gl.constexpr, LANDING: gl.constexpr):
         """The tile `[BV, K]` (fp32, shared) times the vectors `s_X` `[NQ, K]` (shared, as given:
         XP pieces; rows past the drafts zero): `[BV, NQ]` fp32 in the MMA layout
         (`NVMMADistributedLayout` v2, warps over the rows), exact (`_mma_exact`), a K chunk of
         32 a call, each chunk's result added into fp32 registers. `s_X` is best swizzled in
         units of 8 elements (module docstring): read transposed as the B operand, its rows K
         elements apart would fall in one bank group. The caller stages it before its wait for
-        the tile, so that no load waits after the tile has landed."""
+        the tile, so that no load waits after the tile has landed. `LANDING`: the tile copied by
+        `_tile_chunks_to_shared` with exactly one copy group committed after its own (the
+        caller's records, which the caller waits for): chunk c waits for its own group only,
+        then a barrier (the MMA layout reads rows other warps copied)."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         y = gl.zeros([BV, NQ], gl.float32, MM)
         for k0 in gl.static_range(0, K, 32):
+            if LANDING:
+                cp.wait_group(K // 32 - k0 // 32)
+                _barrier()
             a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
             b = s_X.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
             y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), XP)
@@ -121,7 +127,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_chunks_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, NW: gl.constexpr, SM: gl.constexpr):
         """`utils.gluon._tile_to_shared` in K chunks of 32 columns, a copy group each (K / 32
-        groups, in column order), for `_tile_vectors_mma_landing`. 16-byte pieces, a warp
+        groups, in column order), for `_tile_vectors_mma` with `LANDING`. 16-byte pieces, a warp
         covering 4 rows of a chunk per access."""
         LC: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
         o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, LC))
@@ -133,26 +139,6 @@ if HAVE_GLUON:
             cp.commit_group()
         _barrier()
         return s_T
-
-    @gluon.jit
-    def _tile_vectors_mma_landing(s_S, s_X, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
-                                  XP: gl.constexpr, NW: gl.constexpr):
-        """`_tile_vectors_mma` on a tile copied by `_tile_chunks_to_shared`, with exactly one
-        copy group committed after the tile's (the caller's records): chunk c waits for its own
-        group only, then a barrier (the MMA layout reads rows other warps copied). The caller
-        waits for the last group itself."""
-        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
-        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
-        NCH: gl.constexpr = K // 32
-        y = gl.zeros([BV, NQ], gl.float32, MM)
-        for c in gl.static_range(NCH):
-            cp.wait_group(NCH - c)
-            _barrier()
-            a0, a1, a2 = _split_bf16(s_S.slice(32 * c, 32, dim=1).load(AL))
-            b = s_X.slice(32 * c, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
-            y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), XP)
-        return y
 
     @gluon.jit
     def _tile_vector_pairs_mma(s_S, s_X, s_Z, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
