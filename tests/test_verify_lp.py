@@ -502,6 +502,33 @@ def test_verify_lp_gluon_real_shapes_gpu(model, lp, T, window, monkeypatch):
     assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
+@pytest.mark.parametrize("lp", ["fp16", "bf16"])
+def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, monkeypatch):
+    """GDN's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint (Qwen3.5-4B's
+    shape; `GLUON_LP_GDN` waits for this test): `_check_fp32_hp`'s checks and bounds (the copy bit
+    for bit the round-to-nearest encoding of the fp32 checkpoint, the HP refold with u recomputed
+    from the raw records, copy reads about a unit of the format from fp32 reads), every launch of
+    the fast pool on that kernel."""
+    from replayssm.ops.gdn import verify_lp as vlp
+    from replayssm.ops.utils.lowp import LP_CODES
+
+    codes = []
+    launch = vlp.launch_gluon_verify
+
+    def counted(*args, **kw):
+        codes.append(kw["lp_code"])
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(vlp, "launch_gluon_verify", counted)
+    monkeypatch.setattr(vlp, "GLUON_LP_GDN", True)
+    monkeypatch.setitem(SHAPES, "gdn", GPU_SHAPES["gdn"])
+    _check_fp32_hp("gdn", lp, T=T, window=window, rounds=6)
+    assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
+
+
 def test_verify_lp_gluon_only_where_it_applies():
     """`lowp_verify` keeps the Triton kernel off the GPU, and for copies other than fp16/bf16
     or an HP checkpoint other than fp32 (the Gluon kernel's contract)."""
@@ -514,3 +541,16 @@ def test_verify_lp_gluon_only_where_it_applies():
     for hp, lp in (("fp32", "fp16"), ("fp32", "fp8_e4m3"), ("bf16", "fp16")):
         ck = dict(HAS_LP=True, HP=HP_CODES[hp], LP=LP_CODES[lp], ckpt=torch.zeros(1, 2, 16, 128))
         assert vlp._gluon_lp_config(x, args[0], ck, *args[1:]) is None, (hp, lp)
+    # GDN: the switch off, or on but off the GPU (CPU tensors), or KDA: the Triton kernel
+    from replayssm.ops.gdn import verify_lp as gvlp
+
+    q, v = torch.zeros(1, 2, 1, 128), torch.zeros(1, 2, 2, 128)
+    ck = dict(HAS_LP=True, HP=HP_CODES["fp32"], LP=LP_CODES["fp16"], ckpt=torch.zeros(1, 2, 128, 128))
+    rest = (None,) * 6 + (4,)
+    assert gvlp._gluon_lp_config("gdn", q, v, ck, *rest) is None
+    gvlp.GLUON_LP_GDN, was = True, gvlp.GLUON_LP_GDN
+    try:
+        assert gvlp._gluon_lp_config("gdn", q, v, ck, *rest) is None
+        assert gvlp._gluon_lp_config("kda", q, v, ck, *rest) is None
+    finally:
+        gvlp.GLUON_LP_GDN = was

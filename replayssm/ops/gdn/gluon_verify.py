@@ -66,10 +66,12 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import (_add, _async_load, _barrier, _products_to_shared, _record_weights, _rows_view,
-                                _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
+    from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_tile_view, _products_to_shared,
+                                _record_weights, _rows_view, _slot_bases, _softplus, _tile_offsets, _tile_to_shared,
+                                _verify_arrive)
     from ..utils.gluon_mma import _fold_mma_records, _tile_vector_pairs_mma
-    from .gluon_verify_drafts import _write_drafts_shared, _write_drafts_shared_kda
+    from .gluon_verify_drafts import (_kda_draft_grams, _records_to_shared, _refold_lp, _row_pair_products,
+                                      _write_drafts_beta, _write_drafts_shared, _write_drafts_shared_kda)
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -94,13 +96,14 @@ def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: i
 def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
                             w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False,
-                            mma: bool = False, x_pieces: int = 1, k_pieces: int = 1) -> dict:
+                            mma: bool = False, x_pieces: int = 1, k_pieces: int = 1, lp_code: int = 0) -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
     "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
     `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores; with `REPLAYSSM_GLUON_GDN_FOLD_MMA=1`
     (experimental, not yet run on a GPU) an early flush's fold too, the key records of
-    `k_pieces` pieces."""
+    `k_pieces` pieces. `lp_code` (GDN, FMA products): a pool's 16-bit copy (1 fp16, 2 bf16),
+    verify_lp.py's contract."""
     TP = max(2, triton.next_power_of_2(T))
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
@@ -109,78 +112,16 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
                 NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
                 MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps),
                 FOLDMMA=bool(mma) and family == "gdn" and os.environ.get("REPLAYSSM_GLUON_GDN_FOLD_MMA") == "1",
-                KP=k_pieces)
+                KP=k_pieces, LPT=int(lp_code))
 
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _records_to_shared(p_R, h, BL: gl.constexpr, N: gl.constexpr, STRIDE: gl.constexpr,
-                           VEC: gl.constexpr, NW: gl.constexpr):
-        """Start the asynchronous copy of records `0..h-1` (`N` contiguous elements each, STRIDE
-        apart from `p_R`, in pieces of VEC elements = 16 bytes) into a `[BL, N]` buffer, as one
-        commit group; positions from `h` on are filled with zeros."""
-        LQ: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (N // VEC), N // VEC], [NW, 1], [1, 0])
-        o_r = gl.arange(0, BL, layout=gl.SliceLayout(1, LQ))
-        o_n = gl.arange(0, N, layout=gl.SliceLayout(0, LQ))
-        s_R = gl.allocate_shared_memory(p_R.dtype.element_ty, [BL, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        _async_load(s_R, p_R + (o_r[:, None] * STRIDE + o_n[None, :]), mask=(o_r < h)[:, None] & (o_n >= 0)[None, :])
-        cp.commit_group()
-        return s_R
-
-    @gluon.jit
-    def _row_pair_products(s_R, b_x, b_z, s_X, s_Z, N: gl.constexpr, STEP: gl.constexpr, LR: gl.constexpr):
-        """Rows `s_R` `[N, K]` (shared) times two sets of vectors held in registers (`b_x`, `b_z`,
-        `[TP, K]` in `SliceLayout(0, L3)`), STEP rows (LR's) at a time, into the shared `[N, TP]`
-        `s_X`, `s_Z`: each row chunk read once for both."""
-        for r0 in gl.static_range(0, N, STEP):
-            b_m = s_R.slice(r0, STEP, dim=0).load(LR)[:, None, :]
-            s_X.slice(r0, STEP, dim=0).store(gl.sum(b_m * b_x[None, :, :], axis=2))
-            s_Z.slice(r0, STEP, dim=0).store(gl.sum(b_m * b_z[None, :, :], axis=2))
-
-    @gluon.jit
-    def _kda_draft_grams(q, k, a, A_log, dt_bias, p_ldh, i_b, i_hv, i_hk, hc, n, sole, scale,
-                         stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
-                         stride_a_b, stride_a_t, stride_a_h, s_Gk, s_Gq, s_A,
-                         HV: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, TP: gl.constexpr,
-                         USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr):
-        """KDA's drafts in order: draft t's decay vector a_t, its Gram rows `[t, r] = (k_r * a_{r+1}
-        ... a_t) . x_t` for x = k_t, q_t (`[t, t]`: k_t . q_t; columns past t zero) and the
-        running decay `a_0 ... a_t`, to the shared `[TP, TP]` s_Gk, s_Gq and `[TP, K]` s_A (rows
-        past n unwritten); without a flush (`sole`) the decay's record at h' + t. The weighted
-        keys are products of factors <= 1, as the recurrence applies them, never a difference of
-        log sums. A loop to n: unrolled, every draft's loads would be hoisted into registers."""
-        LG: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-        o_rG = gl.arange(0, TP, layout=gl.SliceLayout(1, LG))
-        o_kG = gl.arange(0, K, layout=gl.SliceLayout(0, LG))
-        b_AG = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
-        b_dtG = gl.load(dt_bias + i_hv * K + o_kG).to(gl.float32)
-        b_KW = gl.zeros([TP, K], gl.float32, LG)
-        b_cum = gl.zeros([K], gl.float32, gl.SliceLayout(0, LG)) + 1.0
-        s_A1 = _rows_view(s_A, TP, K)
-        s_Gk1 = _rows_view(s_Gk, TP, TP)
-        s_Gq1 = _rows_view(s_Gq, TP, TP)
-        for t in range(0, n):
-            b_kt = gl.load(k + i_b * stride_k_b + t * stride_k_t + i_hk * stride_k_h + o_kG).to(gl.float32)
-            b_qt = gl.load(q + i_b * stride_q_b + t * stride_q_t + i_hk * stride_q_h + o_kG).to(gl.float32)
-            b_at = gl.load(a + i_b * stride_a_b + t * stride_a_t + i_hv * stride_a_h + o_kG).to(gl.float32)
-            if USE_QK_L2NORM:
-                b_kt = b_kt * gl.rsqrt(gl.sum(b_kt * b_kt, axis=0) + 1e-6)
-                b_qt = b_qt * gl.rsqrt(gl.sum(b_qt * b_qt, axis=0) + 1e-6)
-            b_qt = b_qt * scale
-            b_ldt = -b_AG * _softplus(b_at + b_dtG)
-            b_et = gl.exp(b_ldt)
-            b_KW = gl.where((o_rG == t)[:, None], b_kt[None, :], b_KW * b_et[None, :])
-            s_Gk1.index(t).store(gl.sum(b_KW * b_kt[None, :], axis=1))
-            s_Gq1.index(t).store(gl.sum(b_KW * b_qt[None, :], axis=1))
-            b_cum = b_cum * b_et
-            s_A1.index(t).store(b_cum)
-            gl.store(p_ldh + (hc + t) * (HV * K) + o_kG, b_ldt, mask=(o_kG >= 0) & (hc + t < LBCAP) & sole)
-
-    @gluon.jit
     def _gluon_verify_kernel(
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids, num_drafts, kq,
+        ckpt_lp, buf_v, buf_beta,
         pad_ckpt, pad_ld, pad_w, pad_k, pad_cur, pad_pend,
         scale, window,
         stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
@@ -191,7 +132,7 @@ if HAVE_GLUON:
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
         IS_KDA: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, XP: gl.constexpr, SWZ: gl.constexpr,
-        FOLDMMA: gl.constexpr, KP: gl.constexpr,
+        FOLDMMA: gl.constexpr, KP: gl.constexpr, LPT: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -259,22 +200,48 @@ if HAVE_GLUON:
             # as the keys; the same buffer later holds the weighted keys
             p_ldh = buf_ld + slot * (LBCAP * HV * K) + i_hv * K
             s_LD = _records_to_shared(p_ldh + HV * K, gl.minimum(window, LBCAP) - 1, BL, K, HV * K, 4, NW)
-        if MMA:
-            # read as the A operand of the tensor cores: swizzled (utils/gluon_mma.py), in
-            # phases of at most RCF rows so that the fold's row chunks stay whole patterns
-            s_C = _tile_to_shared(p_C, BV, K, LT, gl.SwizzledSharedLayout(4, 1, SWZ, [1, 0]))
+        if LPT:
+            # a pool with a 16-bit copy (LPT 1 fp16, 2 bf16; verify_lp.py's contract): a row that
+            # flushes refolds the fp32 checkpoint along the HP path (the raw v and beta records),
+            # the others' drafts read the copy, half the bytes, staged in the first half of the
+            # fp32 tile's shared memory; which one waits for the cursor. The drafts then follow
+            # the tile alone (records hr = 0) after a flush, the copy and its records otherwise
+            h = gl.load(cursor + slot).to(gl.int32)
+            n = _draft_count(num_drafts, i_b, h, T, HAS_NDRAFT).to(gl.int32)
+            LLC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])      # 8 x 16 bits
+            p_L = ckpt_lp + (slot * HV + i_hv) * (V * K) + v0 * K
+            s_C = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
+            s_L = _lp_tile_view(s_C, BV, K, SM)
+            if h + n > window:
+                _async_load(s_C, p_C + _tile_offsets(BV, K, LT), eviction_policy="evict_first")
+            else:
+                _async_load(s_L, p_L + _tile_offsets(BV, K, LLC), eviction_policy="evict_first")
+            cp.commit_group()
+            _barrier()
+            flush = h + n > window
+            hc = gl.where(flush, 0, h)
+            hr = hc
+            s_U = _records_to_shared(p_Uh, hr, BL, BV, HV * V, VW, NW)
+            s_Vr = _records_to_shared(buf_v + slot * (LBCAP * HV * V) + i_hv * V + v0, gl.where(flush, h, 0), BL, BV,
+                                      HV * V, VW, NW)
         else:
-            s_C = _tile_to_shared(p_C, BV, K, LT, SM)
-        h = gl.load(cursor + slot).to(gl.int32)
-        s_U = _records_to_shared(p_Uh, h, BL, BV, HV * V, VW, NW)
+            if MMA:
+                # read as the A operand of the tensor cores: swizzled (utils/gluon_mma.py), in
+                # phases of at most RCF rows so that the fold's row chunks stay whole patterns
+                s_C = _tile_to_shared(p_C, BV, K, LT, gl.SwizzledSharedLayout(4, 1, SWZ, [1, 0]))
+            else:
+                s_C = _tile_to_shared(p_C, BV, K, LT, SM)
+            h = gl.load(cursor + slot).to(gl.int32)
+            s_U = _records_to_shared(p_Uh, h, BL, BV, HV * V, VW, NW)
 
-        if HAS_NDRAFT:
-            # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
-            n = gl.minimum(gl.maximum(gl.load(num_drafts + i_b).to(gl.int32), 0), T)
-        else:
-            n = h * 0 + T
-        flush = h + n > window
-        hc = gl.where(flush, 0, h)                   # where the drafts' records go (h')
+            if HAS_NDRAFT:
+                # unvalidated counts are clamped to 0..T, so that no draft lands past the buffer
+                n = gl.minimum(gl.maximum(gl.load(num_drafts + i_b).to(gl.int32), 0), T)
+            else:
+                n = h * 0 + T
+            flush = h + n > window
+            hc = gl.where(flush, 0, h)               # where the drafts' records go (h')
+            hr = h                                   # the committed records the drafts follow
         if IS_KDA:
             # 2. (KDA, first: the draft vectors in LD are loaded after it, not held through it)
             # the drafts' Gram rows and running decays, while the tile arrives
@@ -324,7 +291,8 @@ if HAVE_GLUON:
             b_ld0 = gl.load(p_ldh + o_kE)
         else:
             p_ldh = buf_ld + slot * (LBCAP * HV) + i_hv
-            b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=o_l + 1 < h, other=0.0)
+            p_beta = buf_beta + slot * (LBCAP * HV) + i_hv
+            b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=o_l + 1 < hr, other=0.0)
             b_ld0 = gl.load(p_ldh)
 
         # the drafts' normalised keys, scaled queries (as verify's _load_qk), log decays
@@ -373,14 +341,14 @@ if HAVE_GLUON:
             # the records' products with the 2T vectors: [j, t] = (c_j * k_j) . (x_t * a_0 ... a_t)
             s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-            _row_pair_products(s_Kw, b_kD, b_qD, s_Zk, s_Zq, BL, NW, LR)
+            _row_pair_products(s_Kw, b_kD, b_qD, s_Zk, s_Zq, BL, NW, LR, 0)
             # and the checkpoint's products take g too: C (g * a_0 ... a_t * x_t)
             b_gD = gl.convert_layout(b_gE, gl.SliceLayout(0, LD))[None, :]
             b_kD = b_kD * b_gD
             b_qD = b_qD * b_gD
         else:
             # 2. the records' weights at the cursor (c_j, zero past it; g), to shared memory
-            b_coef, b_g = _record_weights(b_ld1, b_ld0, 0.0, h, o_l)
+            b_coef, b_g = _record_weights(b_ld1, b_ld0, 0.0, hr, o_l)
             s_c = gl.allocate_shared_memory(gl.float32, [BL], S1)
             s_c.store(b_coef)
             # and repeated over RCF rows for the flush's fold, which takes c_j by a runtime index
@@ -402,14 +370,17 @@ if HAVE_GLUON:
             # the records' products with the 2T vectors, weighted: [j, t] = c_j (k_j . x_t) (zero at
             # or past the cursor: a select), once the keys have landed (the tile and the u may still
             # be in flight)
-            cp.wait_group(2)
+            if LPT:
+                cp.wait_group(3)                     # (the raw v records' group after the u's)
+            else:
+                cp.wait_group(2)
             _barrier()
             s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
             for j0 in gl.static_range(0, BL, NW):
                 b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
-                m_jO = ((j0 + o_jO) < h)[:, None]
+                m_jO = ((j0 + o_jO) < hr)[:, None]
                 if KQ:
                     # (landed with the first copy group, which the wait above covers)
                     b_zk = s_Zkr.slice(j0, NW, dim=0).load(LO)
@@ -424,6 +395,10 @@ if HAVE_GLUON:
         # 3. C x for the 2T vectors, RC rows at a time, each chunk of the tile read once
         cp.wait_group(0)
         _barrier()
+        if LPT:
+            if flush:
+                _refold_lp(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, RCF, HV, LT, LPT)
+                _barrier()
         if MMA:
             # on the tensor cores, exact (utils/gluon_mma.py): the tile times the drafts' raw
             # keys and queries as given, the norms and scale applied to the products' columns
@@ -446,7 +421,13 @@ if HAVE_GLUON:
         else:
             s_Yk = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
             s_Yq = gl.allocate_shared_memory(gl.float32, [BV, TP], SM)
-            _row_pair_products(s_C, b_kD, b_qD, s_Yk, s_Yq, BV, RC, LR)
+            if LPT:
+                if flush:
+                    _row_pair_products(s_C, b_kD, b_qD, s_Yk, s_Yq, BV, RC, LR, 0)
+                else:
+                    _row_pair_products(s_L, b_kD, b_qD, s_Yk, s_Yq, BV, RC, LR, LPT)
+            else:
+                _row_pair_products(s_C, b_kD, b_qD, s_Yk, s_Yq, BV, RC, LR, 0)
         _barrier()
 
         # S_h x = g C x + sum_{j<h} c_j (k_j . x) u_j, per row and draft (on a flush too: the
@@ -456,7 +437,7 @@ if HAVE_GLUON:
         s_U1 = _rows_view(s_U, BL, BV)
         s_Zk1 = _rows_view(s_Zk, BL, TP)
         s_Zq1 = _rows_view(s_Zq, BL, TP)
-        hb = gl.minimum(h, BL)                       # (a bad cursor past the window reads no further)
+        hb = gl.minimum(hr, BL)                      # (a bad cursor past the window reads no further)
         for j in range(0, hb):
             b_uj = s_U1.index(j).load(LY).to(gl.float32)[:, None]
             b_Sk += b_uj * s_Zk1.index(j).load(LC)[None, :]
@@ -507,6 +488,11 @@ if HAVE_GLUON:
         # flush over records 0..n-1 of this program's rows, which it reads from shared memory
         p_w = p_Uh + o_y[:, None] + ((hc + o_c) * (HV * V))[None, :]
         gl.store(p_w, b_Ud.to(p_w.dtype.element_ty), mask=m_o & m_n & (hc + o_c < LBCAP)[None, :])
+        if LPT:
+            # the raw records a later flush refolds: v likewise, beta as the decays (below: sole)
+            p_vw = buf_v + slot * (LBCAP * HV * V) + i_hv * V + v0 + o_y[:, None] + ((hc + o_c) * (HV * V))[None, :]
+            gl.store(p_vw, b_vr.to(p_vw.dtype.element_ty), mask=m_o & m_n & (hc + o_c < LBCAP)[None, :])
+            gl.store(p_beta + (hc + o_c) * HV, b_bet, mask=m_c & (o_c < n) & (hc + o_c < LBCAP) & sole)
         # 6. an early flush: C <- g C + sum_{j<h} c_j u_j k_j^T, RCF rows of the tile at a time
         # (the arithmetic of utils.gluon._fold_records, one rank-1 update per record, but a
         # loop to the cursor: unrolled over the window, its loads were hoisted into registers),
@@ -524,6 +510,8 @@ if HAVE_GLUON:
                         b_uw = s_U1.index(jf).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
                         b_Cc += b_uw[:, None] * s_Kw1.index(jf).load(gl.SliceLayout(0, LT))[None, :]
                     gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+        elif LPT:
+            pass                                     # (the refold above wrote both checkpoints)
         elif FOLDMMA:
             if flush:
                 # on the tensor cores, exact (utils.gluon_mma._fold_mma_records): experimental
@@ -554,23 +542,34 @@ if HAVE_GLUON:
                 _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
                                      stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
                                      T, HV, HK, K, LBCAP, HVP, HKP, USE_QK_L2NORM, NW)
+                if LPT:
+                    _write_drafts_beta(b, buf_beta, i_b, slot, n, stride_b_b, stride_b_t, stride_b_h, T, HV, LBCAP,
+                                       HVP, NW)
 
 
 def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
                         pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
                         BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn", kq: bool = False,
-                        mma: bool = False) -> None:
+                        mma: bool = False, ckpt_lp=None, lp_code: int = 0, buf_v=None, buf_beta=None) -> None:
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; inputs
     validated, and the caller checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0:
     none). `kq` (GDN): the drafts' Gram products and the records' products with the drafts'
     vectors formed first, once per (row, key head), by `utils.key_products.gdn_verify_key_products`
     instead of by every program of the key head's value heads and V-blocks. `mma` (GDN): the
-    tile's products with the drafts' keys and queries on the tensor cores, exact."""
+    tile's products with the drafts' keys and queries on the tensor cores, exact. `ckpt_lp`,
+    `lp_code` (1 fp16, 2 bf16; GDN, FMA products, contiguous unpadded state), `buf_v`,
+    `buf_beta`: a pool's 16-bit copy as int16 bits and the raw records, verify_lp.py's contract
+    (rows without an early flush read the copy; a flush refolds `ckpt` along the HP path and
+    writes both)."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if Bt == 0:
         return
     pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
+    if lp_code and (mma or family != "gdn" or lp_code not in (1, 2) or ckpt_lp is None or buf_v is None
+                    or buf_beta is None or any(pads.values())):
+        raise ValueError("a low-precision copy: GDN, fp16 or bf16 (lp_code 1, 2), the FMA products, with the "
+                         "raw records, on contiguous unpadded state")
     kq = bool(kq) and family == "gdn"
     kqs = gdn_verify_key_products(q, k, buf_k, cursor, slot_ids, scale, use_qk_l2norm,
                                   gluon_record_tile(window, buf_w.shape[1]), max(2, triton.next_power_of_2(T)),
@@ -579,6 +578,7 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         q, k, v, a, b, A_log, dt_bias, o,
         ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
         num_drafts if num_drafts is not None else slot_ids, kqs,
+        ckpt_lp if lp_code else ckpt, buf_v if lp_code else buf_w, buf_beta if lp_code else buf_ld,
         *pads.values(),
         scale, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -586,5 +586,5 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
                                   num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq,
-                                  mma, max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype)),
+                                  mma, max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype), lp_code),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

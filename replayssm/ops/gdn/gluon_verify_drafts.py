@@ -1,7 +1,9 @@
-"""The early flush's hand-off of the GDN/KDA Gluon verify kernel (gluon_verify.py), for the GPU
-only: the slot's last program writes the drafts' shared fields (decays, normalised keys) at
-positions `0..n-1`, recomputed from the inputs, which the slot's other programs read as
-committed records until they all arrived.
+"""Pieces of the GDN/KDA Gluon verify kernel (gluon_verify.py), for the GPU only: the records'
+copies into shared memory and the row products with the drafts' vectors, KDA's drafts' Gram
+rows, the early flush of a pool with a 16-bit copy (the HP path's refold), and the early
+flush's hand-off: the slot's last program writes the drafts' shared fields (decays, normalised
+keys; with a copy, the gates) at positions `0..n-1`, recomputed from the inputs, which the
+slot's other programs read as committed records until they all arrived.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ __all__ = ["HAVE_GLUON"]
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import _softplus
+    from ..utils.gluon import _async_load, _lp_decode, _lp_encode, _rows_view, _softplus
 
     @gluon.jit
     def _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
@@ -78,3 +81,112 @@ if HAVE_GLUON:
                     b_k = b_k * gl.rsqrt(gl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
                 p_kb = buf_k + ((slot * LBCAP + t) * HK + o_hk)[:, None] * K + o_kh[None, :]
                 gl.store(p_kb, b_k.to(p_kb.dtype.element_ty), mask=m_kh & (t < n))
+
+    @gluon.jit
+    def _records_to_shared(p_R, h, BL: gl.constexpr, N: gl.constexpr, STRIDE: gl.constexpr,
+                           VEC: gl.constexpr, NW: gl.constexpr):
+        """Start the asynchronous copy of records `0..h-1` (`N` contiguous elements each, STRIDE
+        apart from `p_R`, in pieces of VEC elements = 16 bytes) into a `[BL, N]` buffer, as one
+        commit group; positions from `h` on are filled with zeros."""
+        LQ: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (N // VEC), N // VEC], [NW, 1], [1, 0])
+        o_r = gl.arange(0, BL, layout=gl.SliceLayout(1, LQ))
+        o_n = gl.arange(0, N, layout=gl.SliceLayout(0, LQ))
+        s_R = gl.allocate_shared_memory(p_R.dtype.element_ty, [BL, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        _async_load(s_R, p_R + (o_r[:, None] * STRIDE + o_n[None, :]), mask=(o_r < h)[:, None] & (o_n >= 0)[None, :])
+        cp.commit_group()
+        return s_R
+
+    @gluon.jit
+    def _row_pair_products(s_R, b_x, b_z, s_X, s_Z, N: gl.constexpr, STEP: gl.constexpr, LR: gl.constexpr,
+                           LPT: gl.constexpr):
+        """Rows `s_R` `[N, K]` (shared) times two sets of vectors held in registers (`b_x`, `b_z`,
+        `[TP, K]` in `SliceLayout(0, L3)`), STEP rows (LR's) at a time, into the shared `[N, TP]`
+        `s_X`, `s_Z`: each row chunk read once for both. `LPT` 1 / 2: the rows are a 16-bit copy's
+        int16 bits (fp16 / bf16), decoded exactly."""
+        for r0 in gl.static_range(0, N, STEP):
+            if LPT:
+                b_m = _lp_decode(s_R.slice(r0, STEP, dim=0).load(LR), LPT)[:, None, :]
+            else:
+                b_m = s_R.slice(r0, STEP, dim=0).load(LR)[:, None, :]
+            s_X.slice(r0, STEP, dim=0).store(gl.sum(b_m * b_x[None, :, :], axis=2))
+            s_Z.slice(r0, STEP, dim=0).store(gl.sum(b_m * b_z[None, :, :], axis=2))
+
+    @gluon.jit
+    def _kda_draft_grams(q, k, a, A_log, dt_bias, p_ldh, i_b, i_hv, i_hk, hc, n, sole, scale,
+                         stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
+                         stride_a_b, stride_a_t, stride_a_h, s_Gk, s_Gq, s_A,
+                         HV: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr, TP: gl.constexpr,
+                         USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr):
+        """KDA's drafts in order: draft t's decay vector a_t, its Gram rows `[t, r] = (k_r * a_{r+1}
+        ... a_t) . x_t` for x = k_t, q_t (`[t, t]`: k_t . q_t; columns past t zero) and the
+        running decay `a_0 ... a_t`, to the shared `[TP, TP]` s_Gk, s_Gq and `[TP, K]` s_A (rows
+        past n unwritten); without a flush (`sole`) the decay's record at h' + t. The weighted
+        keys are products of factors <= 1, as the recurrence applies them, never a difference of
+        log sums. A loop to n: unrolled, every draft's loads would be hoisted into registers."""
+        LG: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        o_rG = gl.arange(0, TP, layout=gl.SliceLayout(1, LG))
+        o_kG = gl.arange(0, K, layout=gl.SliceLayout(0, LG))
+        b_AG = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
+        b_dtG = gl.load(dt_bias + i_hv * K + o_kG).to(gl.float32)
+        b_KW = gl.zeros([TP, K], gl.float32, LG)
+        b_cum = gl.zeros([K], gl.float32, gl.SliceLayout(0, LG)) + 1.0
+        s_A1 = _rows_view(s_A, TP, K)
+        s_Gk1 = _rows_view(s_Gk, TP, TP)
+        s_Gq1 = _rows_view(s_Gq, TP, TP)
+        for t in range(0, n):
+            b_kt = gl.load(k + i_b * stride_k_b + t * stride_k_t + i_hk * stride_k_h + o_kG).to(gl.float32)
+            b_qt = gl.load(q + i_b * stride_q_b + t * stride_q_t + i_hk * stride_q_h + o_kG).to(gl.float32)
+            b_at = gl.load(a + i_b * stride_a_b + t * stride_a_t + i_hv * stride_a_h + o_kG).to(gl.float32)
+            if USE_QK_L2NORM:
+                b_kt = b_kt * gl.rsqrt(gl.sum(b_kt * b_kt, axis=0) + 1e-6)
+                b_qt = b_qt * gl.rsqrt(gl.sum(b_qt * b_qt, axis=0) + 1e-6)
+            b_qt = b_qt * scale
+            b_ldt = -b_AG * _softplus(b_at + b_dtG)
+            b_et = gl.exp(b_ldt)
+            b_KW = gl.where((o_rG == t)[:, None], b_kt[None, :], b_KW * b_et[None, :])
+            s_Gk1.index(t).store(gl.sum(b_KW * b_kt[None, :], axis=1))
+            s_Gq1.index(t).store(gl.sum(b_KW * b_qt[None, :], axis=1))
+            b_cum = b_cum * b_et
+            s_A1.index(t).store(b_cum)
+            gl.store(p_ldh + (hc + t) * (HV * K) + o_kG, b_ldt, mask=(o_kG >= 0) & (hc + t < LBCAP) & sole)
+
+    @gluon.jit
+    def _refold_lp(s_C, s_K, s_Vr, p_ld, p_beta, h, p_C, p_L, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
+                   RCF: gl.constexpr, HV: gl.constexpr, LT: gl.constexpr, LPT: gl.constexpr):
+        """An early flush of a pool with a 16-bit copy (verify_lp.py's contract): the fp32 tile
+        `s_C` (shared) folded over records `0..h-1` along the HP path, `S <- a_j S;
+        u_j = beta_j (v_j - S k_j); S <- S + u_j k_j^T`, each u_j recomputed from the raw v_j
+        (`s_Vr` `[BL, BV]`, this program's rows) and beta_j (the buffered u came from the copy),
+        RCF rows at a time (LT's), in place, and stored to the checkpoint `p_C` and the copy
+        `p_L` (round-to-nearest). `p_ld`, `p_beta`: the head's log decay and beta at position 0,
+        positions HV apart. The caller passes a barrier before reading `s_C` again."""
+        o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
+        s_K1 = _rows_view(s_K, BL, K)
+        s_V1 = _rows_view(s_Vr, BL, BV)
+        hb = gl.minimum(h, BL)
+        for r0 in gl.static_range(0, BV, RCF):
+            o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LT))
+            b_Cc = s_C.slice(r0, RCF, dim=0).load(LT)
+            for j in range(0, hb):
+                b_kj = s_K1.index(j).load(gl.SliceLayout(0, LT)).to(gl.float32)
+                b_vj = s_V1.index(j).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
+                b_Cc = b_Cc * gl.exp(gl.load(p_ld + j * HV))
+                b_u = gl.load(p_beta + j * HV) * (b_vj - gl.sum(b_Cc * b_kj[None, :], axis=1))
+                b_Cc += b_u[:, None] * b_kj[None, :]
+            s_C.slice(r0, RCF, dim=0).store(b_Cc)
+            gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+            gl.store(p_L + o_rc[:, None] * K + o_tk[None, :], _lp_encode(b_Cc, LPT))
+
+    @gluon.jit
+    def _write_drafts_beta(b, buf_beta, i_b, slot, n, stride_b_b, stride_b_t, stride_b_h, T: gl.constexpr,
+                           HV: gl.constexpr, LBCAP: gl.constexpr, HVP: gl.constexpr, NW: gl.constexpr):
+        """With a 16-bit copy, on an early flush, by the slot's last program: every value head's
+        beta of drafts `0..n-1` at positions `0..n-1` (the raw records a later flush refolds),
+        which the slot's other programs read as committed records until they all arrived."""
+        LV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        o_hv = gl.arange(0, HVP, layout=LV)
+        m_hv = o_hv < HV
+        for t in gl.static_range(T):
+            b_bt = gl.load(b + i_b * stride_b_b + t * stride_b_t + o_hv * stride_b_h, mask=m_hv, other=0.0)
+            gl.store(buf_beta + (slot * LBCAP + t) * HV + o_hv, 1.0 / (1.0 + gl.exp(-b_bt.to(gl.float32))),
+                     mask=m_hv & (t < n))

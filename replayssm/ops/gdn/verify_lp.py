@@ -30,6 +30,7 @@ The tile is a plain `[BV, BK]` (the layout the LP decoder returns: verify.py's K
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -39,15 +40,22 @@ from torch import Tensor
 
 from ..utils.checks import check_tensor
 from ..utils.cursor import verify_hand_off
-from ..utils.launch import arrive_counter
-from ..utils.lowp import (head_counter, last_at_head, load_lp_tile, lowp_config, scale_scratch, store_lp_rows,
-                          store_nvfp4_head)
-from ..utils.sround import checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows, store_sr_rows
+from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
+from ..utils.lowp import (LP_CODES, head_counter, last_at_head, load_lp_tile, lowp_config, scale_scratch,
+                          store_lp_rows, store_nvfp4_head)
+from ..utils.sround import (HP_CODES, checkpoint_args, nvfp4_tensor_scale, shared_args, store_nvfp4_rows,
+                            store_sr_rows)
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, _write_shared, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
-from .verify import _check_draft_counts, _fold, check_verify_inputs
+from .gluon_verify import HAVE_GLUON, launch_gluon_verify
+from .verify import _check_draft_counts, _fold, check_verify_inputs, verify_config
 
 __all__ = ["lowp_verify", "verify_lp_config"]
+
+# GDN pools with an fp16/bf16 copy verify on the Gluon kernel (gluon_verify.py, `lp_code`) once
+# `test_verify_lp_gluon_gdn_real_shapes_gpu` has passed on a GPU: until then the Triton kernel,
+# unless REPLAYSSM_GLUON_LP_GDN=1 (to time it)
+GLUON_LP_GDN = os.environ.get("REPLAYSSM_GLUON_LP_GDN") == "1"
 
 
 def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
@@ -58,6 +66,25 @@ def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
     rounding and KDA's NVFP4 copy), not timed on a GPU."""
     return lowp_config(V, dict({"BV": min(32, max(1, triton.next_power_of_2(V) // 2)), "num_warps": 8},
                                **(config or {})))
+
+
+def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w, buf_k, buf_v, cursor, pending,
+                     window: int) -> Optional[dict]:
+    """The Gluon verify kernel's config for this launch (verify.py's default, FMA products) where
+    it takes it (`GLUON_LP_GDN`): GDN, an fp32 checkpoint with an fp16 or bf16 copy, on CUDA
+    outside the interpreter, a shape and window it covers, 16-byte aligned contiguous state;
+    otherwise None (the Triton kernel)."""
+    if not (GLUON_LP_GDN and family == "gdn" and HAVE_GLUON and q.is_cuda and not _interpreting()
+            and ck["HAS_LP"] and ck["HP"] == HP_CODES["fp32"] and ck["LP"] in (LP_CODES["fp16"], LP_CODES["bf16"])):
+        return None
+    T, Hk, K = q.shape[1], q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    cfg = verify_config("gdn", V, K, T, {"mma": False}, HV=HV, Hk=Hk, window=window, Lb=buf_w.shape[1])
+    if not cfg["gluon"] or not gluon_aligned(ck["ckpt"], buf_ld, buf_w, buf_k) or \
+            ck["lp_data"].data_ptr() % 16 or buf_v.data_ptr() % 16:
+        return None
+    # (the kernel indexes the copy and the raw records as the checkpoint, contiguous: no padding)
+    return None if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()) else cfg
 
 
 @triton.jit
@@ -412,6 +439,14 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     if Bt == 0:
         return out
     recompute = buf_v is not None
+    gcfg = None if config is not None or not recompute else \
+        _gluon_lp_config(family, q, v, ck, buf_ld, buf_w, buf_k, buf_v, cursor, pending, window)
+    if gcfg is not None:
+        launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ck["ckpt"], buf_ld, buf_w, buf_k, cursor,
+                            pending, epoch, arrive, slot_ids, num_drafts, int(window), out, use_qk_l2norm, gcfg["BV"],
+                            gcfg["num_warps"], gcfg["maxnreg"], "gdn", gcfg["kq"], False, ckpt_lp=ck["lp_data"],
+                            lp_code=ck["LP"], buf_v=buf_v, buf_beta=buf_beta)
+        return out
     ts_new = None
     if shared_nvfp4:
         ts_new = scale_scratch(q.device, Bt * HV)

@@ -40,8 +40,8 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_tile_view, _slot_bases, _softplus,
-                                _tile_offsets, _tile_to_shared, _verify_arrive)
+    from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_decode, _lp_encode, _lp_tile_view,
+                                _slot_bases, _softplus, _tile_offsets, _tile_to_shared, _verify_arrive)
     from .gluon_verify_drafts import _write_shared_drafts
     from ..utils.gluon_mma import _fold_mma_records, _tile_chunks_to_shared, _tile_vectors_mma
 
@@ -103,24 +103,8 @@ if HAVE_GLUON:
     def _rows_q_lp(s_rows, b_Q3, L3: gl.constexpr, LPT: gl.constexpr):
         """`_rows_q` for rows of a 16-bit copy held as int16 bits (LPT 1 fp16, 2 bf16): each
         element decoded exactly to fp32."""
-        b_r = s_rows.load(gl.SliceLayout(1, L3))
-        if LPT == 1:
-            b_f = b_r.to(gl.float16, bitcast=True).to(gl.float32)
-        else:
-            b_f = b_r.to(gl.bfloat16, bitcast=True).to(gl.float32)
+        b_f = _lp_decode(s_rows.load(gl.SliceLayout(1, L3)), LPT)
         return gl.sum(gl.expand_dims(b_f, 1) * b_Q3, axis=2)
-
-    @gluon.jit
-    def _lp_encode(b, LPT: gl.constexpr):
-        # fp32 -> fp16 / bf16 round-to-nearest, saturating at the largest finite value (NaN kept),
-        # as int16 bits: lowp.store_lp_rows's values
-        if LPT == 1:
-            big: gl.constexpr = 65504.0
-            return gl.where(gl.abs(b) > big, gl.where(b > 0, big, -big), b).to(gl.float16).to(gl.int16, bitcast=True)
-        else:
-            bigb: gl.constexpr = 3.3895313892515355e38
-            return gl.where(gl.abs(b) > bigb, gl.where(b > 0, bigb, -bigb), b).to(gl.bfloat16).to(gl.int16,
-                                                                                                 bitcast=True)
 
     @gluon.jit
     def _pick(b_w, o_w, i: gl.constexpr):

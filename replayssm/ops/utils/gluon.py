@@ -107,6 +107,26 @@ if HAVE_GLUON:
         return s_2.slice(0, BV, dim=0)
 
     @gluon.jit
+    def _lp_decode(b, LPT: gl.constexpr):
+        # a 16-bit copy's int16 bits (LPT 1 fp16, 2 bf16) as fp32, exactly
+        if LPT == 1:
+            return b.to(gl.float16, bitcast=True).to(gl.float32)
+        else:
+            return b.to(gl.bfloat16, bitcast=True).to(gl.float32)
+
+    @gluon.jit
+    def _lp_encode(b, LPT: gl.constexpr):
+        # fp32 -> fp16 / bf16 round-to-nearest, saturating at the largest finite value (NaN kept),
+        # as int16 bits: lowp.store_lp_rows's values
+        if LPT == 1:
+            big: gl.constexpr = 65504.0
+            return gl.where(gl.abs(b) > big, gl.where(b > 0, big, -big), b).to(gl.float16).to(gl.int16, bitcast=True)
+        else:
+            bigb: gl.constexpr = 3.3895313892515355e38
+            return gl.where(gl.abs(b) > bigb, gl.where(b > 0, bigb, -bigb), b).to(gl.bfloat16).to(gl.int16,
+                                                                                                 bitcast=True)
+
+    @gluon.jit
     def _draft_count(num_drafts, i_b, h, T: gl.constexpr, HAS_N: gl.constexpr):
         # a row's draft count; unvalidated counts are clamped to 0..T, so that no draft lands
         # past the buffer
