@@ -55,22 +55,16 @@ RECORD_TOL = {"w": 1e-5, "k": 1e-6, "ld": 1e-6, "beta": 1e-6, "v": 0.0}
 # the dispatch, on the CPU
 
 
-def test_gluon_lp_unsupported_reasons(monkeypatch):
-    """What the Gluon kernel covers: GDN and KDA, fp16/bf16/fp8_e4m3/NVFP4 reads (KDA's NVFP4
-    behind a switch until it has run on a GPU), windows 2..32, K = 128, 16 rows per warp
-    dividing V."""
+def test_gluon_lp_unsupported_reasons():
+    """What the Gluon kernel covers: GDN and KDA, fp16/bf16/fp8_e4m3/NVFP4 reads, windows 2..32,
+    K = 128, 16 rows per warp dividing V."""
     f = gluon_lowp.gluon_lp_unsupported
     for family, fmt in (("gdn", "fp16"), ("gdn", "bf16"), ("kda", "bf16"), ("gdn", "fp8_e4m3"), ("gdn", "nvfp4"),
-                        ("kda", "fp8_e4m3")):
+                        ("kda", "fp8_e4m3"), ("kda", "nvfp4")):
         why = f(family, LP_CODES[fmt], 128, 128, 16, 17, 64)
         assert why is None if HAVE_GLUON else "no Gluon" in why
     assert "mamba2" in f("mamba2", 1, 128, 128, 16, 17, 64)
     assert "code 0" in f("gdn", 0, 128, 128, 16, 17, 64)                       # an fp32 shared checkpoint
-    monkeypatch.delenv(gluon_lowp.KDA_NVFP4_SWITCH, raising=False)
-    assert gluon_lowp.KDA_NVFP4_SWITCH in f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
-    monkeypatch.setenv(gluon_lowp.KDA_NVFP4_SWITCH, "1")
-    why = f("kda", LP_CODES["nvfp4"], 128, 128, 16, 17, 64)
-    assert why is None if HAVE_GLUON else "no Gluon" in why
     assert "window 1" in f("gdn", 1, 128, 128, 1, 17, 64)
     if HAVE_GLUON:
         assert "K=64" in f("gdn", 1, 128, 64, 16, 17, 64)
@@ -317,11 +311,9 @@ def test_split_fp8_nvfp4_matches_single_launch_gpu(shape, name, gluon_launches):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name", ["kda-fp32-nvfp4", "kda-shared-nvfp4-near"])
-def test_split_kda_nvfp4_matches_single_launch_gpu(name, gluon_launches, monkeypatch):
-    """KDA's NVFP4 reads in the Gluon kernel, its vector table rearranged from registers, switched
-    on (`KDA_NVFP4_SWITCH`, off until it is timed faster than the Triton read): as
+def test_split_kda_nvfp4_matches_single_launch_gpu(name, gluon_launches):
+    """KDA's NVFP4 reads in the Gluon kernel, its vector table rearranged from registers: as
     `test_split_matches_single_launch_gpu`."""
-    monkeypatch.setenv(gluon_lowp.KDA_NVFP4_SWITCH, "1")
     _gpu_split(name, "kimi-linear-48b", 8, 16, 40, {}, gluon_launches)
 
 

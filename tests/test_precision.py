@@ -166,17 +166,33 @@ def test_slow_low_precision_reads_name_their_measurement():
         assert all(re.search(rf"{re.escape(s)} {r:.2f}x", text) for s, r in points)
     assert backends.slow_lp_read("mamba2", "fp8_e4m3") is None and backends.slow_lp_read("gdn", "fp16") is None
     assert backends.slow_lp_read("gdn", "fp8_e4m3") is None and backends.slow_lp_read("kda", "fp8_e4m3") is None
-    assert backends.slow_lp_read("gdn", None) is None
+    assert backends.slow_lp_read("gdn", None) is None and backends.slow_lp_read("kda", "nvfp4") is None
+
+
+def test_slow_read_message_names_the_measurement(monkeypatch):
+    # an entry's message: the family, format, each shape's ratio, the card and the file
+    from replayssm.pool import backends
+    monkeypatch.setitem(backends.SLOW_LP_READS, ("kda", "nvfp4"),
+                        ("NVIDIA H100 80GB HBM3", "benchmarks/results/x.json", [("kimi-linear-48b", 0.22)]))
+    text = backends.slow_lp_read("kda", "nvfp4")
+    assert "kda" in text and "nvfp4" in text and "kimi-linear-48b 0.22x" in text
+    assert "NVIDIA H100 80GB HBM3" in text and "benchmarks/results/x.json" in text
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_pool_warns_where_its_copy_reads_slower_than_fp32():
+def test_pool_warns_where_its_copy_reads_slower_than_fp32(monkeypatch):
     import warnings
 
     from replayssm import SlotPool, SlowReadWarning
+    from replayssm.pool import backends
     from replayssm.testing import make_params
     params = make_params("gdn", 8, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowReadWarning)
+        SlotPool(make_params("kda", 8, 128), 4, 128, 128, 2, device="cuda", lp_format="nvfp4")
+    monkeypatch.setitem(backends.SLOW_LP_READS, ("kda", "nvfp4"),
+                        ("NVIDIA H100 80GB HBM3", "benchmarks/results/x.json", [("kimi-linear-48b", 0.22)]))
     with pytest.warns(SlowReadWarning, match="kimi-linear-48b 0.22x"):
         SlotPool(make_params("kda", 8, 128), 4, 128, 128, 2, device="cuda", lp_format="nvfp4")
     with warnings.catch_warnings():

@@ -119,20 +119,10 @@ def test_gpu_gluon_kq_rounds_against_reference(name, T):
 @pytest.mark.parametrize("name", ["small", "qwen3.5-4b", "qwen3.5-122b"])
 def test_gpu_gluon_mma_rounds_against_reference(name, T):
     # the tile's products with the drafts' keys and queries on the tensor cores, exact
-    # (`mma`), with and without the key head's products from the launch before
+    # (`mma`), and an early flush's fold there too, with and without the key head's products
+    # from the launch before
     _rounds_against_reference("gdn", name, T, [{"gluon": True, "mma": True},
                                                {"gluon": True, "mma": True, "kq": True}])
-
-
-@gpu
-@needs_gluon
-@pytest.mark.parametrize("T", [2, 8])
-@pytest.mark.parametrize("name", ["small", "qwen3.5-4b"])
-def test_gpu_gluon_mma_fold_rounds_against_reference(name, T, monkeypatch):
-    # an early flush's fold on the tensor cores too (REPLAYSSM_GLUON_GDN_FOLD_MMA, experimental
-    # until this has passed), bf16 and fp32 records
-    monkeypatch.setenv("REPLAYSSM_GLUON_GDN_FOLD_MMA", "1")
-    _rounds_against_reference("gdn", name, T, [{"gluon": True, "mma": True}])
 
 
 @gpu

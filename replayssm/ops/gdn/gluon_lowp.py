@@ -22,8 +22,9 @@ reads take 0.70-0.74x the fp32 reads' time at Qwen3.5's shapes and 0.88x at Kimi
 Triton kernel 1.5-3.1x).
 fp8_e4m3 and NVFP4 copies (Mamba-2's decoders) likewise: on the H100 (precision_lp_h100.json)
 0.53-0.54x and 0.62x the fp32 reads' time at Qwen3.5's shapes, KDA fp8 0.73x, where the Triton
-kernel took 2.1x and 3.1x. KDA's NVFP4 read (its vector table from registers) is behind a
-switch until it is timed (its GPU test passes); the Triton kernel reads it at 0.22x the fp32 speed.
+kernel took 2.1x and 3.1x. KDA's NVFP4 read (its vector table rearranged from registers: KDA's
+key and query, scaled per channel by G(0), are not in memory) takes 0.79x the fp32 reads' time
+on the H100 at Kimi Linear's shape (precision_kda_h100.json), where the Triton kernel took 4.5x.
 """
 from __future__ import annotations
 
@@ -44,9 +45,7 @@ if HAVE_GLUON:
                                     lp_vector)
     from .gluon_decode import _delta_token_loads
 
-__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp", "KDA_NVFP4_SWITCH"]
-
-KDA_NVFP4_SWITCH = "REPLAYSSM_GLUON_KDA_NVFP4"
+__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
 
 
 def gluon_lp_unsupported(family: str, lp_code: int, V: int, K: int, window: int, Lb: int,
@@ -57,12 +56,6 @@ def gluon_lp_unsupported(family: str, lp_code: int, V: int, K: int, window: int,
         return f"family {family!r} (GDN and KDA only)"
     if lp_code not in GLUON_LP_CODES:
         return f"read format code {lp_code} (fp16, bf16, fp8_e4m3, nvfp4 only)"
-    if family == "kda" and lp_code == 4 and os.environ.get(KDA_NVFP4_SWITCH) != "1":
-        # KDA's key and query, scaled per channel by G(0), are not in memory, so NVFP4's vector
-        # table is rearranged from registers (`lp_vector`, GATHER off): compiled under Triton
-        # 3.6 (128 registers); its GPU test passes on the H100, not yet timed, so not the
-        # default until it is measured faster than the Triton read (0.22x fp32's, SLOW_LP_READS)
-        return f"KDA with NVFP4 reads: not yet timed in this kernel ({KDA_NVFP4_SWITCH}=1 turns it on)"
     if window < 2:
         return "window 1 (the eager step) flushes every row"
     return gluon_shape_supported(V, K, window, Lb, BV, max(1, BV // 16)) or None

@@ -26,7 +26,6 @@ The CPU interpreter cannot run Gluon: `verify.replay_verify` runs the Triton ker
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from ..utils.dots import pieces
@@ -43,7 +42,7 @@ if HAVE_GLUON:
     from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_decode, _lp_encode, _lp_tile_view,
                                 _slot_bases, _softplus, _tile_offsets, _tile_to_shared, _verify_arrive)
     from .gluon_verify_drafts import _write_shared_drafts
-    from ..utils.gluon_mma import _fold_mma_records, _tile_chunks_to_shared, _tile_vectors_mma
+    from ..utils.gluon_mma import _fold_mma_records, _tile_vectors_mma
 
 __all__ = ["HAVE_GLUON", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -135,7 +134,7 @@ if HAVE_GLUON:
         RCK: gl.constexpr, RCD: gl.constexpr, VK: gl.constexpr, VW: gl.constexpr, HVP: gl.constexpr,
         HKP: gl.constexpr, HAS_D: gl.constexpr, HAS_Z: gl.constexpr, HAS_N: gl.constexpr,
         NPOS: gl.constexpr, RECMASK: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, NQ: gl.constexpr,
-        QP: gl.constexpr, YN: gl.constexpr, KP: gl.constexpr, PIPE: gl.constexpr, LPT: gl.constexpr,
+        QP: gl.constexpr, YN: gl.constexpr, KP: gl.constexpr, LPT: gl.constexpr,
     ):
         # Layouts (NW warps, K = 128, BV = 16 NW, TP drafts padded, BL record positions):
         # LT   the tile [BV, K] as copied and folded: a row per warp, 4 columns per lane
@@ -211,12 +210,7 @@ if HAVE_GLUON:
             # apart all start in bank 0, an 8-way conflict unswizzled. 16-byte units XOR-ed with
             # the row (mod 8) spread them over the 32 banks (2 wavefronts for 256 bytes, the
             # least), and keep the copy's 16-byte pieces and the row loop's reads contiguous
-            if PIPE:
-                # a copy group per K chunk of 32 columns, so that a chunk's products start as it
-                # lands while the later chunks are still in flight
-                s_S = _tile_chunks_to_shared(p_S, BV, K, NW, gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-            else:
-                s_S = _tile_to_shared(p_S, BV, K, LT, gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+            s_S = _tile_to_shared(p_S, BV, K, LT, gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
         else:
             s_S = _tile_to_shared(p_S, BV, K, LT, SM)
 
@@ -330,13 +324,8 @@ if HAVE_GLUON:
         # 4. the copies landed; on a flush C <- g_{0:h-1} C + sum_{j<h} g_{j+1:h-1} dt_j x_j k_j^T
         # in row chunks of the tile in shared memory (one exact fp32 rank-1 update per record,
         # the records read from their shared copies), stored to the checkpoint
-        if MMA and PIPE:
-            if flush:
-                cp.wait_group(0)
-                _barrier()
-        else:
-            cp.wait_group(0)
-            _barrier()
+        cp.wait_group(0)
+        _barrier()
         if MMA:
             # (MMA is the outer test: a constexpr, so that the FMA fold below, whose row slices
             # would split the swizzled tile, is not built beside it)
@@ -384,9 +373,7 @@ if HAVE_GLUON:
         # row and group, utils/key_products.py)
         s_y = gl.allocate_shared_memory(gl.float32, [BV, YN], SM)
         if MMA:
-            # PIPE: chunk c waits only for its own copy group (the groups after it, the records'
-            # last, may still be in flight; after a flush all have landed)
-            s_y.store(_tile_vectors_mma(s_S, s_Q, BV, K, NQ, QP, NW, PIPE))
+            s_y.store(_tile_vectors_mma(s_S, s_Q, BV, K, NQ, QP, NW))
         elif LPT:
             if flush:
                 for r0 in gl.static_range(0, BV, RC):
@@ -405,8 +392,6 @@ if HAVE_GLUON:
             s_kdq = gl.allocate_shared_memory(gl.float32, [PD, TP], SM)
             for r0 in gl.static_range(0, PD, RCD):
                 s_kdq.slice(r0, RCD, dim=0).store(_rows_q(s_KD.slice(r0, RCD, dim=0), b_Q3, L3))
-        if MMA and PIPE:
-            cp.wait_group(0)                             # the records' group
         _barrier()
         p_kq = kq + (i_b * Hk + i_g) * ((BL + PD) * TP)
         o_tc3 = gl.arange(0, TP, layout=gl.SliceLayout(0, LCE))
@@ -515,5 +500,5 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
         VK=16 // buf_k.element_size(), VW=16 // buf_w.element_size(),
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), RECMASK=bool(recmask), KQ=bool(kq),
         MMA=bool(mma), NQ=nq, QP=pieces(C.dtype), YN=nq if mma else tiles["TP"], KP=pieces(buf_k.dtype),
-        PIPE=bool(mma) and os.environ.get("REPLAYSSM_GLUON_MMA_PIPE") == "1", LPT=int(lp_code),
+        LPT=int(lp_code),
         num_warps=num_warps, **tiles)

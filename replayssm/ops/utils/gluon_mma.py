@@ -24,9 +24,8 @@ __all__ = ["HAVE_GLUON"]
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from .gluon import _async_load, _barrier
+    from .gluon import _barrier
 
     @gluon.jit
     def _split_bf16(x):
@@ -100,45 +99,23 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_vectors_mma(s_S, s_X, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr, XP: gl.constexpr,
-                          NW: gl.constexpr, LANDING: gl.constexpr):
+                          NW: gl.constexpr):
         """The tile `[BV, K]` (fp32, shared) times the vectors `s_X` `[NQ, K]` (shared, as given:
         XP pieces; rows past the drafts zero): `[BV, NQ]` fp32 in the MMA layout
         (`NVMMADistributedLayout` v2, warps over the rows), exact (`_mma_exact`), a K chunk of
         32 a call, each chunk's result added into fp32 registers. `s_X` is best swizzled in
         units of 8 elements (module docstring): read transposed as the B operand, its rows K
         elements apart would fall in one bank group. The caller stages it before its wait for
-        the tile, so that no load waits after the tile has landed. `LANDING`: the tile copied by
-        `_tile_chunks_to_shared` with exactly one copy group committed after its own (the
-        caller's records, which the caller waits for): chunk c waits for its own group only,
-        then a barrier (the MMA layout reads rows other warps copied)."""
+        the tile, so that no load waits after the tile has landed."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         y = gl.zeros([BV, NQ], gl.float32, MM)
         for k0 in gl.static_range(0, K, 32):
-            if LANDING:
-                cp.wait_group(K // 32 - k0 // 32)
-                _barrier()
             a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
             b = s_X.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
             y += _mma_exact(a0, a1, a2, b, gl.zeros([BV, NQ], gl.float32, MM), XP)
         return y
-
-    @gluon.jit
-    def _tile_chunks_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, NW: gl.constexpr, SM: gl.constexpr):
-        """`utils.gluon._tile_to_shared` in K chunks of 32 columns, a copy group each (K / 32
-        groups, in column order), for `_tile_vectors_mma` with `LANDING`. 16-byte pieces, a warp
-        covering 4 rows of a chunk per access."""
-        LC: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
-        o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, LC))
-        o_c = gl.arange(0, 32, layout=gl.SliceLayout(0, LC))
-        s_T = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
-        for k0 in gl.static_range(0, K, 32):
-            _async_load(s_T.slice(k0, 32, dim=1), p_T + (o_r[:, None] * K + (k0 + o_c)[None, :]),
-                        eviction_policy="evict_first")
-            cp.commit_group()
-        _barrier()
-        return s_T
 
     @gluon.jit
     def _tile_vector_pairs_mma(s_S, s_X, s_Z, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
