@@ -473,20 +473,9 @@ def test_verify_lp_real_shapes_gpu(family, hp, lp, monkeypatch):
         assert max(rel_err(e["outs"][0], e["outs"][1]) for e in log) < 40 * ULP[hp]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
-@pytest.mark.parametrize("lp", ["fp16", "bf16"])
-@pytest.mark.parametrize("model", ["super", "nano"])
-def test_verify_lp_gluon_real_shapes_gpu(model, lp, T, window, monkeypatch):
-    """Mamba-2's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint (the GPU's
-    default for 64-row programs; Nemotron-3-Super's and Nano-4B's shapes): `_check_fp32_hp`'s checks and bounds (the copy bit for
-    bit the round-to-nearest encoding of the fp32 checkpoint, copy reads about a unit of the
-    format from fp32 reads, flush rows as fp32 reads), every launch of the fast pool on that
-    kernel."""
-    from replayssm.ops.mamba2 import verify_lp as vlp
-    from replayssm.ops.utils.lowp import LP_CODES
-
+def _gluon_lp_codes(monkeypatch, vlp) -> list:
+    """The `lp_code` of every Gluon verify launch of the module `vlp` (a family's verify_lp),
+    appended as they run."""
     codes = []
     launch = vlp.launch_gluon_verify
 
@@ -495,9 +484,26 @@ def test_verify_lp_gluon_real_shapes_gpu(model, lp, T, window, monkeypatch):
         return launch(*args, **kw)
 
     monkeypatch.setattr(vlp, "launch_gluon_verify", counted)
-    # Nano-4B: 16-row programs with the key products' launch (its GLUON_LP_BV entry waits for this)
+    return codes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
+@pytest.mark.parametrize("lp", ["fp16", "bf16"])
+@pytest.mark.parametrize("model", ["super", "nano"])
+def test_verify_lp_gluon_real_shapes_gpu(model, lp, T, window, monkeypatch):
+    """Mamba-2's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint (the GPU's
+    default; Nemotron-3-Super's and Nano-4B's shapes): `_check_fp32_hp`'s checks and bounds (the copy bit for
+    bit the round-to-nearest encoding of the fp32 checkpoint, copy reads about a unit of the
+    format from fp32 reads, flush rows as fp32 reads), every launch of the fast pool on that
+    kernel."""
+    from replayssm.ops.mamba2 import verify_lp as vlp
+    from replayssm.ops.utils.lowp import LP_CODES
+
+    codes = _gluon_lp_codes(monkeypatch, vlp)
+    # Nano-4B: 16-row programs with the key products' launch
     monkeypatch.setitem(SHAPES, "mamba2", GPU_SHAPES["mamba2"] if model == "super" else (96, 8, 80, 128))
-    monkeypatch.setattr(vlp, "GLUON_LP_BV", (16, 64))
     _check_fp32_hp("mamba2", lp, T=T, window=window, rounds=6)
     assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
 
@@ -507,23 +513,15 @@ def test_verify_lp_gluon_real_shapes_gpu(model, lp, T, window, monkeypatch):
 @pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
 @pytest.mark.parametrize("lp", ["fp16", "bf16"])
 def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, monkeypatch):
-    """GDN's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint (Qwen3.5-4B's
-    shape; `GLUON_LP_GDN` waits for this test): `_check_fp32_hp`'s checks and bounds (the copy bit
+    """GDN's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint (the GPU's
+    default, `GLUON_LP_GDN`; Qwen3.5-4B's shape): `_check_fp32_hp`'s checks and bounds (the copy bit
     for bit the round-to-nearest encoding of the fp32 checkpoint, the HP refold with u recomputed
     from the raw records, copy reads about a unit of the format from fp32 reads), every launch of
     the fast pool on that kernel."""
     from replayssm.ops.gdn import verify_lp as vlp
     from replayssm.ops.utils.lowp import LP_CODES
 
-    codes = []
-    launch = vlp.launch_gluon_verify
-
-    def counted(*args, **kw):
-        codes.append(kw["lp_code"])
-        return launch(*args, **kw)
-
-    monkeypatch.setattr(vlp, "launch_gluon_verify", counted)
-    monkeypatch.setattr(vlp, "GLUON_LP_GDN", True)
+    codes = _gluon_lp_codes(monkeypatch, vlp)
     monkeypatch.setitem(SHAPES, "gdn", GPU_SHAPES["gdn"])
     _check_fp32_hp("gdn", lp, T=T, window=window, rounds=6)
     assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
@@ -541,16 +539,12 @@ def test_verify_lp_gluon_only_where_it_applies():
     for hp, lp in (("fp32", "fp16"), ("fp32", "fp8_e4m3"), ("bf16", "fp16")):
         ck = dict(HAS_LP=True, HP=HP_CODES[hp], LP=LP_CODES[lp], ckpt=torch.zeros(1, 2, 16, 128))
         assert vlp._gluon_lp_config(x, args[0], ck, *args[1:]) is None, (hp, lp)
-    # GDN: the switch off, or on but off the GPU (CPU tensors), or KDA: the Triton kernel
+    # GDN off the GPU (CPU tensors), KDA, other copies, or the switch off: the Triton kernel
     from replayssm.ops.gdn import verify_lp as gvlp
 
     q, v = torch.zeros(1, 2, 1, 128), torch.zeros(1, 2, 2, 128)
-    ck = dict(HAS_LP=True, HP=HP_CODES["fp32"], LP=LP_CODES["fp16"], ckpt=torch.zeros(1, 2, 128, 128))
     rest = (None,) * 6 + (4,)
-    assert gvlp._gluon_lp_config("gdn", q, v, ck, *rest) is None
-    gvlp.GLUON_LP_GDN, was = True, gvlp.GLUON_LP_GDN
-    try:
-        assert gvlp._gluon_lp_config("gdn", q, v, ck, *rest) is None
-        assert gvlp._gluon_lp_config("kda", q, v, ck, *rest) is None
-    finally:
-        gvlp.GLUON_LP_GDN = was
+    for family, hp, lp in (("gdn", "fp32", "fp16"), ("kda", "fp32", "fp16"), ("gdn", "fp32", "fp8_e4m3"),
+                           ("gdn", "bf16", "fp16")):
+        ck = dict(HAS_LP=True, HP=HP_CODES[hp], LP=LP_CODES[lp], ckpt=torch.zeros(1, 2, 128, 128))
+        assert gvlp._gluon_lp_config(family, q, v, ck, *rest) is None, (family, hp, lp)
