@@ -214,15 +214,15 @@ if HAVE_GLUON:
             n = _draft_count(num_drafts, i_b, h, T, HAS_NDRAFT).to(gl.int32)
             LLC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])      # 8 x 16 bits
             p_L = ckpt_lp + (slot * HV + i_hv) * (V * K) + v0 * K
+            flush = h + n > window
             s_C = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
             s_L = _lp_tile_view(s_C, BV, K, SM)
-            if h + n > window:
+            if flush:
                 _async_load(s_C, p_C + _tile_offsets(BV, K, LT), eviction_policy="evict_first")
             else:
                 _async_load(s_L, p_L + _tile_offsets(BV, K, LLC), eviction_policy="evict_first")
             cp.commit_group()
             _barrier()
-            flush = h + n > window
             hc = gl.where(flush, 0, h)
             hr = hc
             s_U = _records_to_shared(p_Uh, hr, BL, BV, HV * V, VW, NW)
@@ -230,8 +230,8 @@ if HAVE_GLUON:
                                       HV * V, VW, NW)
         else:
             if MMA:
-                # read as the A operand of the tensor cores: swizzled (utils/gluon_mma.py), in
-                # phases of at most RCF rows so that the fold's row chunks stay whole patterns
+                # read as the A operand of the tensor cores (the products and the fold): swizzled,
+                # utils/gluon_mma.py
                 s_C = _tile_to_shared(p_C, BV, K, LT, gl.SwizzledSharedLayout(4, 1, SWZ, [1, 0]))
             else:
                 s_C = _tile_to_shared(p_C, BV, K, LT, SM)
