@@ -26,7 +26,10 @@ kernel folds each flushing head once for its amax and tensor scale (`_nvfp4_flus
 each program then encodes its own rows under it, and the head's last program stores it (the
 old rows decode with the old one until then).
 
-The tile is a plain `[BV, BK]` (the layout the LP decoder returns: verify.py's KS = 1).
+The tile is a plain `[BV, BK]` (the layout the LP decoder returns: verify.py's KS = 1). On the
+GPU a GDN pool's fp16 or bf16 copy beside an fp32 checkpoint takes the Gluon verify kernel
+instead (gluon_verify.py, `lp_code`: the copy's tile staged on rows without a flush, the HP
+refold of this contract on rows with one), where it covers the shape (`_gluon_lp_config`).
 """
 from __future__ import annotations
 
