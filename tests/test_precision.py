@@ -144,26 +144,10 @@ def test_shared_lowp_pool_drifts_more_than_two_precisions():
 
 # ------------------------------------------------------------------ copies read slower than fp32
 
-def test_slow_low_precision_reads_name_their_measurement():
-    # every entry is the committed measurement it cites (same card, same ratio at batch 256,
-    # below 1), and the warning's text names the shapes, ratios, card and file
-    import json
-    import pathlib
-    import re
-
+def test_no_copy_reads_slower_than_fp32_today():
+    # no (family, format) pair measures slower than fp32 reads today (pool/backends.py cites
+    # the runs), so none has an entry
     from replayssm.pool import backends
-    root = pathlib.Path(__file__).resolve().parents[1]
-    for (family, fmt), (card, path, points) in backends.SLOW_LP_READS.items():
-        doc = json.loads((root / path).read_text())
-        assert doc["device"] == card
-        for shape, ratio in points:
-            got = [r["ratio_vs_fp32_read"] for r in doc["rows"] if r.get("shape") == shape
-                   and r.get("family") == family and r.get("read_format") == fmt and r.get("batch") == 256
-                   and r.get("window", 16) == 16 and "ratio_vs_fp32_read" in r]
-            assert got and round(got[0], 2) == ratio < 1, (family, fmt, shape, got)
-        text = backends.slow_lp_read(family, fmt)
-        assert card in text and path in text and fmt in text
-        assert all(re.search(rf"{re.escape(s)} {r:.2f}x", text) for s, r in points)
     assert backends.slow_lp_read("mamba2", "fp8_e4m3") is None and backends.slow_lp_read("gdn", "fp16") is None
     assert backends.slow_lp_read("gdn", "fp8_e4m3") is None and backends.slow_lp_read("kda", "fp8_e4m3") is None
     assert backends.slow_lp_read("gdn", None) is None and backends.slow_lp_read("kda", "nvfp4") is None
@@ -173,10 +157,10 @@ def test_slow_read_message_names_the_measurement(monkeypatch):
     # an entry's message: the family, format, each shape's ratio, the card and the file
     from replayssm.pool import backends
     monkeypatch.setitem(backends.SLOW_LP_READS, ("kda", "nvfp4"),
-                        ("NVIDIA H100 80GB HBM3", "benchmarks/results/x.json", [("kimi-linear-48b", 0.22)]))
+                        ("NVIDIA H100 80GB HBM3", "results/x.json", [("kimi-linear-48b", 0.22)]))
     text = backends.slow_lp_read("kda", "nvfp4")
     assert "kda" in text and "nvfp4" in text and "kimi-linear-48b 0.22x" in text
-    assert "NVIDIA H100 80GB HBM3" in text and "benchmarks/results/x.json" in text
+    assert "NVIDIA H100 80GB HBM3" in text and "results/x.json" in text
 
 
 @pytest.mark.gpu
@@ -192,7 +176,7 @@ def test_pool_warns_where_its_copy_reads_slower_than_fp32(monkeypatch):
         warnings.simplefilter("error", SlowReadWarning)
         SlotPool(make_params("kda", 8, 128), 4, 128, 128, 2, device="cuda", lp_format="nvfp4")
     monkeypatch.setitem(backends.SLOW_LP_READS, ("kda", "nvfp4"),
-                        ("NVIDIA H100 80GB HBM3", "benchmarks/results/x.json", [("kimi-linear-48b", 0.22)]))
+                        ("NVIDIA H100 80GB HBM3", "results/x.json", [("kimi-linear-48b", 0.22)]))
     with pytest.warns(SlowReadWarning, match="kimi-linear-48b 0.22x"):
         SlotPool(make_params("kda", 8, 128), 4, 128, 128, 2, device="cuda", lp_format="nvfp4")
     with warnings.catch_warnings():
