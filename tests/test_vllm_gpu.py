@@ -277,7 +277,8 @@ def test_vllm_trained_model_on_python(name, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,mode", [("nemotron_h_tiny", "eager"), ("nemotron_h_tiny", "graph"),
-                                        ("qwen3_next_tiny", "graph"), ("qwen3_5_tiny", "graph")])
+                                        ("qwen3_next_tiny", "eager"), ("qwen3_next_tiny", "graph"),
+                                        ("qwen3_5_tiny", "graph")])
 def test_vllm_prefix_caching_equals_no_caching(model, mode, tmp_path):
     """Prefix caching of the plugin's state (`mamba_cache_mode="align"`): two waves of requests
     sharing prefixes of varied lengths (`check.prefix_waves`), the second hitting the cache the
@@ -288,14 +289,15 @@ def test_vllm_prefix_caching_equals_no_caching(model, mode, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["nemotron_h_tiny", "qwen3_next_tiny"])
-def test_vllm_prefix_caching_with_ngram_equals_no_caching(model, tmp_path):
+@pytest.mark.parametrize("model,mode", [("nemotron_h_tiny", "eager"), ("nemotron_h_tiny", "graph"),
+                                        ("qwen3_next_tiny", "eager"), ("qwen3_next_tiny", "graph")])
+def test_vllm_prefix_caching_with_ngram_equals_no_caching(model, mode, tmp_path):
     """Prefix caching with n-gram speculation (`REPLAYSSM_VLLM_PREFIX_SPEC=1`, the plugin's
-    step-end commit and boundary copy, `prefix.declare_postprocess`), CUDA graphs: the prefix
-    waves' tokens equal those without prefix caching and without drafts (near-ties allowed, as
-    above), with cache hits."""
+    step-end commit and boundary copy, `prefix.declare_postprocess`), eager and with CUDA graphs:
+    the prefix waves' tokens equal those without prefix caching and without drafts (near-ties
+    allowed, as above), with cache hits."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    _prefix_case(model, "graph", tmp_path, speculative_config=spec)
+    _prefix_case(model, mode, tmp_path, speculative_config=spec)
 
 
 @pytest.mark.gpu
