@@ -86,7 +86,20 @@ def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
     vs._run_engine(args, "stock", "none", tmp_path)
     assert "--prefix-caching" in calls[0] and calls[0][calls[0].index("--shared-prefix") + 1] == "2048"
     worker = vs.parser().parse_args(calls[0][3:])
-    assert worker.worker and worker.prefix_caching and worker.shared_prefix == 2048
+    assert worker.worker and worker.prefix_caching and worker.shared_prefix == [2048]
+    # a sweep of prefix lengths: the worker gets them all; the block size vLLM chose reaches the
+    # rows, and a failed engine leaves a row per (batch, prefix)
+    calls.clear()
+    args = vs.parser().parse_args(["--batches", "8,16", "--prefix-caching", "--shared-prefix", "1000,2048",
+                                   "--out", str(tmp_path / "r.json")])
+    two = ("INFO Setting attention block size to 976 tokens to ensure that attention page size is >= mamba page size.\n"
+           'RESULT {"batch": 8, "shared_prefix": 1000, "tokens_per_s": 5.0}')
+    monkeypatch.setattr(subprocess, "run", run([two]))
+    rows = vs._run_engine(args, "stock", "none", tmp_path)
+    assert calls[0][calls[0].index("--shared-prefix") + 1] == "1000,2048" and rows[0]["block_size"] == 976
+    monkeypatch.setattr(subprocess, "run", run([boom]))
+    rows = vs._run_engine(args, "stock", "none", tmp_path)
+    assert [(r["batch"], r["shared_prefix"]) for r in rows] == [(8, 1000), (8, 2048), (16, 1000), (16, 2048)]
 
 
 def test_shared_prefix_prompts():
@@ -96,6 +109,10 @@ def test_shared_prefix_prompts():
     assert all(len(p["prompt_token_ids"]) == 35 for p in pa + pb)
     assert pa[0]["prompt_token_ids"][:30] == pa[1]["prompt_token_ids"][:30] == pb[0]["prompt_token_ids"][:30]
     assert pa[0]["prompt_token_ids"][30:] == a[0]["prompt_token_ids"] != pb[0]["prompt_token_ids"][30:]
+    # a prefix of another length is another prefix from its first tokens (no cross hits)
+    assert vs.with_prefix(a, 40, 100)[0]["prompt_token_ids"][:8] != pa[0]["prompt_token_ids"][:8]
+    with pytest.raises(SystemExit):
+        vs.parser().parse_args(["--shared-prefix", "1000,-5"])
 
 
 def test_serving_benchmark_refuses_unknown_choices(capsys):
@@ -136,3 +153,46 @@ def test_serving_benchmark_replot(tmp_path, capsys):
     src.write_text(json.dumps({"rows": [dict(rows[-1])]}))            # only a profiled row
     with pytest.raises(ValueError, match="no timed rows"):
         vs.main(["--replot", str(src)])
+
+
+def test_serving_worker_prompt_sets(tmp_path, monkeypatch, capsys):
+    """The worker's runs per (batch, prefix) on a stand-in of vLLM's `LLM`: behind a shared
+    prefix the warm-up, the first-token run and (with prefix caching) the decode run each take
+    their own prompts after the same prefix, so the decode run's prefill finds the cache as the
+    first-token run found it; a row per point, with its prefix."""
+    import sys
+    import types
+    from replayssm.bench import vllm_serving as vs
+    seen = []
+
+    class LLM:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def generate(self, ps, sp, use_tqdm=False):
+            seen.append((sp.max_tokens, [p["prompt_token_ids"] for p in ps]))
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1] * sp.max_tokens)]) for _ in ps]
+
+        def get_metrics(self):
+            return []
+
+    class SamplingParams:
+        def __init__(self, max_tokens, **kw):
+            self.max_tokens = max_tokens
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    folder = vs.model_dir("nemotron3_nano_4b", 2, tmp_path)
+    for caching in (True, False):
+        seen.clear()
+        args = vs.parser().parse_args(["--worker", "--model-dir", str(folder), "--batches", "2", "--prompt", "5",
+                                       "--decode", "3", "--warmup", "4", "--speculative", "none",
+                                       "--shared-prefix", "0,30", *(["--prefix-caching"] if caching else [])])
+        assert vs.worker(args) == 0
+        rows = [json.loads(x[len("RESULT "):]) for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
+        assert [(r["batch"], r["shared_prefix"], r["decode_tokens"]) for r in rows] == [(2, 0, 6), (2, 30, 6)]
+        assert [n for n, _ in seen] == [4, 1, 4] * 2                 # warm-up, first token, decode
+        warm, first, full = (ids for _, ids in seen[3:])            # the point with a 30-token prefix
+        assert {p[:30] for p in map(tuple, warm + first + full)} == {tuple(first[0][:30])}
+        assert warm[0][30:] != first[0][30:]
+        assert (full == first) is not caching                        # a third set only with caching on
+        assert seen[0][1] == seen[1][1] and len(seen[0][1][0]) == 5   # no prefix: the warm-up is the timed set

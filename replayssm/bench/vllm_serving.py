@@ -51,11 +51,18 @@ JSON; `--replot FILE.json` draws it again from a results file, without vLLM or a
 
 Prefix caching (`--prefix-caching`): every engine with `enable_prefix_caching` in vLLM's
 `align` mode (the one the plugin supports; stock in the same mode, so that the two differ in
-the state they keep only), plain decoding. `--shared-prefix N` puts the same `N` tokens before
-every prompt's own `--prompt` tokens; the untimed warm-up prompts share that prefix and differ
-after it, so with caching on the timed `max_tokens=1` run (`prefill_s`, the batch's time to
-first token) reads the prefix from the cache and prefills the rest; the rows carry vLLM's
-prefix-cache counters (`prefix_cache_hits_delta`, `prefix_cache_queries_delta`, in tokens).
+the state they keep only), plain decoding. `--shared-prefix N[,N...]` puts the same `N` tokens
+before every prompt's own `--prompt` tokens (a row per length; each length its own prefix); the
+untimed warm-up prompts share that prefix and differ after it, so with caching on the timed
+`max_tokens=1` run (`prefill_s`, the batch's time to first token) reads the prefix from the
+cache and prefills the rest. With caching on, the decode run takes a third set of prompts behind
+the same prefix, so that its prefill finds the cache as the timed first-token run found it (the
+same prompts would find that run's own blocks) and the two prefills cancel in `tokens_per_s`.
+The rows carry vLLM's prefix-cache counters (`prefix_cache_hits_delta`,
+`prefix_cache_queries_delta`, in tokens, over both runs) and `block_size`, the tokens per cache
+block vLLM chose at start-up (in `align` mode the cache's granularity: vLLM sizes the block so
+that its attention page holds one recurrent state, and the plugin's state, records included,
+is larger than stock's).
 
 Needs vLLM 0.25.0 and a GPU (the bring-up in ../shared/vllm on the project's GPU machine).
 """
@@ -155,9 +162,10 @@ def prompts(batch: int, length: int, vocab: int, repeat: bool, seed: int = 0) ->
 
 
 def with_prefix(ps: list, prefix: int, vocab: int) -> list:
-    """`ps` each behind the same `prefix` token ids (`--shared-prefix`)."""
+    """`ps` each behind the same `prefix` token ids (`--shared-prefix`); prefixes of different
+    lengths differ from their first token, so that one never hits another's cached blocks."""
     import random
-    rng = random.Random(1000)
+    rng = random.Random(1000 + prefix)
     head = [rng.randrange(3, vocab) for _ in range(prefix)]
     return [{"prompt_token_ids": head + p["prompt_token_ids"]} for p in ps]
 
@@ -203,21 +211,23 @@ def worker(args) -> int:
         extra["enable_prefix_caching"] = False
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
               max_num_seqs=max(args.batches),
-              max_model_len=args.shared_prefix + args.prompt + max(args.decode, args.warmup) + 8,
+              max_model_len=max(args.shared_prefix) + args.prompt + max(args.decode, args.warmup) + 8,
               gpu_memory_utilization=args.gpu_memory, speculative_config=spec,
               disable_log_stats=spec is None and not args.prefix_caching, **extra)
     try:    # what vLLM resolved its SSM state dtype to ("auto" becomes float32 for NemotronH in 0.25)
         ssm_dtype = str(llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype)
     except AttributeError:
         ssm_dtype = None
-    for i, batch in enumerate(args.batches):
-        ps = prompts(batch, args.prompt, _vocab(cfg), repeat=spec is not None)
-        warm_ps = ps
-        if args.shared_prefix:
-            # the warm-up shares the prefix only: the timed prompts' own tokens are new to the cache
-            warm_ps = with_prefix(prompts(batch, args.prompt, _vocab(cfg), repeat=spec is not None, seed=1),
-                                  args.shared_prefix, _vocab(cfg))
-            ps = with_prefix(ps, args.shared_prefix, _vocab(cfg))
+    points = [(batch, prefix) for batch in args.batches for prefix in args.shared_prefix]
+    for i, (batch, prefix) in enumerate(points):
+        def prompt_set(seed):
+            got = prompts(batch, args.prompt, _vocab(cfg), repeat=spec is not None, seed=seed)
+            return with_prefix(got, prefix, _vocab(cfg)) if prefix else got
+        ps = prompt_set(0)
+        # the warm-up shares the prefix only: the timed prompts' own tokens are new to the cache
+        warm_ps = prompt_set(1) if prefix else ps
+        # with caching on, the decode run's prompts are new too (see the module's docstring)
+        full_ps = prompt_set(2) if args.prefix_caching else ps
         short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True, detokenize=False)
         # warm-up at this batch with decode steps past a window's flush: the first decode steps
@@ -233,13 +243,13 @@ def worker(args) -> int:
         profiled = bool(args.profile) and i == 0
         if profiled:
             llm.start_profile()
-        outs = llm.generate(ps, full, use_tqdm=False)
+        outs = llm.generate(full_ps, full, use_tqdm=False)
         if profiled:
             llm.stop_profile()
         t2 = time.perf_counter()
         after = _acceptance(llm)
         made = sum(len(o.outputs[0].token_ids) for o in outs) - batch     # past the first token
-        row = {"batch": batch, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0, "generate_s": t2 - t1,
+        row = {"batch": batch, "shared_prefix": prefix, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0, "generate_s": t2 - t1,
                "decode_tokens": made, "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
         row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
         row.update({f"{k}_delta": (v - cached.get(k, 0))
@@ -291,7 +301,7 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
            "--capture", args.capture, "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
            "--speculative", speculative, "--drafts", str(args.drafts), "--warmup", str(args.warmup),
-           "--gpu-memory", str(args.gpu_memory), "--shared-prefix", str(args.shared_prefix),
+           "--gpu-memory", str(args.gpu_memory), "--shared-prefix", ",".join(map(str, args.shared_prefix)),
            *(["--prefix-caching"] if args.prefix_caching else [])]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if r.returncode != 0 and any(m in r.stdout + r.stderr for m in _compat.START_UP_MEMORY_ERRORS):
@@ -304,9 +314,12 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     # how many requests vLLM's cache holds at once (its start-up log): a batch above it is
     # preempted and recomputed, which the throughput then measures
     conc = re.findall(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", r.stdout + r.stderr)
+    # the tokens per cache block, where vLLM raised it to hold a recurrent state in one page
+    block = re.findall(r"Setting attention block size to (\d+) tokens", r.stdout + r.stderr)
     for row in rows:
         row["state_mode"] = ",".join(modes) if plugin else None
         row["max_concurrency"] = float(conc[-1]) if conc else None
+        row["block_size"] = int(block[-1]) if block else None
         if row.get("profiled"):
             row["trace"] = _trace_summary(_profile_dir(args.profile, scheme, speculative))
     if r.returncode != 0 or not rows:
@@ -316,7 +329,8 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
         log.write_text(r.stdout + "\n--- stderr ---\n" + r.stderr)
         cause = root_cause(r.stdout + r.stderr)
         print(f"{scheme} / {speculative}: engine failed (rc {r.returncode}; whole output: {log}):\n{cause}")
-        return [{"batch": b, "tokens_per_s": None, "error": f"rc {r.returncode}: {cause[-600:]}"} for b in args.batches]
+        return [{"batch": b, "shared_prefix": p, "tokens_per_s": None, "error": f"rc {r.returncode}: {cause[-600:]}"}
+                for b in args.batches for p in args.shared_prefix]
     return rows
 
 
@@ -345,6 +359,10 @@ def _non_negative(text: str) -> int:
     return n
 
 
+def _non_negative_ints(text: str) -> list:
+    return [_non_negative(t) for t in text.split(",")]
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="replayssm bench vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -367,8 +385,9 @@ def parser() -> argparse.ArgumentParser:
                          "there; 0: none)")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="every engine with prefix caching in vLLM's align mode (plain decoding only)")
-    ap.add_argument("--shared-prefix", type=_non_negative, default=0,
-                    help="tokens of one prefix shared by every prompt, before its own --prompt tokens")
+    ap.add_argument("--shared-prefix", type=_non_negative_ints, default=[0],
+                    help="tokens of one prefix shared by every prompt, before its own --prompt tokens "
+                         "(comma-separated: a row per length)")
     ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     ap.add_argument("--out", default="vllm.json", help="the JSON results file (a plot beside it)")
@@ -385,8 +404,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def plot(doc: dict, path: Path) -> None:
-    """Tokens per second against batch, a line per scheme, a panel per speculation (rows timed
-    under the profiler left out: perturbed)."""
+    """Tokens per second against batch (against the shared prefix's length where rows sweep
+    it), a line per scheme, a panel per speculation (rows timed under the profiler left out:
+    perturbed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -394,17 +414,19 @@ def plot(doc: dict, path: Path) -> None:
     specs = sorted({r["speculative"] for r in rows})
     if not specs:
         raise ValueError("no timed rows to plot")
+    x = "shared_prefix" if len({r.get("shared_prefix") for r in rows}) > 1 else "batch"
     fig, axes = plt.subplots(1, len(specs), figsize=(4.2 * len(specs), 3.6), squeeze=False)
     for ax, spec in zip(axes[0], specs):
         for scheme in [s for s in SCHEMES if any(r["scheme"] == s and r["speculative"] == spec for r in rows)]:
-            pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows
+            pts = sorted((r[x], r["tokens_per_s"]) for r in rows
                          if r["scheme"] == scheme and r["speculative"] == spec)
             ax.plot([b for b, _ in pts], [t for _, t in pts], "-o", ms=4, label=scheme)
-        ax.set_xscale("log", base=2)
-        batches = sorted({r["batch"] for r in rows if r["speculative"] == spec})
-        ax.set_xticks(batches, [str(b) for b in batches])
+        ticks = sorted({r[x] for r in rows if r["speculative"] == spec})
+        if ticks[0] > 0:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(b) for b in ticks])
         ax.minorticks_off()
-        ax.set_xlabel("batch (requests)")
+        ax.set_xlabel("batch (requests)" if x == "batch" else "shared prefix (tokens)")
         ax.set_ylabel("decode tokens / s")
         # from zero, so that the schemes' ratio reads off the heights
         ax.set_ylim(0, 1.1 * max(r["tokens_per_s"] for r in rows if r["speculative"] == spec))
@@ -474,18 +496,22 @@ def main(argv=None) -> int:
     print(f"\nvLLM {doc['vllm']} decode throughput, {args.model} ({doc['layers']} layers), "
           f"{args.prompt} prompt + {args.decode} decode tokens per request")
     w = max(len(s) for s in SCHEMES)          # the scheme column holds the longest name
-    print(f"{'speculative':11} {'scheme':{w}} batch   tokens/s  vs stock  vs stock-fp32  accepted  prefill ms")
-    base = {(r["speculative"], r["batch"]): acceptance(r) for r in doc["rows"] if r["scheme"] == "stock"}
+    pre_col = any(args.shared_prefix)          # a shared prefix's length and the cache's block
+    print(f"{'speculative':11} {'scheme':{w}} batch" + ("  prefix  block" if pre_col else "")
+          + "   tokens/s  vs stock  vs stock-fp32  accepted  prefill ms")
+    key = lambda r: (r["speculative"], r["batch"], r.get("shared_prefix"))  # noqa: E731
+    base = {key(r): acceptance(r) for r in doc["rows"] if r["scheme"] == "stock"}
     for r in doc["rows"]:
         tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:10.0f}"
         ratios = [r.get(k) for k in ("ratio_vs_stock", "ratio_vs_stock_fp32")]
         ratios = ["-" if x is None else f"{x:.2f}x" for x in ratios]
-        acc, ref = acceptance(r), base.get((r["speculative"], r["batch"]))
+        acc, ref = acceptance(r), base.get(key(r))
         # a ratio compares like with like only where both engines accepted the same drafts
         flag = " (not stock's: compare with care)" if acc is not None and ref and abs(acc - ref) > 0.02 else ""
         acc = "-" if acc is None else f"{acc:.1%}"
         pre = "-" if r.get("prefill_s") is None else f"{1e3 * r['prefill_s']:.1f}"
-        print(f"{r['speculative']:11} {r['scheme']:{w}} {r['batch']:5d} {tps:>10} {ratios[0]:>9} {ratios[1]:>14} "
+        cols = f" {r.get('shared_prefix') or 0:7d} {r.get('block_size') or '-':>6}" if pre_col else ""
+        print(f"{r['speculative']:11} {r['scheme']:{w}} {r['batch']:5d}{cols} {tps:>10} {ratios[0]:>9} {ratios[1]:>14} "
               f"{acc:>9} {pre:>11}{flag}")
     try:
         plot(doc, Path(args.out).with_suffix(".png"))

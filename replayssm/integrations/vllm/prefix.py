@@ -33,14 +33,16 @@ with its cursor moved back over the records past the boundary, which no flush ca
 a verify flushes before its first record). vLLM's fused copy still moves the convolution
 states (its own tensor and semantics); its copy of the temporal tensors is turned into a copy of
 nothing. The copy functions read the running block whatever the accepted count
-(`committed_copy`), which without drafts (count 1) is vLLM's own choice. This path has not run
-on a GPU yet: it is off unless `REPLAYSSM_VLLM_PREFIX_SPEC=1`, and refused otherwise.
+(`committed_copy`), which without drafts (count 1) is vLLM's own choice. This path's GPU test
+has not passed yet (it failed on an H100, the reason not captured): it is off unless
+`REPLAYSSM_VLLM_PREFIX_SPEC=1`, and refused otherwise.
 
-`all` (Mamba-2 only, as in vLLM; plain decoding; experimental, `REPLAYSSM_VLLM_PREFIX_ALL=1`,
-not yet run on a GPU): every block of a request keeps a state. vLLM's prefill writes the state
-at each block boundary it crosses into that block's checkpoint and the last one into the block of
-its last token (`seed_prefilled`: those blocks' records empty), reading its initial state from the
-block of the last computed token (whose records `batch.before_prefill` folds first). A decode step
+`all` (Mamba-2 only, as in vLLM; plain decoding; `REPLAYSSM_VLLM_PREFIX_ALL=1` until its cost
+is measured; its GPU test passed on an H100): every block of a request keeps a state. vLLM's
+prefill writes the state at each block boundary it crosses into that block's checkpoint and the
+last one into the block of its last token (`seed_prefilled`: those blocks' records empty),
+reading its initial state from the block of the last computed token (whose records
+`batch.before_prefill` folds first). A decode step
 reads the block of the last computed token and writes that of its token: where they differ (the
 token starts a block) the whole page moves to the new block first (`move_decoding`, a few
 Triton programs per row that return at once where nothing moves), and the step runs there;
