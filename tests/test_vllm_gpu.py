@@ -153,14 +153,21 @@ def _generate(path, mode, enabled, extra="{}", **switches):
 NEAR_TIE_NATS = 0.1
 
 
-def _equal_or_near_ties(model, run, reference):
+# fp32 runs of a trained model: replay and stock sum the recurrence in different orders, so
+# their logits differ by fp32 rounding (about 1e-6 relative); a greedy token may differ only
+# where the reference's top two lie closer than this
+NEAR_TIE_NATS_FP32 = 1e-3
+
+
+def _equal_or_near_ties(model, run, reference, nats=None):
     """Assert `run`'s greedy tokens equal `reference`'s (NemotronH) or leave them only at
-    near-ties (Qwen3-Next, the reference's run carrying `TOP2`); prints what it saw."""
+    near-ties of `nats` (Qwen3-Next: `NEAR_TIE_NATS`; the reference's run carrying `TOP2`);
+    prints what it saw."""
     (got, _), (ref, top2) = run, reference
-    if not model.startswith("qwen"):
+    if nats is None and not model.startswith("qwen"):
         assert got == ref
         return
-    bad = near_tie_divergences(ref, top2, got, NEAR_TIE_NATS)
+    bad = near_tie_divergences(ref, top2, got, NEAR_TIE_NATS if nats is None else nats)
     gaps = sorted(abs(s[0][1] - s[1][1]) for req in top2 for s in req)
     left = sum(a != b for a, b in zip(ref, got))
     print(f"{left} of {len(ref)} requests leave the reference; the reference's top-2 gap over its "
@@ -254,7 +261,8 @@ def test_vllm_trained_model_on_python(name, tmp_path):
     """The shipped trained models in vLLM, on Python prompts from their held-out text
     (`check.python_requests`), CUDA graphs: greedy tokens with the plugin equal stock vLLM's,
     and with n-gram speculation (3 drafts) too; prints the drafts vLLM counted accepted. The
-    NemotronH runs in fp32 (exact), the Qwen3.5 in bf16 (near-ties, as above)."""
+    NemotronH runs in fp32 (near-ties of `NEAR_TIE_NATS_FP32`: a trained model's logits, unlike
+    the random tiny model's, may hold close pairs), the Qwen3.5 in bf16 (near-ties, as above)."""
     _needs_vllm()
     from replayssm.integrations import hf
     if name not in hf.trained_names():
@@ -267,12 +275,13 @@ def test_vllm_trained_model_on_python(name, tmp_path):
     more = {} if qwen else {"dtype": "float32"}
     work = {"REPLAYSSM_VLLM_CHECK_WORKLOAD": "python"}
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    stock = _generate(path, "graph", False, _kwargs(kind, **more), **work, **_top2(kind))
+    stock = _generate(path, "graph", False, _kwargs(kind, **more), **work, REPLAYSSM_VLLM_CHECK_TOP2="1")
+    nats = None if qwen else NEAR_TIE_NATS_FP32
     plain = _generate_lines(path, "graph", True, _kwargs(kind, **more), **work)
     drafted = _generate_lines(path, "graph", True, _kwargs(kind, speculative_config=spec, **more), **work)
     print("draft counters:", drafted["SPEC"])
-    _equal_or_near_ties(kind, (plain["TOKENS"], None), stock)
-    _equal_or_near_ties(kind, (drafted["TOKENS"], None), stock)
+    _equal_or_near_ties(kind, (plain["TOKENS"], None), stock, nats)
+    _equal_or_near_ties(kind, (drafted["TOKENS"], None), stock, nats)
 
 
 @pytest.mark.gpu
