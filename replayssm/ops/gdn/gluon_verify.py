@@ -102,13 +102,14 @@ def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: i
 def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
                             w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False,
-                            mma: bool = False, x_pieces: int = 1, k_pieces: int = 1, lp_code: int = 0) -> dict:
+                            mma: bool = False, x_pieces: int = 1, k_pieces: int = 1, lp_code: int = 0,
+                            refold_rows: int = 0) -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
     "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
     `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores, and an early flush's fold too,
     the key records of `k_pieces` pieces. `lp_code` (GDN, FMA products): a pool's 16-bit copy (1 fp16, 2 bf16),
-    verify_lp.py's contract."""
+    verify_lp.py's contract, whose refold takes `refold_rows` rows of the tile at a time (0: 4 per warp)."""
     TP = max(2, triton.next_power_of_2(T))
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
@@ -116,7 +117,7 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
                 NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
                 MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps),
-                KP=k_pieces, LPT=int(lp_code))
+                KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps)
 
 
 if HAVE_GLUON:
@@ -136,7 +137,7 @@ if HAVE_GLUON:
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
         IS_KDA: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, XP: gl.constexpr, SWZ: gl.constexpr,
-        KP: gl.constexpr, LPT: gl.constexpr,
+        KP: gl.constexpr, LPT: gl.constexpr, RFL: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -401,7 +402,7 @@ if HAVE_GLUON:
         _barrier()
         if LPT:
             if flush:
-                _refold_lp(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, RCF, HV, LT, LPT)
+                _refold_lp(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, RFL, HV, LT, LPT)
                 _barrier()
         if MMA:
             # on the tensor cores, exact (utils/gluon_mma.py): the tile times the drafts' raw
@@ -555,7 +556,8 @@ if HAVE_GLUON:
 def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
                         pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
                         BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn", kq: bool = False,
-                        mma: bool = False, ckpt_lp=None, lp_code: int = 0, buf_v=None, buf_beta=None) -> None:
+                        mma: bool = False, ckpt_lp=None, lp_code: int = 0, buf_v=None, buf_beta=None,
+                        refold_rows: int = 0) -> None:
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; inputs
     validated, and the caller checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0:
     none). `kq` (GDN): the drafts' Gram products and the records' products with the drafts'
@@ -565,7 +567,7 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
     `lp_code` (1 fp16, 2 bf16; GDN, FMA products, contiguous unpadded state), `buf_v`,
     `buf_beta`: a pool's 16-bit copy as int16 bits and the raw records, verify_lp.py's contract
     (rows without an early flush read the copy; a flush refolds `ckpt` along the HP path and
-    writes both)."""
+    writes both; `refold_rows` of the tile at a time, 0: 4 per warp)."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if Bt == 0:
@@ -575,6 +577,8 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
                     or buf_beta is None or any(pads.values())):
         raise ValueError("a low-precision copy: GDN, fp16 or bf16 (lp_code 1, 2), the FMA products, with the "
                          "raw records, on contiguous unpadded state")
+    if refold_rows and (BV % refold_rows or refold_rows % num_warps):
+        raise ValueError(f"refold_rows {refold_rows} must divide BV {BV} and be a multiple of num_warps {num_warps}")
     kq = bool(kq) and family == "gdn"
     kqs = gdn_verify_key_products(q, k, buf_k, cursor, slot_ids, scale, use_qk_l2norm,
                                   gluon_record_tile(window, buf_w.shape[1]), max(2, triton.next_power_of_2(T)),
@@ -591,5 +595,6 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
                                   num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq,
-                                  mma, max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype), lp_code),
+                                  mma, max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype), lp_code,
+                                  refold_rows),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -33,6 +33,7 @@ refold of this contract on rows with one), where it covers the shape (`_gluon_lp
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -58,6 +59,11 @@ __all__ = ["lowp_verify", "verify_lp_config"]
 # `test_verify_lp_gluon_gdn_real_shapes_gpu` passes on the H100, where it took 0.2-0.4x the
 # Triton kernel's time at Qwen3.5-4B's shape (verify_lp_gdn_h100.json)
 GLUON_LP_GDN = True
+
+# The rows of the tile a flushing program refolds at a time (gluon_verify.py, `refold_rows`):
+# 0, 4 per warp, as the GPU test ran it; REPLAYSSM_GLUON_LP_REFOLD_ROWS=N times another (more
+# rows a chunk: fewer sequential chains of row dots, more registers; the same arithmetic per row)
+REFOLD_ROWS_SWITCH = "REPLAYSSM_GLUON_LP_REFOLD_ROWS"
 
 
 def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
@@ -86,7 +92,9 @@ def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w,
             ck["lp_data"].data_ptr() % 16 or buf_v.data_ptr() % 16:
         return None
     # (the kernel indexes the copy and the raw records as the checkpoint, contiguous: no padding)
-    return None if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()) else cfg
+    if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()):
+        return None
+    return dict(cfg, refold_rows=int(os.environ.get(REFOLD_ROWS_SWITCH, "0")))
 
 
 @triton.jit
@@ -447,7 +455,7 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
         launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ck["ckpt"], buf_ld, buf_w, buf_k, cursor,
                             pending, epoch, arrive, slot_ids, num_drafts, int(window), out, use_qk_l2norm, gcfg["BV"],
                             gcfg["num_warps"], gcfg["maxnreg"], "gdn", gcfg["kq"], False, ckpt_lp=ck["lp_data"],
-                            lp_code=ck["LP"], buf_v=buf_v, buf_beta=buf_beta)
+                            lp_code=ck["LP"], buf_v=buf_v, buf_beta=buf_beta, refold_rows=gcfg["refold_rows"])
         return out
     ts_new = None
     if shared_nvfp4:
