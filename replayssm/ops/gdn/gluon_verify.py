@@ -72,12 +72,12 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import (_add, _async_load, _barrier, _draft_count, _lp_tile_view, _products_to_shared,
-                                _record_weights, _rows_view, _slot_bases, _softplus, _tile_offsets, _tile_to_shared,
-                                _verify_arrive)
-    from ..utils.gluon_mma import _fold_mma_records, _tile_vector_pairs_mma
+    from ..utils.gluon import (_add, _barrier, _draft_count, _products_to_shared, _record_weights, _rows_view,
+                                _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
+    from ..utils.gluon_mma import _fold_mma_records, _lp_tile_vector_pairs_mma, _tile_vector_pairs_mma
     from .gluon_verify_drafts import (_kda_draft_grams, _records_to_shared, _refold_lp, _row_pair_products,
-                                      _write_drafts_beta, _write_drafts_shared, _write_drafts_shared_kda)
+                                      _stage_lp_tile, _write_drafts_beta, _write_drafts_shared,
+                                      _write_drafts_shared_kda)
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -108,8 +108,9 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
     "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
     `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores, and an early flush's fold too,
-    the key records of `k_pieces` pieces. `lp_code` (GDN, FMA products): a pool's 16-bit copy (1 fp16, 2 bf16),
-    verify_lp.py's contract, whose refold takes `refold_rows` rows of the tile at a time (0: 4 per warp)."""
+    the key records of `k_pieces` pieces. `lp_code` (GDN): a pool's 16-bit copy (1 fp16, 2
+    bf16), verify_lp.py's contract, whose refold takes `refold_rows` rows of the tile at a time
+    (0: 4 per warp)."""
     TP = max(2, triton.next_power_of_2(T))
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
@@ -213,17 +214,9 @@ if HAVE_GLUON:
             # the tile alone (records hr = 0) after a flush, the copy and its records otherwise
             h = gl.load(cursor + slot).to(gl.int32)
             n = _draft_count(num_drafts, i_b, h, T, HAS_NDRAFT).to(gl.int32)
-            LLC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])      # 8 x 16 bits
-            p_L = ckpt_lp + (slot * HV + i_hv) * (V * K) + v0 * K
             flush = h + n > window
-            s_C = gl.allocate_shared_memory(gl.float32, [BV, K], SM)
-            s_L = _lp_tile_view(s_C, BV, K, SM)
-            if flush:
-                _async_load(s_C, p_C + _tile_offsets(BV, K, LT), eviction_policy="evict_first")
-            else:
-                _async_load(s_L, p_L + _tile_offsets(BV, K, LLC), eviction_policy="evict_first")
-            cp.commit_group()
-            _barrier()
+            p_L = ckpt_lp + (slot * HV + i_hv) * (V * K) + v0 * K
+            s_C, s_L = _stage_lp_tile(p_C, p_L, flush, BV, K, LT, SWZ, MMA, NW)
             hc = gl.where(flush, 0, h)
             hr = hc
             s_U = _records_to_shared(p_Uh, hr, BL, BV, HV * V, VW, NW)
@@ -418,7 +411,13 @@ if HAVE_GLUON:
                     f_q = gl.where(on, scale * gl.sum(gl.where(o_tD == t, b_rq, 0.0), axis=0), f_q)
             s_Yk8 = gl.allocate_shared_memory(gl.float32, [BV, 8], SM)
             s_Yq8 = gl.allocate_shared_memory(gl.float32, [BV, 8], SM)
-            b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW)
+            if LPT:
+                if flush:
+                    b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW)
+                else:
+                    b_Yk, b_Yq = _lp_tile_vector_pairs_mma(s_L, s_kx, s_qx, BV, K, 8, XP, LPT, NW)
+            else:
+                b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW)
             s_Yk8.store(b_Yk * f_k[None, :])
             s_Yq8.store(b_Yq * f_q[None, :])
             s_Yk = s_Yk8.slice(0, TP, dim=1)
@@ -564,19 +563,19 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
     vectors formed first, once per (row, key head), by `utils.key_products.gdn_verify_key_products`
     instead of by every program of the key head's value heads and V-blocks. `mma` (GDN): the
     tile's products with the drafts' keys and queries on the tensor cores, exact. `ckpt_lp`,
-    `lp_code` (1 fp16, 2 bf16; GDN, FMA products, contiguous unpadded state), `buf_v`,
-    `buf_beta`: a pool's 16-bit copy as int16 bits and the raw records, verify_lp.py's contract
-    (rows without an early flush read the copy; a flush refolds `ckpt` along the HP path and
-    writes both; `refold_rows` of the tile at a time, 0: 4 per warp)."""
+    `lp_code` (1 fp16, 2 bf16; GDN, contiguous unpadded state), `buf_v`, `buf_beta`: a pool's
+    16-bit copy as int16 bits and the raw records, verify_lp.py's contract (rows without an
+    early flush read the copy, with `mma` as one or two bf16 pieces; a flush refolds `ckpt`
+    along the HP path and writes both, `refold_rows` of the tile at a time, 0: 4 per warp)."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if Bt == 0:
         return
     pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
-    if lp_code and (mma or family != "gdn" or lp_code not in (1, 2) or ckpt_lp is None or buf_v is None
+    if lp_code and (family != "gdn" or lp_code not in (1, 2) or ckpt_lp is None or buf_v is None
                     or buf_beta is None or any(pads.values())):
-        raise ValueError("a low-precision copy: GDN, fp16 or bf16 (lp_code 1, 2), the FMA products, with the "
-                         "raw records, on contiguous unpadded state")
+        raise ValueError("a low-precision copy: GDN, fp16 or bf16 (lp_code 1, 2), with the raw records, on "
+                         "contiguous unpadded state")
     if refold_rows and (BV % refold_rows or refold_rows % num_warps):
         raise ValueError(f"refold_rows {refold_rows} must divide BV {BV} and be a multiple of num_warps {num_warps}")
     kq = bool(kq) and family == "gdn"

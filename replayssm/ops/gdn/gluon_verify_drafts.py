@@ -1,6 +1,6 @@
 """Pieces of the GDN/KDA Gluon verify kernel (gluon_verify.py), for the GPU only: the records'
 copies into shared memory and the row products with the drafts' vectors, KDA's drafts' Gram
-rows, the early flush of a pool with a 16-bit copy (the HP path's refold), and the early
+rows, a pool's 16-bit copy (its tile's staging, an early flush's refold along the HP path), and the early
 flush's hand-off: the slot's last program writes the drafts' shared fields (decays, normalised
 keys; with a copy, the gates) at positions `0..n-1`, recomputed from the inputs, which the
 slot's other programs read as committed records until they all arrived.
@@ -16,7 +16,28 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import _async_load, _lp_decode, _lp_encode, _rows_view, _softplus
+    from ..utils.gluon import (_async_load, _barrier, _lp_decode, _lp_encode, _lp_tile_view, _rows_view, _softplus,
+                                _tile_offsets)
+
+    @gluon.jit
+    def _stage_lp_tile(p_C, p_L, flush, BV: gl.constexpr, K: gl.constexpr, LT: gl.constexpr, SWZ: gl.constexpr,
+                       MMA: gl.constexpr, NW: gl.constexpr):
+        """(A pool with a 16-bit copy, verify_lp.py's contract.) The fp32 tile `[BV, K]` at
+        `p_C` into shared memory for a row that flushes, else the copy's tile at `p_L` (int16
+        bits, half the bytes) into the first half of the same memory, one copy group, waited on
+        by the caller; returns both views (`s_C` fp32, `s_L` int16). With `MMA` both are
+        swizzled as the tensor cores read them (utils/gluon_mma.py)."""
+        SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        LLC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])      # 8 x 16 bits
+        s_C = gl.allocate_shared_memory(gl.float32, [BV, K], gl.SwizzledSharedLayout(4, 1, SWZ, [1, 0]) if MMA else SM)
+        s_L = _lp_tile_view(s_C, BV, K, gl.SwizzledSharedLayout(8, 1, 8, [1, 0]) if MMA else SM)
+        if flush:
+            _async_load(s_C, p_C + _tile_offsets(BV, K, LT), eviction_policy="evict_first")
+        else:
+            _async_load(s_L, p_L + _tile_offsets(BV, K, LLC), eviction_policy="evict_first")
+        cp.commit_group()
+        _barrier()
+        return s_C, s_L
 
     @gluon.jit
     def _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,

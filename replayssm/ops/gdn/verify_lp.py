@@ -64,6 +64,10 @@ GLUON_LP_GDN = True
 # 0, 4 per warp, as the GPU test ran it; REPLAYSSM_GLUON_LP_REFOLD_ROWS=N times another (more
 # rows a chunk: fewer sequential chains of row dots, more registers; the same arithmetic per row)
 REFOLD_ROWS_SWITCH = "REPLAYSSM_GLUON_LP_REFOLD_ROWS"
+# REPLAYSSM_GLUON_LP_MMA=1: rows without a flush form their products from the copy's tile on the
+# tensor cores where the fp32 pool's kernel does (T = 8), the copy as one (bf16) or two (fp16)
+# bf16 pieces (utils.gluon_mma._lp_tile_vector_pairs_mma); compiled, not yet run on a GPU
+MMA_SWITCH = "REPLAYSSM_GLUON_LP_MMA"
 
 
 def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
@@ -78,7 +82,7 @@ def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
 
 def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w, buf_k, buf_v, cursor, pending,
                      window: int) -> Optional[dict]:
-    """The Gluon verify kernel's config for this launch (verify.py's default, FMA products) where
+    """The Gluon verify kernel's config for this launch (verify.py's default, FMA products unless `MMA_SWITCH`) where
     it takes it (`GLUON_LP_GDN`): GDN, an fp32 checkpoint with an fp16 or bf16 copy, on CUDA
     outside the interpreter, a shape and window it covers, 16-byte aligned contiguous state;
     otherwise None (the Triton kernel)."""
@@ -87,7 +91,8 @@ def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w,
         return None
     T, Hk, K = q.shape[1], q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    cfg = verify_config("gdn", V, K, T, {"mma": False}, HV=HV, Hk=Hk, window=window, Lb=buf_w.shape[1])
+    mma = {} if os.environ.get(MMA_SWITCH) == "1" else {"mma": False}
+    cfg = verify_config("gdn", V, K, T, mma, HV=HV, Hk=Hk, window=window, Lb=buf_w.shape[1])
     if not cfg["gluon"] or not gluon_aligned(ck["ckpt"], buf_ld, buf_w, buf_k) or \
             ck["lp_data"].data_ptr() % 16 or buf_v.data_ptr() % 16:
         return None
@@ -454,8 +459,9 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     if gcfg is not None:
         launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ck["ckpt"], buf_ld, buf_w, buf_k, cursor,
                             pending, epoch, arrive, slot_ids, num_drafts, int(window), out, use_qk_l2norm, gcfg["BV"],
-                            gcfg["num_warps"], gcfg["maxnreg"], "gdn", gcfg["kq"], False, ckpt_lp=ck["lp_data"],
-                            lp_code=ck["LP"], buf_v=buf_v, buf_beta=buf_beta, refold_rows=gcfg["refold_rows"])
+                            gcfg["num_warps"], gcfg["maxnreg"], "gdn", gcfg["kq"], mma=gcfg["mma"],
+                            ckpt_lp=ck["lp_data"], lp_code=ck["LP"], buf_v=buf_v, buf_beta=buf_beta,
+                            refold_rows=gcfg["refold_rows"])
         return out
     ts_new = None
     if shared_nvfp4:
