@@ -195,4 +195,6 @@ def test_serving_worker_prompt_sets(tmp_path, monkeypatch, capsys):
         assert {p[:30] for p in map(tuple, warm + first + full)} == {tuple(first[0][:30])}
         assert warm[0][30:] != first[0][30:]
         assert (full == first) is not caching                        # a third set only with caching on
-        assert seen[0][1] == seen[1][1] and len(seen[0][1][0]) == 5   # no prefix: the warm-up is the timed set
+        # no prefix: the warm-up is the timed set, unless caching is on (then all three differ)
+        assert (seen[0][1] == seen[1][1]) is not caching and len(seen[0][1][0]) == 5
+        assert (seen[2][1] == seen[1][1]) is not caching

@@ -224,9 +224,10 @@ def worker(args) -> int:
             got = prompts(batch, args.prompt, _vocab(cfg), repeat=spec is not None, seed=seed)
             return with_prefix(got, prefix, _vocab(cfg)) if prefix else got
         ps = prompt_set(0)
-        # the warm-up shares the prefix only: the timed prompts' own tokens are new to the cache
-        warm_ps = prompt_set(1) if prefix else ps
-        # with caching on, the decode run's prompts are new too (see the module's docstring)
+        # behind a prefix or with caching on, the warm-up shares the prefix only and the decode
+        # run's prompts are new too: both timed runs find only the prefix cached (module docstring)
+        fresh = bool(prefix) or args.prefix_caching
+        warm_ps = prompt_set(1) if fresh else ps
         full_ps = prompt_set(2) if args.prefix_caching else ps
         short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True, detokenize=False)
@@ -249,8 +250,9 @@ def worker(args) -> int:
         t2 = time.perf_counter()
         after = _acceptance(llm)
         made = sum(len(o.outputs[0].token_ids) for o in outs) - batch     # past the first token
-        row = {"batch": batch, "shared_prefix": prefix, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0, "generate_s": t2 - t1,
-               "decode_tokens": made, "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
+        row = {"batch": batch, "shared_prefix": prefix, "ssm_cache_dtype": ssm_dtype, "prefill_s": t1 - t0,
+               "generate_s": t2 - t1, "decode_tokens": made,
+               "tokens_per_s": made / max(t2 - t1 - (t1 - t0), 1e-9), "profiled": profiled}
         row.update({f"{k}_delta": (after[k] - before.get(k, 0)) for k in after if after[k] is not None})
         row.update({f"{k}_delta": (v - cached.get(k, 0))
                     for k, v in _compat.prefix_cache_counters(llm).items() if v is not None})
