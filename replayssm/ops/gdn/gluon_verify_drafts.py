@@ -1,9 +1,9 @@
 """Pieces of the GDN/KDA Gluon verify kernel (gluon_verify.py), for the GPU only: the records'
 copies into shared memory and the row products with the drafts' vectors, KDA's drafts' Gram
-rows, a pool's 16-bit copy (its tile's staging, an early flush's refold along the HP path), and the early
-flush's hand-off: the slot's last program writes the drafts' shared fields (decays, normalised
-keys; with a copy, the gates) at positions `0..n-1`, recomputed from the inputs, which the
-slot's other programs read as committed records until they all arrived.
+rows, a pool's 16-bit copy (its tile's staging, an early flush's refold along the HP path),
+and the early flush's hand-off: the slot's last program writes the drafts' shared fields
+(decays, normalised keys; with a copy, the gates) at positions `0..n-1`, recomputed from the
+inputs, which the slot's other programs read as committed records until they all arrived.
 """
 from __future__ import annotations
 
