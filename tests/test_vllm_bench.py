@@ -100,6 +100,13 @@ def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", run([boom]))
     rows = vs._run_engine(args, "stock", "none", tmp_path)
     assert [(r["batch"], r["shared_prefix"]) for r in rows] == [(8, 1000), (8, 2048), (16, 1000), (16, 2048)]
+    # equal blocks asked of every engine: the worker gets them, and a row without vLLM's log line
+    # (it kept the size asked for) carries that size
+    calls.clear()
+    args = vs.parser().parse_args(["--batches", "8", "--block-size", "1056", "--out", str(tmp_path / "r.json")])
+    monkeypatch.setattr(subprocess, "run", run([ok]))
+    rows = vs._run_engine(args, "stock", "none", tmp_path)
+    assert vs.parser().parse_args(calls[0][3:]).block_size == 1056 and rows[0]["block_size"] == 1056
 
 
 def test_shared_prefix_prompts():

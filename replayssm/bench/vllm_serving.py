@@ -62,7 +62,9 @@ The rows carry vLLM's prefix-cache counters (`prefix_cache_hits_delta`,
 `prefix_cache_queries_delta`, in tokens, over both runs) and `block_size`, the tokens per cache
 block vLLM chose at start-up (in `align` mode the cache's granularity: vLLM sizes the block so
 that its attention page holds one recurrent state, and the plugin's state, records included,
-is larger than stock's).
+is larger than stock's). `--block-size N` asks every engine for N-token blocks (vLLM raises it
+where a state needs more), so that both caches have the same granularity and time to first
+token compares the prefill paths alone.
 
 Needs vLLM 0.25.0 and a GPU (the bring-up in ../shared/vllm on the project's GPU machine).
 """
@@ -80,6 +82,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..integrations.vllm import _compat
+from ..argtypes import positive_int
 from .common import positive_ints
 
 MODELS = ("nemotron3_nano_4b", "qwen3_5_4b", "nemotron3_super_slice", "qwen3_5_122b_slice")
@@ -205,6 +208,8 @@ def worker(args) -> int:
             torch_profiler_dir=os.path.abspath(_profile_dir(args.profile, args.scheme, args.speculative)),
             torch_profiler_with_stack=False, ignore_frontend=True, delay_iterations=8,
             max_iterations=PROFILE_STEPS)
+    if args.block_size:
+        extra["block_size"] = args.block_size
     if args.prefix_caching:
         extra.update(enable_prefix_caching=True, mamba_cache_mode="align")
     else:
@@ -304,7 +309,8 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),
            "--speculative", speculative, "--drafts", str(args.drafts), "--warmup", str(args.warmup),
            "--gpu-memory", str(args.gpu_memory), "--shared-prefix", ",".join(map(str, args.shared_prefix)),
-           *(["--prefix-caching"] if args.prefix_caching else [])]
+           *(["--prefix-caching"] if args.prefix_caching else []),
+           *(["--block-size", str(args.block_size)] if args.block_size else [])]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if r.returncode != 0 and any(m in r.stdout + r.stderr for m in _compat.START_UP_MEMORY_ERRORS):
         # the engine before this one may still hold memory that vLLM's start-up counts as taken
@@ -321,7 +327,7 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     for row in rows:
         row["state_mode"] = ",".join(modes) if plugin else None
         row["max_concurrency"] = float(conc[-1]) if conc else None
-        row["block_size"] = int(block[-1]) if block else None
+        row["block_size"] = int(block[-1]) if block else args.block_size
         if row.get("profiled"):
             row["trace"] = _trace_summary(_profile_dir(args.profile, scheme, speculative))
     if r.returncode != 0 or not rows:
@@ -390,6 +396,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shared-prefix", type=_non_negative_ints, default=[0],
                     help="tokens of one prefix shared by every prompt, before its own --prompt tokens "
                          "(comma-separated: a row per length)")
+    ap.add_argument("--block-size", type=positive_int, default=None,
+                    help="tokens per cache block in every engine (vLLM raises it where a recurrent state needs "
+                         "more): the same prefix-caching granularity in both engines")
     ap.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     ap.add_argument("--out", default="vllm.json", help="the JSON results file (a plot beside it)")
