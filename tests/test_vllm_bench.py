@@ -18,6 +18,12 @@ def test_serving_benchmark_model_folder_and_prompts(tmp_path):
     assert whole["num_hidden_layers"] == 42 and not any(k.startswith("_") for k in whole)
     with pytest.raises(ValueError, match="unknown model"):
         vs.model_dir("qwen3_next", 0, tmp_path)
+    # NemotronH's MTP drafter: one attention layer beside the target's (dummy weights)
+    mtp = json.loads((vs.model_dir("nemotron3_super_slice", 0, tmp_path / "m", mtp=True) / "config.json").read_text())
+    assert (mtp["num_nextn_predict_layers"], mtp["mtp_hybrid_override_pattern"]) == (1, "*")
+    assert "num_nextn_predict_layers" not in whole or not whole["num_nextn_predict_layers"]
+    with pytest.raises(ValueError, match="NemotronH"):
+        vs.model_dir("qwen3_5_4b", 0, tmp_path, mtp=True)
     assert vs._vocab(whole) == 131072
     # Qwen3.5-4B as vLLM serves it: the multimodal class around the shipped text config
     pytest.importorskip("transformers")
@@ -129,7 +135,8 @@ def test_serving_benchmark_refuses_unknown_choices(capsys):
                        (["--warmup", "-1"], "must be >= 0, got -1"),
                        # vLLM's own GDN prefill grid: 64 value heads x 1024 sequences > 65535
                        (["--model", "qwen3_5_122b_slice", "--batches", "256,1024"], "more than 1023 sequences"),
-                       (["--prefix-caching", "--speculative", "none,ngram"], "not yet combine prefix caching")):
+                       (["--prefix-caching", "--speculative", "none,ngram"], "not yet combine prefix caching"),
+                       (["--model", "qwen3_5_4b", "--speculative", "mtp"], "the MTP drafter is NemotronH's")):
         with pytest.raises(SystemExit) as e:
             vs.main(argv)
         assert e.value.code == 2 and what in capsys.readouterr().err
@@ -170,11 +177,11 @@ def test_serving_worker_prompt_sets(tmp_path, monkeypatch, capsys):
     import sys
     import types
     from replayssm.bench import vllm_serving as vs
-    seen = []
+    seen, made = [], []
 
     class LLM:
         def __init__(self, **kw):
-            self.kw = kw
+            made.append(kw)
 
         def generate(self, ps, sp, use_tqdm=False):
             seen.append((sp.max_tokens, [p["prompt_token_ids"] for p in ps]))
@@ -205,3 +212,9 @@ def test_serving_worker_prompt_sets(tmp_path, monkeypatch, capsys):
         # no prefix: the warm-up is the timed set, unless caching is on (then all three differ)
         assert (seen[0][1] == seen[1][1]) is not caching and len(seen[0][1][0]) == 5
         assert (seen[2][1] == seen[1][1]) is not caching
+    # the MTP drafter's config (no prompt lookup); CUDA graphs at its verify steps too
+    args = vs.parser().parse_args(["--worker", "--model-dir", str(folder), "--batches", "2", "--prompt", "5",
+                                   "--decode", "3", "--warmup", "0", "--speculative", "mtp", "--drafts", "3"])
+    assert vs.worker(args) == 0
+    assert made[-1]["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert made[-1]["compilation_config"]["cudagraph_capture_sizes"] == [2, 8]

@@ -37,7 +37,9 @@ prefill and first token) and one with `1 + --decode` tokens, both with `ignore_e
 decode throughput is `B * decode / (t_long - t_short)` (`tokens_per_s`), `ratio_vs_stock`
 the plugin's over stock's at the same batch and speculation. `--speculative ngram` adds n-gram
 drafting (`--drafts` tokens, prompt lookup 1..3) to both schemes, `ngram_gpu` the same lookup
-on the GPU (`SPECULATIVE`); its prompts repeat a short
+on the GPU, `mtp` NemotronH's multi-token-prediction drafter (`SPECULATIVE`: with dummy
+weights its drafts are mostly rejected, so it times verification at a low acceptance with
+vLLM's asynchronous scheduling on); the n-gram prompts repeat a short
 pattern so that lookups find drafts, and the rows carry vLLM's draft acceptance where its
 metrics report it. JSON rows: `model`, `batch`, `scheme`, `speculative`, `tokens_per_s`,
 `ratio_vs_stock`, `ratio_vs_stock_fp32` (when that scheme ran), `max_concurrency` (the requests
@@ -89,15 +91,18 @@ MODELS = ("nemotron3_nano_4b", "qwen3_5_4b", "nemotron3_super_slice", "qwen3_5_1
 SCHEMES = ("stock", "stock-fp32", "replayssm", "replayssm-one-block")
 # vLLM's n-gram drafter on the host (`ngram`: vLLM then turns its asynchronous scheduling off,
 # and the host's drafting and scheduling sit between the GPU's steps) or on the GPU
-# (`ngram_gpu`: asynchronous scheduling stays on, as in plain decoding)
-SPECULATIVE = ("none", "ngram", "ngram_gpu")
+# (`ngram_gpu`: asynchronous scheduling stays on, as in plain decoding); `mtp`, NemotronH's
+# multi-token-prediction drafter (one attention layer of dummy weights, asynchronous
+# scheduling on; its drafts are mostly rejected, in both engines alike)
+SPECULATIVE = ("none", "ngram", "ngram_gpu", "mtp")
 # decode steps vLLM's profiler records (`--profile`), after 8 it skips; `trace.summarise` divides by it
 PROFILE_STEPS = 16
 
 
-def model_dir(name: str, layers: int, out: Path) -> Path:
+def model_dir(name: str, layers: int, out: Path, mtp: bool = False) -> Path:
     """A vLLM model folder (config.json only: weights are vLLM's dummy ones) for the shipped
-    config `name`, cut to its first `layers` layers (0: all)."""
+    config `name`, cut to its first `layers` layers (0: all); with `mtp` (NemotronH) one
+    multi-token-prediction layer beside, an attention layer as `check.with_mtp_layer` adds."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
     from ..integrations.hf.configs import _DIR
@@ -109,7 +114,12 @@ def model_dir(name: str, layers: int, out: Path) -> Path:
                 raise ValueError(f"the first {layers} layers of {name} hold no Mamba-2 layer")
             cfg.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
         cfg.update(architectures=["NemotronHForCausalLM"], torch_dtype="bfloat16")
+        if mtp:
+            cfg.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*",
+                       mtp_layers_block_type=["full_attention"])
     else:
+        if mtp:
+            raise ValueError(f"{name}: the MTP drafter is NemotronH's (`--speculative mtp`)")
         if layers:
             kinds = cfg["layer_types"][:layers]
             if "linear_attention" not in kinds:
@@ -193,7 +203,9 @@ def worker(args) -> int:
     """One engine: prints a `RESULT {json}` line per batch."""
     from vllm import LLM, SamplingParams
     spec = None
-    if args.speculative in SPECULATIVE[1:]:
+    if args.speculative == "mtp":
+        spec = {"method": "mtp", "num_speculative_tokens": args.drafts}
+    elif args.speculative in SPECULATIVE[1:]:
         spec = {"method": args.speculative, "num_speculative_tokens": args.drafts, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}
     cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
@@ -381,7 +393,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode", type=int, default=128, help="decode tokens timed per request")
     ap.add_argument("--speculative", default="none,ngram",
                     help=f"comma-separated of {', '.join(SPECULATIVE)} (runs of each; 'none,ngram': both)")
-    ap.add_argument("--drafts", type=int, default=3, help="n-gram draft tokens per step")
+    ap.add_argument("--drafts", type=int, default=3, help="draft tokens per step (n-gram, MTP)")
     ap.add_argument("--schemes", default="stock,replayssm",
                     help=f"comma-separated of {', '.join(SCHEMES)} (stock always runs: the ratios' base)")
     ap.add_argument("--profile", default=None, help="folder for vLLM's torch-profiler output (first batch)")
@@ -469,6 +481,8 @@ def main(argv=None) -> int:
     for s in specs:
         if s not in SPECULATIVE:
             ap.error(f"--speculative: unknown {s!r}; choose from {', '.join(SPECULATIVE)}")
+    if "mtp" in specs and not args.model.startswith("nemotron"):
+        ap.error(f"--speculative mtp: the MTP drafter is NemotronH's; {args.model} has none here")
     schemes = args.schemes.split(",")
     for s in schemes:
         if s not in SCHEMES:
@@ -493,7 +507,7 @@ def main(argv=None) -> int:
                decode=args.decode, drafts=args.drafts, schemes=schemes, capture=args.capture,
                prefix_caching=args.prefix_caching, shared_prefix=args.shared_prefix, rows=[])
     with tempfile.TemporaryDirectory() as tmp:
-        folder = model_dir(args.model, args.layers, Path(tmp))
+        folder = model_dir(args.model, args.layers, Path(tmp), mtp="mtp" in specs)
         for spec in specs:
             got = {s: _run_engine(args, s, spec, folder) for s in schemes}
             for s in schemes:
