@@ -143,3 +143,22 @@ def test_serving_benchmark_serves_the_slices(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| recurrent |" in out and "full model: 40 recurrent / 8 attention / 40 moe" in out
     assert "| 4 |" in out
+
+
+def test_cache_block_tokens():
+    """vLLM's block for a hybrid model holds one recurrent state page in bf16 K and V, in
+    multiples of 16 tokens. Nemotron-3-Nano-4B: 976 tokens for stock's page (an H100 run's
+    prefix cache hit 1,952 tokens of each 2,112-token prompt: two blocks) and 1,056 for the
+    plugin's, whose records make the page 7.6% larger; Qwen3.5's stock state is bf16 (vLLM's
+    `auto`) where the plugin keeps an fp32 checkpoint and fp32 records."""
+    from replayssm.bench import slices as sl
+    nano, qwen = sl.sliced("nemotron3_nano_4b"), sl.sliced("qwen3_5_4b")
+    assert (sl.cache_block_tokens(nano, "stock"), sl.cache_block_tokens(nano, "replayssm")) == (976, 1056)
+    assert (sl.cache_block_tokens(qwen, "stock"), sl.cache_block_tokens(qwen, "replayssm")) == (272, 640)
+    for cfg in (nano, qwen):
+        for scheme in ("stock", "replayssm"):
+            n = sl.cache_block_tokens(cfg, scheme)
+            per_token = sl.anatomy(cfg).kv * 2
+            assert n % 16 == 0 and n * per_token >= sl.state_page_bytes(cfg, scheme) > (n - 16) * per_token
+    with pytest.raises(ValueError, match="scheme"):
+        sl.cache_block_tokens(nano, "snapshot")

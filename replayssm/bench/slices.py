@@ -200,23 +200,38 @@ def request_bytes(cfg: dict, scheme: str, drafts: int = 0, tokens: int = 256, wi
     plugin's (`integrations.vllm.state.StateSpec`: checkpoint, `window + 1 + drafts` records,
     its default record dtypes); per attention layer the pages its `tokens` of K and V fill, vLLM
     sizing attention pages to the recurrent page (its hybrid cache has one page size)."""
+    a = anatomy(cfg)
+    page = state_page_bytes(cfg, scheme, drafts, window)
+    blocks = 1 + drafts if scheme == "stock" else 1
+    attn_pages = math.ceil(tokens * a.kv * 2 / page)
+    return page * (a.layers["recurrent"] * blocks + a.layers["attention"] * attn_pages)
+
+
+def state_page_bytes(cfg: dict, scheme: str, drafts: int = 0, window: int = 16) -> int:
+    """One recurrent layer's state block in vLLM, before padding (`request_bytes`' rules)."""
     import torch
 
     from ..integrations.vllm.state import StateSpec
     a = anatomy(cfg)
     if scheme == "stock":
         ssm = 4 if a.family == "mamba2" and cfg.get("mamba_ssm_cache_dtype", "float32") == "float32" else 2
-        page, blocks = a.conv * 2 + a.state * ssm, 1 + drafts
-    elif scheme == "replayssm":
+        return a.conv * 2 + a.state * ssm
+    if scheme == "replayssm":
         rec = torch.bfloat16 if a.family == "mamba2" else torch.float32
         spec = StateSpec(family=a.family, HV=a.HV, Hk=a.Hk, V=a.V, K=a.K, window=window, max_draft=1 + drafts,
                          record_dtype=rec, conv_shape=(a.conv_width, a.conv // a.conv_width),
                          conv_dtype=torch.bfloat16)
-        page, blocks = spec.page_bytes(), 1
-    else:
-        raise ValueError(f"scheme {scheme!r}: expected 'stock' or 'replayssm'")
-    attn_pages = math.ceil(tokens * a.kv * 2 / page)
-    return page * (a.layers["recurrent"] * blocks + a.layers["attention"] * attn_pages)
+        return spec.page_bytes()
+    raise ValueError(f"scheme {scheme!r}: expected 'stock' or 'replayssm'")
+
+
+def cache_block_tokens(cfg: dict, scheme: str, drafts: int = 0, window: int = 16, align: int = 16) -> int:
+    """Tokens per cache block vLLM 0.25 chooses for the config (its rule for hybrid models:
+    the fewest multiples of the attention kernel's `align` tokens whose bf16 K and V page holds
+    one recurrent state page). In prefix caching's `align` mode this is the cache's
+    granularity: a prompt finds cached only the whole blocks before its last token."""
+    per_token = anatomy(cfg).kv * 2
+    return align * math.ceil(state_page_bytes(cfg, scheme, drafts, window) / (align * per_token))
 
 
 def fit(cfg: dict, *, gpu_bytes: float = GPU_BYTES, share: float = GPU_SHARE, reserve: float = RESERVE_BYTES,
@@ -260,4 +275,6 @@ def report(name: str, batches, context: int, tokens: int = 256) -> str:
     for T in (1, 2, 4, 8):
         lines.append(f"| {T} | {requests_held(cut, 'stock', T - 1, tokens)} | "
                      f"{requests_held(cut, 'replayssm', T - 1, tokens)} |")
+    lines += ["", f"tokens per cache block (prefix caching's granularity in align mode, plain decoding): stock "
+              f"{cache_block_tokens(cut, 'stock')}, replayssm {cache_block_tokens(cut, 'replayssm')}"]
     return "\n".join(lines)
