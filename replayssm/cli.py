@@ -217,7 +217,8 @@ def main(argv=None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
                    help="the benchmark's own arguments")
     b.set_defaults(func=_bench, parser=b)
-    st = sub.add_parser("study", help="error studies: precision (low-precision states against float64, issue 18)",
+    st = sub.add_parser("study", help="error studies: precision (low-precision state designs against float64, "
+                                      "layer level) and precision-model (a whole model's next-token KL)",
                         description="Error studies. Arguments after the study's name go to it: "
                                     "`replayssm study precision --help`.")
     st.add_argument("which", nargs="?", choices=sorted(STUDIES), metavar="{" + ",".join(sorted(STUDIES)) + "}",
