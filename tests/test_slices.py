@@ -155,8 +155,11 @@ def test_cache_block_tokens():
     nano, qwen = sl.sliced("nemotron3_nano_4b"), sl.sliced("qwen3_5_4b")
     assert (sl.cache_block_tokens(nano, "stock"), sl.cache_block_tokens(nano, "replayssm")) == (976, 1056)
     assert (sl.cache_block_tokens(qwen, "stock"), sl.cache_block_tokens(qwen, "replayssm")) == (272, 640)
+    # records beside the pages: NemotronH's blocks are stock's; Qwen3.5's fp32 checkpoint still
+    # doubles stock's bf16 state
+    assert (sl.cache_block_tokens(nano, "replayssm-side"), sl.cache_block_tokens(qwen, "replayssm-side")) == (976, 528)
     for cfg in (nano, qwen):
-        for scheme in ("stock", "replayssm"):
+        for scheme in ("stock", "replayssm", "replayssm-side"):
             n = sl.cache_block_tokens(cfg, scheme)
             per_token = sl.anatomy(cfg).kv * 2
             assert n % 16 == 0 and n * per_token >= sl.state_page_bytes(cfg, scheme) > (n - 16) * per_token

@@ -79,12 +79,13 @@ def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
     assert (tmp_path / "r.replayssm_ngram.log").read_text().startswith("INFO start")
     # each plugin scheme's engine gets its switches (stock none)
     monkeypatch.delenv("REPLAYSSM_VLLM_SPEC_BLOCKS", raising=False)
+    monkeypatch.delenv("REPLAYSSM_VLLM_PREFIX_RECORDS", raising=False)
     monkeypatch.setattr(subprocess, "run", run([ok]))
     envs.clear()
-    for scheme in ("replayssm-one-block", "replayssm", "stock"):
+    for scheme in ("replayssm-one-block", "replayssm", "stock", "replayssm-side"):
         vs._run_engine(args, scheme, "ngram", tmp_path)
-    assert [(e["REPLAYSSM_VLLM"], e.get("REPLAYSSM_VLLM_SPEC_BLOCKS")) for e in envs] == \
-        [("1", "one"), ("1", "vllm"), ("0", None)]
+    assert [(e["REPLAYSSM_VLLM"], e.get("REPLAYSSM_VLLM_SPEC_BLOCKS"), e.get("REPLAYSSM_VLLM_PREFIX_RECORDS"))
+            for e in envs] == [("1", "one", "page"), ("1", "vllm", "page"), ("0", None, None), ("1", "one", "side")]
     # prefix caching and the shared prefix reach the worker's command line
     calls.clear()
     args = vs.parser().parse_args(["--batches", "8", "--prefix-caching", "--shared-prefix", "2048",

@@ -318,7 +318,17 @@ def test_vllm_prefix_caching_all_mode_equals_no_caching(mode, tmp_path):
     _prefix_case("nemotron_h_tiny", mode, tmp_path, cache_mode="all")
 
 
-def _prefix_case(model, mode, tmp_path, cache_mode="align", **more):
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["nemotron_h_tiny", "qwen3_next_tiny"])
+def test_vllm_prefix_caching_side_records_equals_no_caching(model, tmp_path):
+    """Prefix caching with the records outside vLLM's pages (`REPLAYSSM_VLLM_PREFIX_RECORDS=side`:
+    stock's page, so stock's cache blocks; vLLM's block copy patched to carry the records), CUDA
+    graphs: the prefix waves' tokens equal those without prefix caching (near-ties allowed),
+    with hits."""
+    _prefix_case(model, "graph", tmp_path, records="side")
+
+
+def _prefix_case(model, mode, tmp_path, cache_mode="align", records="page", **more):
     """The prefix waves with prefix caching in `cache_mode` (and `more` LLM arguments: drafts
     switch the experimental path on) against the plugin without prefix caching: cache hits, and
     tokens equal but at near-ties."""
@@ -327,6 +337,7 @@ def _prefix_case(model, mode, tmp_path, cache_mode="align", **more):
     switch = {"REPLAYSSM_VLLM_PREFIX_SPEC": "1"} if more.get("speculative_config") else {}
     if cache_mode == "all":
         switch["REPLAYSSM_VLLM_PREFIX_ALL"] = "1"
+    switch["REPLAYSSM_VLLM_PREFIX_RECORDS"] = records
     on = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=True, mamba_cache_mode=cache_mode,
                                                    **more), **switch, **work)
     off = _generate_lines(path, mode, True, _kwargs(model, enable_prefix_caching=False),

@@ -208,7 +208,8 @@ def request_bytes(cfg: dict, scheme: str, drafts: int = 0, tokens: int = 256, wi
 
 
 def state_page_bytes(cfg: dict, scheme: str, drafts: int = 0, window: int = 16) -> int:
-    """One recurrent layer's state block in vLLM, before padding (`request_bytes`' rules)."""
+    """One recurrent layer's state block in vLLM, before padding (`request_bytes`' rules;
+    `replayssm-side`: the plugin's page with its records beside it, `StateSpec.side_records`)."""
     import torch
 
     from ..integrations.vllm.state import StateSpec
@@ -216,13 +217,13 @@ def state_page_bytes(cfg: dict, scheme: str, drafts: int = 0, window: int = 16) 
     if scheme == "stock":
         ssm = 4 if a.family == "mamba2" and cfg.get("mamba_ssm_cache_dtype", "float32") == "float32" else 2
         return a.conv * 2 + a.state * ssm
-    if scheme == "replayssm":
+    if scheme in ("replayssm", "replayssm-side"):
         rec = torch.bfloat16 if a.family == "mamba2" else torch.float32
         spec = StateSpec(family=a.family, HV=a.HV, Hk=a.Hk, V=a.V, K=a.K, window=window, max_draft=1 + drafts,
                          record_dtype=rec, conv_shape=(a.conv_width, a.conv // a.conv_width),
-                         conv_dtype=torch.bfloat16)
+                         conv_dtype=torch.bfloat16, side_records=scheme == "replayssm-side")
         return spec.page_bytes()
-    raise ValueError(f"scheme {scheme!r}: expected 'stock' or 'replayssm'")
+    raise ValueError(f"scheme {scheme!r}: expected 'stock', 'replayssm' or 'replayssm-side'")
 
 
 def cache_block_tokens(cfg: dict, scheme: str, drafts: int = 0, window: int = 16, align: int = 16) -> int:
@@ -276,5 +277,6 @@ def report(name: str, batches, context: int, tokens: int = 256) -> str:
         lines.append(f"| {T} | {requests_held(cut, 'stock', T - 1, tokens)} | "
                      f"{requests_held(cut, 'replayssm', T - 1, tokens)} |")
     lines += ["", f"tokens per cache block (prefix caching's granularity in align mode, plain decoding): stock "
-              f"{cache_block_tokens(cut, 'stock')}, replayssm {cache_block_tokens(cut, 'replayssm')}"]
+              f"{cache_block_tokens(cut, 'stock')}, replayssm {cache_block_tokens(cut, 'replayssm')} (records "
+              f"beside the pages: {cache_block_tokens(cut, 'replayssm-side')})"]
     return "\n".join(lines)

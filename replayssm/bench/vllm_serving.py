@@ -21,7 +21,8 @@ one; the rows' `ssm_cache_dtype` says what the engine used), `stock-fp32` (stock
 `replayssm` (the plugin, `REPLAYSSM_VLLM=1`, with vLLM's `1 + drafts` state blocks per
 request under speculation, `REPLAYSSM_VLLM_SPEC_BLOCKS=vllm`) and `replayssm-one-block` (the
 plugin's default, one block, `REPLAYSSM_VLLM_SPEC_BLOCKS=one`; without drafts the two are
-the same). `--profile DIR`
+the same), `replayssm-side` (one block, and under `--prefix-caching` the records outside vLLM's
+pages, `REPLAYSSM_VLLM_PREFIX_RECORDS=side`, so that its cache blocks are stock's). `--profile DIR`
 has vLLM's torch profiler record iterations 8-23 of the first batch's decode per engine (its
 CUDA-time tables and traces under `DIR/<scheme>_<speculative>`); those rows carry
 `profiled: true`, their timings perturbed by the profiler, and `trace`: the GPU's busy time
@@ -88,7 +89,7 @@ from ..argtypes import positive_int
 from .common import positive_ints
 
 MODELS = ("nemotron3_nano_4b", "qwen3_5_4b", "nemotron3_super_slice", "qwen3_5_122b_slice")
-SCHEMES = ("stock", "stock-fp32", "replayssm", "replayssm-one-block")
+SCHEMES = ("stock", "stock-fp32", "replayssm", "replayssm-one-block", "replayssm-side")
 # vLLM's n-gram drafter on the host (`ngram`: vLLM then turns its asynchronous scheduling off,
 # and the host's drafting and scheduling sit between the GPU's steps) or on the GPU
 # (`ngram_gpu`: asynchronous scheduling stays on, as in plain decoding); `mtp`, NemotronH's
@@ -315,7 +316,8 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
     plugin = scheme.startswith("replayssm")
     env = dict(os.environ, REPLAYSSM_VLLM="1" if plugin else "0")
     if plugin:
-        env["REPLAYSSM_VLLM_SPEC_BLOCKS"] = "one" if scheme == "replayssm-one-block" else "vllm"
+        env["REPLAYSSM_VLLM_SPEC_BLOCKS"] = "vllm" if scheme == "replayssm" else "one"
+        env["REPLAYSSM_VLLM_PREFIX_RECORDS"] = "side" if scheme == "replayssm-side" else "page"
     cmd = [sys.executable, "-m", "replayssm.bench.vllm_serving", "--worker", "--scheme", scheme,
            "--capture", args.capture, "--model-dir", str(folder), *(["--profile", args.profile] if args.profile else []),
            "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--decode", str(args.decode),

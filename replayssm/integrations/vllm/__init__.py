@@ -72,6 +72,10 @@ def register(environ=None) -> bool:
     def runner(module):
         _compat.patch_method(module.GPUModelRunner, "initialize_kv_cache_tensors", layers.bind_states(ns, cfg))
 
+    def worker(module):
+        if cfg.prefix_records == "side":
+            _compat.patch_method(module.Worker, "determine_available_memory", layers.reserve_side_records(ns, cfg))
+
     def model(name, family):
         def patch(module):
             cls = getattr(module, name, None)
@@ -86,6 +90,7 @@ def register(environ=None) -> bool:
         _compat.when_imported(_compat.GDN_MODULE, layer("QwenGatedDeltaNetAttention", "gdn", "_forward_core",
                                                         layers.gdn_forward))
         _compat.when_imported(_compat.RUNNER_MODULE, runner)
+        _compat.when_imported(_compat.WORKER_MODULE, worker)
         for module, name, family in _compat.MODEL_CLASSES:
             _compat.when_imported(module, model(name, family))
         _HOOKED = True

@@ -32,6 +32,11 @@ A newer vLLM should need changes here only. The plugin touches:
   `compute_causal_conv1d_metadata`, `NULL_BLOCK_ID`.
 - `LLM.get_metrics()` (the benchmark's draft acceptance and prefix-cache counters, the checks'
   prefix-cache counters: `metric_values`, `prefix_cache_counters`).
+- with the records outside the pages (`REPLAYSSM_VLLM_PREFIX_RECORDS=side`):
+  `vllm.v1.worker.mamba_utils.collect_mamba_copy_meta` (patched, `prefix.declare_side_copy`) and
+  the copy buffers' `src_ptrs`, `dst_ptrs`, `sizes` (`.np`), `offset`; the request's
+  `block_ids`; `Worker.determine_available_memory` (patched, `layers.reserve_side_records`) and
+  the worker's `model_runner`.
 - `GPUModelRunner.initialize_kv_cache_tensors` (patched: the layers' states are built once the
   KV cache is bound) and the runner's `vllm_config`, `speculative_config`, `model_config`,
   `device`, `compilation_config.static_forward_context`, `num_accepted_tokens.gpu`.
@@ -84,6 +89,7 @@ def version_checked(v) -> bool:
 MAMBA2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 # model classes whose state declarations vLLM reads from the config: (module, class, family)
 MODEL_CLASSES = (("vllm.model_executor.models.nemotron_h", "NemotronHForCausalLM", "mamba2"),
                  ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM", "gdn"),

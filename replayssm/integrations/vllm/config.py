@@ -16,6 +16,11 @@ process runs it, so the engine core and its workers agree).
   plugin needs no other), so that vLLM neither allocates nor counts the rest and more
   requests fit the cache; `vllm` keeps vLLM's `1 + num_speculative_tokens`, of which the
   plugin uses the first.
+- `REPLAYSSM_VLLM_PREFIX_RECORDS` (`page` by default, `side`): where the records live under
+  prefix caching in `align` mode without drafts. `page`: in vLLM's page beside the checkpoint,
+  which makes the page, and so vLLM's cache block, larger than stock's (a coarser cache);
+  `side`: in tensors of the plugin's own, indexed by block like the pages, so that the page and
+  the block are stock's (experimental, not yet run on a GPU; `state.StateSpec.side_records`).
 """
 from __future__ import annotations
 
@@ -27,10 +32,12 @@ ENV_WINDOW = "REPLAYSSM_VLLM_WINDOW"
 ENV_RECORDS = "REPLAYSSM_VLLM_RECORDS"
 ENV_STATE = "REPLAYSSM_VLLM_STATE"
 ENV_SPEC_BLOCKS = "REPLAYSSM_VLLM_SPEC_BLOCKS"
+ENV_PREFIX_RECORDS = "REPLAYSSM_VLLM_PREFIX_RECORDS"
 
 RECORD_CHOICES = ("auto", "fp32", "model")
 STATE_CHOICES = ("auto", "strided", "staged")
 SPEC_BLOCK_CHOICES = ("vllm", "one")
+PREFIX_RECORD_CHOICES = ("page", "side")
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,7 @@ class Settings:
     records: str = "auto"
     state: str = "auto"
     spec_blocks: str = "one"
+    prefix_records: str = "page"
 
 
 def enabled(environ=None) -> bool:
@@ -66,4 +74,8 @@ def settings(environ=None) -> Settings:
     spec_blocks = env.get(ENV_SPEC_BLOCKS, "one").strip().lower()
     if spec_blocks not in SPEC_BLOCK_CHOICES:
         raise ValueError(f"{ENV_SPEC_BLOCKS}={spec_blocks!r} must be one of {SPEC_BLOCK_CHOICES}")
-    return Settings(window=window, records=records, state=state, spec_blocks=spec_blocks)
+    prefix_records = env.get(ENV_PREFIX_RECORDS, "page").strip().lower()
+    if prefix_records not in PREFIX_RECORD_CHOICES:
+        raise ValueError(f"{ENV_PREFIX_RECORDS}={prefix_records!r} must be one of {PREFIX_RECORD_CHOICES}")
+    return Settings(window=window, records=records, state=state, spec_blocks=spec_blocks,
+                    prefix_records=prefix_records)

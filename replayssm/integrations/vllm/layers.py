@@ -44,12 +44,14 @@ def record_dtype(settings: Settings, family: str, model_dtype: torch.dtype) -> t
 
 
 def make_spec(settings: Settings, family: str, stock_shapes, stock_dtypes, Hk: int, model_dtype,
-              num_spec: int) -> StateSpec:
-    """The replayssm declaration from vLLM's own (conv shape and dtype; `[HV, V, K]`)."""
+              num_spec: int, cache_mode: str = "none") -> StateSpec:
+    """The replayssm declaration from vLLM's own (conv shape and dtype; `[HV, V, K]`), the
+    records outside the page where prefix caching's `cache_mode` and the settings ask for it."""
     conv_shape, (HV, V, K) = stock_shapes[0], stock_shapes[1]
     spec = StateSpec(family=family, HV=HV, Hk=Hk, V=V, K=K, window=settings.window,
                      max_draft=1 + num_spec, record_dtype=record_dtype(settings, family, model_dtype),
-                     conv_shape=tuple(conv_shape), conv_dtype=stock_dtypes[0])
+                     conv_shape=tuple(conv_shape), conv_dtype=stock_dtypes[0],
+                     side_records=prefix.side_records(settings.prefix_records, cache_mode, num_spec))
     spec.check_alignment()
     return spec
 
@@ -63,7 +65,7 @@ def _layer_spec(layer, settings, family, stock_shape, stock_dtype):
     else:
         Hk = layer.num_k_heads // layer.tp_size
     return make_spec(settings, family, stock_shape(layer), stock_dtype(layer), Hk,
-                     layer.model_config.dtype, layer.num_spec)
+                     layer.model_config.dtype, layer.num_spec, layer.cache_config.mamba_cache_mode)
 
 
 def _stock(cls, name: str):
@@ -107,7 +109,7 @@ def _config_spec(ns, settings, family, vllm_config, shapes, dtypes):
     else:
         Hk = vllm_config.model_config.hf_text_config.linear_num_key_heads // tp
     return make_spec(settings, family, shapes, dtypes, Hk, vllm_config.model_config.dtype,
-                     vllm_config.num_speculative_tokens or 0)
+                     vllm_config.num_speculative_tokens or 0, vllm_config.cache_config.mamba_cache_mode)
 
 
 def declare_model(ns, cls, family: str, settings: Settings) -> None:
@@ -165,9 +167,13 @@ def bind_states(ns, settings: Settings):
             kv_caches = orig(self, *args, **kwargs)
             max_batch = self.vllm_config.scheduler_config.max_num_seqs
             accepted = self.num_accepted_tokens.gpu if self.speculative_config is not None else None
+            state_of = lambda layer: (getattr(layer, _STATE_ATTR, None) or (None, None))[1]   # noqa: E731
             if accepted is not None and self.cache_config.mamba_cache_mode == "align":
                 # prefix caching with drafts: the plugin commits and caches at each step's end
-                prefix.declare_postprocess(ns, lambda layer: (getattr(layer, _STATE_ATTR, None) or (None, None))[1])
+                prefix.declare_postprocess(ns, state_of)
+            if settings.prefix_records == "side" and self.cache_config.mamba_cache_mode == "align":
+                # records outside the pages: vLLM's copy between blocks carries them too
+                prefix.declare_side_copy(state_of)
             for layer in self.compilation_config.static_forward_context.values():
                 family = _family(ns, layer)
                 if family is None:
@@ -188,7 +194,54 @@ def release_states(layers) -> int:
     for layer in layers:
         if layer.__dict__.pop(_STATE_ATTR, None) is not None:
             n += 1
+    _SIDE.clear()
     return n
+
+
+# the records outside the pages (`StateSpec.side_records`), one set per vLLM memory pool: the
+# layers that share a pool (one from each KV-cache group) never hold the same block at once
+_SIDE = {}
+
+
+def side_tensors(spec: StateSpec, kv) -> tuple:
+    """The records' tensors outside the page for the layer bound to `kv` (vLLM's views), shared
+    with the other layers of its memory pool (allocated at binding, never inside a capture)."""
+    key = (kv[0].untyped_storage().data_ptr(), spec)
+    if key not in _SIDE:
+        _SIDE[key] = BlockState.allocate_side(spec, kv[0].shape[0], kv[0].device)
+    return _SIDE[key]
+
+
+def side_memory_share(specs) -> float:
+    """The share of vLLM's KV-cache memory its pages may take when records live beside them:
+    page / (page + records) of the layer that needs most (1.0 without side records). A
+    block's records go with every pool's page of it, so the same share of each is reserved."""
+    shares = [sp.page_bytes() / (sp.page_bytes() + sp.side_bytes()) for sp in specs if sp.side_records]
+    return min(shares, default=1.0)
+
+
+def reserve_side_records(ns, settings: Settings):
+    """Patch of the worker's `determine_available_memory` (`REPLAYSSM_VLLM_PREFIX_RECORDS=side`):
+    vLLM sizes its KV cache from the memory this returns, so the records' tensors, which the
+    plugin allocates beside the cache, get their share of it (`side_memory_share`)."""
+    def make(orig):
+        def determine_available_memory(self, *args, **kwargs):
+            got = orig(self, *args, **kwargs)
+            if settings.prefix_records != "side":
+                return got
+            specs = []
+            for layer in self.model_runner.compilation_config.static_forward_context.values():
+                family = _family(ns, layer)
+                if family is not None:
+                    specs.append(_layer_spec(layer, settings, family, _stock(type(layer), "get_state_shape"),
+                                             _stock(type(layer), "get_state_dtype")))
+            share = side_memory_share(specs)
+            if share < 1.0:
+                _LOG.info("replayssm: %.1f%% of the KV-cache memory kept for the records beside the pages",
+                          100 * (1 - share))
+            return int(got * share)
+        return determine_available_memory
+    return make
 
 
 def bound_state(ns, layer, settings: Settings, family: str, dtype, device):
@@ -208,7 +261,7 @@ def bound_state(ns, layer, settings: Settings, family: str, dtype, device):
         raise RuntimeError(f"replayssm: state of {layer.prefix} first seen inside a CUDA-graph capture")
     spec = _layer_spec(layer, settings, family, _stock(type(layer), "get_state_shape"),
                        _stock(type(layer), "get_state_dtype"))
-    st = BlockState.from_kv_cache(spec, kv)
+    st = BlockState.from_kv_cache(spec, kv, side_tensors(spec, kv) if spec.side_records else None)
     mode = settings.state
     if st.ckpt.device.type != "cuda":
         mode = "reference"

@@ -103,6 +103,67 @@ def check_cache_mode(mode: str, num_spec: int, family: str = "mamba2") -> None:
             "REPLAYSSM_VLLM")
 
 
+def side_records(prefix_records: str, mode: str, num_spec: int) -> bool:
+    """Whether a layer keeps its records outside vLLM's page (`state.StateSpec.side_records`):
+    asked for (`REPLAYSSM_VLLM_PREFIX_RECORDS=side`) and prefix caching in `align` mode; with
+    drafts refused (the step-end commit and boundary copy of `declare_postprocess` write the
+    records in the page)."""
+    if prefix_records != "side" or mode != "align":
+        return False
+    if num_spec:
+        raise NotImplementedError(
+            f"replayssm's vLLM plugin keeps the records outside vLLM's pages (REPLAYSSM_VLLM_PREFIX_RECORDS=side) "
+            f"only without speculative decoding ({num_spec} speculative tokens): unset it, or serve without drafts")
+    return True
+
+
+def declare_side_copy(state_of) -> bool:
+    """Patch vLLM's `collect_mamba_copy_meta` (`align` mode's copy of a request's previous block
+    into its running one, and of a cached block into a new request's, before a step) once per
+    process: after vLLM's own entries for the page's tensors, one per records tensor outside
+    the page of every layer whose replayssm state `state_of(layer)` keeps them there
+    (`StateSpec.side_records`), into the same batched copy. Returns whether it patched now."""
+    import importlib
+    module = importlib.import_module("vllm.v1.worker.mamba_utils")
+    return _compat.patch_method(module, "collect_mamba_copy_meta", lambda orig: _side_copy(orig, state_of))
+
+
+def _side_copy(orig, state_of):
+    def collect_mamba_copy_meta(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids, src_block_idx,
+                                dest_block_idx, accept_token_bias, req_state, forward_context):
+        orig(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids, src_block_idx, dest_block_idx,
+             accept_token_bias, req_state, forward_context)
+        if src_block_idx == dest_block_idx and accept_token_bias == 0:
+            return
+        side_copy_entries(copy_bufs, kv_cache_config, mamba_group_ids, req_state.block_ids, src_block_idx,
+                          dest_block_idx, forward_context, state_of)
+    return collect_mamba_copy_meta
+
+
+def side_copy_entries(copy_bufs, kv_cache_config, group_ids, block_ids, src_idx: int, dst_idx: int,
+                      forward_context, state_of) -> int:
+    """Append to vLLM's batched copy (`copy_bufs`: its `src_ptrs`, `dst_ptrs`, `sizes` host
+    arrays at `offset`) the records outside the page of block `block_ids[gid][src_idx]` into
+    block `block_ids[gid][dst_idx]`, per group and layer; returns the entries added. The
+    buffers hold one entry per copy function and layer, six a layer, of which the page's three
+    tensors take three."""
+    n = 0
+    for gid in group_ids:
+        src, dst = block_ids[gid][src_idx], block_ids[gid][dst_idx]
+        for name in kv_cache_config.kv_cache_groups[gid].layer_names:
+            st = state_of(forward_context[name])
+            if st is None or not st.spec.side_records:
+                continue
+            for t in (st.ld, st.w, st.k):
+                i = copy_bufs.offset
+                copy_bufs.src_ptrs.np[i] = t[src].data_ptr()
+                copy_bufs.dst_ptrs.np[i] = t[dst].data_ptr()
+                copy_bufs.sizes.np[i] = t[src].numel() * t.element_size()
+                copy_bufs.offset = i + 1
+                n += 1
+    return n
+
+
 def all_mode(md) -> bool:
     """Whether a step's metadata is vLLM's `all` mode (its per-block indices present)."""
     return getattr(md, "block_idx_last_scheduled_token", None) is not None

@@ -14,7 +14,11 @@ order vLLM allocates them:
     5 counters        [2] int32             cursor, pending
 
 so that tensor 1 is where vLLM's own prefill writes its final state (the checkpoint, seeded
-with cursor 0). The epoch (checkpoint writes; it keys only the stochastic rounding of narrow
+with cursor 0). With `side_records` (prefix caching in `align` mode and
+`REPLAYSSM_VLLM_PREFIX_RECORDS=side`) the page holds tensors 0, 1 and 5 only, so that it is
+stock's size and vLLM's cache block stock's, and tensors 2-4 are the plugin's own,
+`[num_blocks, ...]` each, indexed by block as the pages are (`BlockState.from_kv_cache`'s
+`side`). The epoch (checkpoint writes; it keys only the stochastic rounding of narrow
 checkpoints, and this checkpoint is fp32) and the kernels' arrival counters are the plugin's,
 `[num_blocks]` each, outside the pages.
 
@@ -51,6 +55,7 @@ class StateSpec:
     record_dtype: torch.dtype
     conv_shape: Tuple[int, ...]
     conv_dtype: torch.dtype
+    side_records: bool = False
 
     def __post_init__(self):
         if self.family not in ("mamba2", "gdn"):
@@ -70,17 +75,31 @@ class StateSpec:
         return self.window + self.max_draft
 
     def shapes(self) -> Tuple[Tuple[int, ...], ...]:
-        Lb = self.capacity
-        return (tuple(self.conv_shape), (self.HV, self.V, self.K), (Lb, self.HV),
-                (Lb, self.HV, self.V), (Lb, self.Hk, self.K), (2,))
+        """The tensors of vLLM's page, as declared to it."""
+        full = (tuple(self.conv_shape), (self.HV, self.V, self.K), *self.record_shapes(), (2,))
+        return (full[0], full[1], full[5]) if self.side_records else full
 
     def dtypes(self) -> Tuple[torch.dtype, ...]:
-        rec = self.record_dtype
-        return (self.conv_dtype, torch.float32, torch.float32, rec, rec, torch.int32)
+        full = (self.conv_dtype, torch.float32, *self.record_dtypes(), torch.int32)
+        return (full[0], full[1], full[5]) if self.side_records else full
+
+    def record_shapes(self) -> Tuple[Tuple[int, ...], ...]:
+        """The records' tensors (decays, values, keys) per block, in the page or beside it."""
+        Lb = self.capacity
+        return (Lb, self.HV), (Lb, self.HV, self.V), (Lb, self.Hk, self.K)
+
+    def record_dtypes(self) -> Tuple[torch.dtype, ...]:
+        return torch.float32, self.record_dtype, self.record_dtype
 
     def page_bytes(self) -> int:
-        """Bytes of one block's state, before vLLM pads the page."""
+        """Bytes of one block's state in vLLM's page, before vLLM pads the page."""
         return sum(_numel(s) * _SIZES[d] for s, d in zip(self.shapes(), self.dtypes()))
+
+    def side_bytes(self) -> int:
+        """Bytes of one block's records outside the page (0 unless `side_records`)."""
+        if not self.side_records:
+            return 0
+        return sum(_numel(s) * _SIZES[d] for s, d in zip(self.record_shapes(), self.record_dtypes()))
 
     def check_alignment(self) -> None:
         """vLLM places each tensor right after the previous one in the page: each must start at
@@ -122,21 +141,41 @@ class BlockState:
         return self.ckpt.shape[0]
 
     @classmethod
-    def from_kv_cache(cls, spec: StateSpec, kv_cache: Sequence[Tensor]) -> "BlockState":
+    def from_kv_cache(cls, spec: StateSpec, kv_cache: Sequence[Tensor],
+                      side: Optional[Sequence[Tensor]] = None) -> "BlockState":
         """The views of the tensors vLLM bound to the layer (`layer.kv_cache`), checked against
-        the declaration."""
-        if len(kv_cache) != N_TENSORS:
-            raise ValueError(f"expected the {N_TENSORS} state tensors replayssm declared, got {len(kv_cache)}")
+        the declaration; with `spec.side_records`, the records' own tensors `side` (decays,
+        values, keys; `allocate_side`)."""
+        n = len(spec.shapes())
+        if len(kv_cache) != n:
+            raise ValueError(f"expected the {n} state tensors replayssm declared, got {len(kv_cache)}")
         N = kv_cache[0].shape[0]
         for i, (t, s, d) in enumerate(zip(kv_cache, spec.shapes(), spec.dtypes())):
             if tuple(t.shape) != (N, *s) or t.dtype != d:
                 raise ValueError(f"state tensor {i} is {tuple(t.shape)} {t.dtype}, declared {(N, *s)} {d}")
-        counters = kv_cache[5]
+        if spec.side_records:
+            if side is None or len(side) != 3:
+                raise ValueError("side_records: the records' three tensors (decays, values, keys) are needed")
+            for name, t, s, d in zip(("decays", "values", "keys"), side, spec.record_shapes(), spec.record_dtypes()):
+                if tuple(t.shape) != (N, *s) or t.dtype != d or t.device != kv_cache[0].device:
+                    raise ValueError(f"side records' {name} are {tuple(t.shape)} {t.dtype} on {t.device}, "
+                                     f"declared {(N, *s)} {d} on {kv_cache[0].device}")
+            (ld, w, k), counters = side, kv_cache[2]
+        elif side is not None:
+            raise ValueError("records outside the page given for a spec that keeps them in it")
+        else:
+            (ld, w, k), counters = kv_cache[2:5], kv_cache[5]
         dev = counters.device
-        return cls(spec=spec, conv=kv_cache[0], ckpt=kv_cache[1], ld=kv_cache[2], w=kv_cache[3],
-                   k=kv_cache[4], cursor=counters[:, 0], pending=counters[:, 1],
+        return cls(spec=spec, conv=kv_cache[0], ckpt=kv_cache[1], ld=ld, w=w, k=k,
+                   cursor=counters[:, 0], pending=counters[:, 1],
                    epoch=torch.zeros(N, dtype=torch.int64, device=dev),
                    arrive=torch.zeros(N, dtype=torch.int32, device=dev))
+
+    @staticmethod
+    def allocate_side(spec: StateSpec, N: int, device="cpu") -> Tuple[Tensor, ...]:
+        """The records' tensors outside the page for `N` blocks (`spec.side_records`), zeros."""
+        return tuple(torch.zeros((N, *s), dtype=d, device=device)
+                     for s, d in zip(spec.record_shapes(), spec.record_dtypes()))
 
     @classmethod
     def allocate_paged(cls, spec: StateSpec, N: int, device="cpu", pad_bytes: int = 0) -> "BlockState":
@@ -150,7 +189,8 @@ class BlockState:
             inner = torch.empty((N, *s)).stride()[1:]
             views.append(torch.as_strided(raw.view(d), (N, *s), (page // size, *inner), off // size))
             off += _numel(s) * size
-        st = cls.from_kv_cache(spec, views)
+        side = cls.allocate_side(spec, N, device) if spec.side_records else None
+        st = cls.from_kv_cache(spec, views, side)
         st.pages = raw
         return st
 
@@ -167,7 +207,7 @@ def page_view(state: BlockState) -> Tensor:
 
 
 def _page_view(state: BlockState) -> Tensor:
-    parts = (state.conv, state.ckpt, state.ld, state.w, state.k, state.cursor)
+    parts = (state.conv, state.ckpt, state.cursor) + (() if state.spec.side_records else (state.ld, state.w, state.k))
     start = min(t.storage_offset() * t.element_size() for t in parts)
     stride = state.conv.stride(0) * state.conv.element_size()
     size = state.spec.page_bytes()
