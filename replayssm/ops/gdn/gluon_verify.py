@@ -74,7 +74,7 @@ if HAVE_GLUON:
 
     from ..utils.gluon import (_add, _barrier, _draft_count, _products_to_shared, _record_weights, _rows_view,
                                 _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
-    from ..utils.gluon_mma import _fold_mma_records, _lp_tile_vector_pairs_mma, _tile_vector_pairs_mma
+    from ..utils.gluon_mma import _fold_mma_records, _tile_vector_pairs_mma
     from .gluon_verify_drafts import (_kda_draft_grams, _records_to_shared, _refold_lp, _row_pair_products,
                                       _stage_lp_tile, _write_drafts_beta, _write_drafts_shared,
                                       _write_drafts_shared_kda)
@@ -415,7 +415,7 @@ if HAVE_GLUON:
                 if flush:
                     b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW)
                 else:
-                    b_Yk, b_Yq = _lp_tile_vector_pairs_mma(s_L, s_kx, s_qx, BV, K, 8, XP, LPT, NW)
+                    b_Yk, b_Yq = _tile_vector_pairs_mma(s_L, s_kx, s_qx, BV, K, 8, XP, NW, LPT)
             else:
                 b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW)
             s_Yk8.store(b_Yk * f_k[None, :])

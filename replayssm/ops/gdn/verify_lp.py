@@ -66,7 +66,7 @@ GLUON_LP_GDN = True
 REFOLD_ROWS_SWITCH = "REPLAYSSM_GLUON_LP_REFOLD_ROWS"
 # REPLAYSSM_GLUON_LP_MMA=1: rows without a flush form their products from the copy's tile on the
 # tensor cores where the fp32 pool's kernel does (T = 8), the copy as one (bf16) or two (fp16)
-# bf16 pieces (utils.gluon_mma._lp_tile_vector_pairs_mma); compiled, not yet run on a GPU
+# bf16 pieces (utils.gluon_mma._tile_vector_pairs_mma's LPT); compiled, not yet run on a GPU
 MMA_SWITCH = "REPLAYSSM_GLUON_LP_MMA"
 
 

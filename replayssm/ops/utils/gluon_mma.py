@@ -118,24 +118,6 @@ if HAVE_GLUON:
         return y
 
     @gluon.jit
-    def _tile_vector_pairs_mma(s_S, s_X, s_Z, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
-                               XP: gl.constexpr, NW: gl.constexpr):
-        """`_tile_vectors_mma` for two sets of vectors (`s_X`, `s_Z`) at once: each K chunk of
-        the tile is read and split once for both products."""
-        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
-        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
-        yx = gl.zeros([BV, NQ], gl.float32, MM)
-        yz = gl.zeros([BV, NQ], gl.float32, MM)
-        for k0 in gl.static_range(0, K, 32):
-            a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
-            bx = s_X.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
-            bz = s_Z.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
-            yx += _mma_exact(a0, a1, a2, bx, gl.zeros([BV, NQ], gl.float32, MM), XP)
-            yz += _mma_exact(a0, a1, a2, bz, gl.zeros([BV, NQ], gl.float32, MM), XP)
-        return yx, yz
-
-    @gluon.jit
     def _lp_mma_exact(a0, a1, b, zero, XP: gl.constexpr, LPT: gl.constexpr):
         """`_mma_exact` for a 16-bit copy's pieces: `a0` (and `a1` for fp16, LPT 1) times `b`
         (fp32 of XP pieces), the leading product alone, the small ones smallest first."""
@@ -152,28 +134,34 @@ if HAVE_GLUON:
         return mma_v2(a0, b0, zero) + small
 
     @gluon.jit
-    def _lp_tile_vector_pairs_mma(s_L, s_X, s_Z, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
-                                  XP: gl.constexpr, LPT: gl.constexpr, NW: gl.constexpr):
-        """`_tile_vector_pairs_mma` for a 16-bit copy's tile (`s_L`, int16 bits; LPT 1 fp16, 2
-        bf16): a bf16 value is its one piece, an fp16 value two (8 + 3 significant bits, exact),
-        so a chunk takes one or two leading products where an fp32 tile takes three pieces; each
-        chunk a fresh accumulator added into fp32 registers, as there."""
+    def _tile_vector_pairs_mma(s_S, s_X, s_Z, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
+                               XP: gl.constexpr, NW: gl.constexpr, LPT: gl.constexpr = 0):
+        """`_tile_vectors_mma` for two sets of vectors (`s_X`, `s_Z`) at once: each K chunk of
+        the tile is read and split once for both products. `LPT` 1 / 2: the tile is a 16-bit
+        copy's (int16 bits, fp16 / bf16): a bf16 value is its one piece, an fp16 value two
+        (8 + 3 significant bits, exact), so a chunk takes one or two leading products where an
+        fp32 tile takes three pieces (`_lp_mma_exact`)."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         yx = gl.zeros([BV, NQ], gl.float32, MM)
         yz = gl.zeros([BV, NQ], gl.float32, MM)
         for k0 in gl.static_range(0, K, 32):
-            bits = s_L.slice(k0, 32, dim=1).load(AL)
             if LPT == 1:
-                x = bits.to(gl.float16, bitcast=True).to(gl.float32)
+                x = s_S.slice(k0, 32, dim=1).load(AL).to(gl.float16, bitcast=True).to(gl.float32)
                 a0 = x.to(gl.bfloat16)
                 a1 = (x - a0.to(gl.float32)).to(gl.bfloat16)
-            else:
-                a0 = bits.to(gl.bfloat16, bitcast=True)
+            elif LPT == 2:
+                a0 = s_S.slice(k0, 32, dim=1).load(AL).to(gl.bfloat16, bitcast=True)
                 a1 = a0
+            else:
+                a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
             bx = s_X.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
             bz = s_Z.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
-            yx += _lp_mma_exact(a0, a1, bx, gl.zeros([BV, NQ], gl.float32, MM), XP, LPT)
-            yz += _lp_mma_exact(a0, a1, bz, gl.zeros([BV, NQ], gl.float32, MM), XP, LPT)
+            if LPT:
+                yx += _lp_mma_exact(a0, a1, bx, gl.zeros([BV, NQ], gl.float32, MM), XP, LPT)
+                yz += _lp_mma_exact(a0, a1, bz, gl.zeros([BV, NQ], gl.float32, MM), XP, LPT)
+            else:
+                yx += _mma_exact(a0, a1, a2, bx, gl.zeros([BV, NQ], gl.float32, MM), XP)
+                yz += _mma_exact(a0, a1, a2, bz, gl.zeros([BV, NQ], gl.float32, MM), XP)
         return yx, yz
