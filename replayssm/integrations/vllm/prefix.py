@@ -19,7 +19,9 @@ boundary: the block a step leaves holds `fold(ckpt, records[:cursor])` at the bo
 prefill that continues from a copied block folds its records first (`batch.before_prefill`), as
 after any chunk. vLLM's own copy functions cover its two tensors only (conv, SSM state), so the
 model classes' `get_mamba_state_copy_func` is patched to name one per replayssm tensor: without
-it a copied block would keep the previous owner's records and cursor.
+it a copied block would keep the previous owner's records and cursor. With the records outside
+the page (`side_records`, `REPLAYSSM_VLLM_PREFIX_RECORDS=side`: stock's page, so stock's cache
+blocks) vLLM's copy names the page's three tensors and `declare_side_copy` adds the records'.
 
 With speculative decoding, vLLM's own layers keep a state per draft in extra blocks and pick the
 accepted one when they copy (`get_temporal_copy_spec` reads block `cur + accepted - 1`); the
