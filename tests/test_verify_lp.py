@@ -519,12 +519,12 @@ def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, mma, monkeypatch):
     default, `GLUON_LP_GDN`; Qwen3.5-4B's shape): `_check_fp32_hp`'s checks and bounds (the copy bit
     for bit the round-to-nearest encoding of the fp32 checkpoint, the HP refold with u recomputed
     from the raw records, copy reads about a unit of the format from fp32 reads), every launch of
-    the fast pool on that kernel; `mma`: with `MMA_SWITCH`, its products on the tensor cores."""
+    the fast pool on that kernel; `mma`: with `LP_MMA`, its products on the tensor cores."""
     from replayssm.ops.gdn import verify_lp as vlp
     from replayssm.ops.utils.lowp import LP_CODES
 
     if mma:
-        monkeypatch.setenv(vlp.MMA_SWITCH, "1")
+        monkeypatch.setattr(vlp, "LP_MMA", True)
     mmas = []
     codes = _gluon_lp_codes(monkeypatch, vlp, mmas)
     monkeypatch.setitem(SHAPES, "gdn", GPU_SHAPES["gdn"])

@@ -200,6 +200,8 @@ def request_bytes(cfg: dict, scheme: str, drafts: int = 0, tokens: int = 256, wi
     plugin's (`integrations.vllm.state.StateSpec`: checkpoint, `window + 1 + drafts` records,
     its default record dtypes); per attention layer the pages its `tokens` of K and V fill, vLLM
     sizing attention pages to the recurrent page (its hybrid cache has one page size)."""
+    if scheme not in ("stock", "replayssm"):
+        raise ValueError(f"scheme {scheme!r}: expected 'stock' or 'replayssm'")
     a = anatomy(cfg)
     page = state_page_bytes(cfg, scheme, drafts, window)
     blocks = 1 + drafts if scheme == "stock" else 1

@@ -221,14 +221,13 @@ def side_memory_share(specs) -> float:
 
 
 def reserve_side_records(ns, settings: Settings):
-    """Patch of the worker's `determine_available_memory` (`REPLAYSSM_VLLM_PREFIX_RECORDS=side`):
-    vLLM sizes its KV cache from the memory this returns, so the records' tensors, which the
-    plugin allocates beside the cache, get their share of it (`side_memory_share`)."""
+    """Patch of the worker's `determine_available_memory`, installed with
+    `REPLAYSSM_VLLM_PREFIX_RECORDS=side`: vLLM sizes its KV cache from the memory this returns,
+    so the records' tensors, which the plugin allocates beside the cache, get their share of
+    it (`side_memory_share`)."""
     def make(orig):
         def determine_available_memory(self, *args, **kwargs):
             got = orig(self, *args, **kwargs)
-            if settings.prefix_records != "side":
-                return got
             specs = []
             for layer in self.model_runner.compilation_config.static_forward_context.values():
                 family = _family(ns, layer)

@@ -63,11 +63,11 @@ GLUON_LP_GDN = True
 # The rows of the tile a flushing program refolds at a time (gluon_verify.py, `refold_rows`):
 # 0, 4 per warp, as the GPU test ran it; REPLAYSSM_GLUON_LP_REFOLD_ROWS=N times another (more
 # rows a chunk: fewer sequential chains of row dots, more registers; the same arithmetic per row)
-REFOLD_ROWS_SWITCH = "REPLAYSSM_GLUON_LP_REFOLD_ROWS"
+REFOLD_ROWS = int(os.environ.get("REPLAYSSM_GLUON_LP_REFOLD_ROWS", "0"))
 # REPLAYSSM_GLUON_LP_MMA=1: rows without a flush form their products from the copy's tile on the
 # tensor cores where the fp32 pool's kernel does (T = 8), the copy as one (bf16) or two (fp16)
 # bf16 pieces (utils.gluon_mma._tile_vector_pairs_mma's LPT); compiled, not yet run on a GPU
-MMA_SWITCH = "REPLAYSSM_GLUON_LP_MMA"
+LP_MMA = os.environ.get("REPLAYSSM_GLUON_LP_MMA") == "1"
 
 
 def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
@@ -82,7 +82,7 @@ def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
 
 def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w, buf_k, buf_v, cursor, pending,
                      window: int) -> Optional[dict]:
-    """The Gluon verify kernel's config for this launch (verify.py's default, FMA products unless `MMA_SWITCH`) where
+    """The Gluon verify kernel's config for this launch (verify.py's default, FMA products unless `LP_MMA`) where
     it takes it (`GLUON_LP_GDN`): GDN, an fp32 checkpoint with an fp16 or bf16 copy, on CUDA
     outside the interpreter, a shape and window it covers, 16-byte aligned contiguous state;
     otherwise None (the Triton kernel)."""
@@ -91,15 +91,15 @@ def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w,
         return None
     T, Hk, K = q.shape[1], q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    mma = {} if os.environ.get(MMA_SWITCH) == "1" else {"mma": False}
-    cfg = verify_config("gdn", V, K, T, mma, HV=HV, Hk=Hk, window=window, Lb=buf_w.shape[1])
+    cfg = verify_config("gdn", V, K, T, {} if LP_MMA else {"mma": False}, HV=HV, Hk=Hk, window=window,
+                        Lb=buf_w.shape[1])
     if not cfg["gluon"] or not gluon_aligned(ck["ckpt"], buf_ld, buf_w, buf_k) or \
             ck["lp_data"].data_ptr() % 16 or buf_v.data_ptr() % 16:
         return None
     # (the kernel indexes the copy and the raw records as the checkpoint, contiguous: no padding)
     if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()):
         return None
-    return dict(cfg, refold_rows=int(os.environ.get(REFOLD_ROWS_SWITCH, "0")))
+    return dict(cfg, refold_rows=REFOLD_ROWS)
 
 
 @triton.jit
