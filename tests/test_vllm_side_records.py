@@ -16,9 +16,7 @@ import torch
 
 from replayssm.integrations.vllm import batch, config, layers, prefix, state
 from replayssm.integrations.vllm.executors import KernelExecutor, ReferenceExecutor
-
-HV, Hk, V, K = 4, 2, 8, 16
-N = 7                                                   # blocks; block 0 is vLLM's null block
+from test_vllm_plugin import HV, Hk, K, N, V, layer_params, tokens
 
 
 def spec_for(family, side, window=4, rec=torch.float32):
@@ -67,22 +65,6 @@ def test_page_is_stocks_and_records_beside_it(family, rec):
     assert share == pytest.approx(beside.page_bytes() / inside.page_bytes())
 
 
-def _layer_params(family, g):
-    if family == "mamba2":
-        return {"A": -torch.rand(HV, generator=g) - 0.5, "dt_bias": torch.randn(HV, generator=g) * 0.1,
-                "D": torch.randn(HV, generator=g)}
-    return {"A_log": torch.randn(HV, generator=g) * 0.3, "dt_bias": torch.randn(HV, generator=g) * 0.1}
-
-
-def _tokens(family, n, g):
-    if family == "mamba2":
-        return {"x": torch.randn(n, HV, V, generator=g), "dt": torch.randn(n, HV, generator=g),
-                "B": torch.randn(n, Hk, K, generator=g), "C": torch.randn(n, Hk, K, generator=g)}
-    return {"q": torch.randn(n, Hk, K, generator=g), "k": torch.randn(n, Hk, K, generator=g),
-            "v": torch.randn(n, HV, V, generator=g), "a": torch.randn(n, HV, generator=g),
-            "b": torch.randn(n, HV, generator=g)}
-
-
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.interpret)])
 @pytest.mark.parametrize("family", ["mamba2", "gdn"])
 def test_decode_beside_equals_decode_inside(family, kernels):
@@ -92,7 +74,7 @@ def test_decode_beside_equals_decode_inside(family, kernels):
     if kernels and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs CUDA or the Triton interpreter")
     g = torch.Generator().manual_seed(6)
-    params = _layer_params(family, g)
+    params = layer_params(family, g)
     dev = "cuda" if kernels and torch.cuda.is_available() else "cpu"
     inside = state.BlockState.allocate_paged(spec_for(family, False), N)
     beside = state.BlockState.allocate_paged(spec_for(family, True), N, device=dev)
@@ -104,7 +86,7 @@ def test_decode_beside_equals_decode_inside(family, kernels):
         if kernels else ReferenceExecutor(beside, params)
     idx = torch.tensor([5, 0, 3], dtype=torch.int32)
     for step in range(6):                                    # window 4: flushes on the way
-        toks = _tokens(family, 3, g)
+        toks = tokens(family, 3, g)
         y_in, y_be = torch.empty(3, HV, V), torch.empty(3, HV, V, device=dev)
         batch.run_decode(ref, inside, idx, toks, y_in)
         batch.run_decode(ex, beside, idx.to(dev), {k: v.to(dev) for k, v in toks.items()}, y_be)
