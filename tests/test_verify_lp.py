@@ -523,8 +523,7 @@ def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, mma, monkeypatch):
     from replayssm.ops.gdn import verify_lp as vlp
     from replayssm.ops.utils.lowp import LP_CODES
 
-    if mma:
-        monkeypatch.setattr(vlp, "LP_MMA", True)
+    monkeypatch.setattr(vlp, "LP_MMA", mma)      # both products whatever the default
     mmas = []
     codes = _gluon_lp_codes(monkeypatch, vlp, mmas)
     monkeypatch.setitem(SHAPES, "gdn", GPU_SHAPES["gdn"])

@@ -60,14 +60,17 @@ __all__ = ["lowp_verify", "verify_lp_config"]
 # Triton kernel's time at Qwen3.5-4B's shape (verify_lp_gdn_h100.json)
 GLUON_LP_GDN = True
 
-# The rows of the tile a flushing program refolds at a time (gluon_verify.py, `refold_rows`):
-# 0, 4 per warp, as the GPU test ran it; REPLAYSSM_GLUON_LP_REFOLD_ROWS=N times another (more
-# rows a chunk: fewer sequential chains of row dots, more registers; the same arithmetic per row)
-REFOLD_ROWS = int(os.environ.get("REPLAYSSM_GLUON_LP_REFOLD_ROWS", "0"))
-# REPLAYSSM_GLUON_LP_MMA=1: rows without a flush form their products from the copy's tile on the
-# tensor cores where the fp32 pool's kernel does (T = 8), the copy as one (bf16) or two (fp16)
-# bf16 pieces (utils.gluon_mma._tile_vector_pairs_mma's LPT); compiled, not yet run on a GPU
-LP_MMA = os.environ.get("REPLAYSSM_GLUON_LP_MMA") == "1"
+# The rows of the tile a flushing program refolds at a time (gluon_verify.py, `refold_rows`): 32
+# (two chains of row dots per program instead of four; the same arithmetic per row). On an H100
+# it took flush-heavy T = 8 rounds from 1,297 to 1,182 us (Qwen3.5-4B, batch 256) and the GPU test
+# passed at it; REPLAYSSM_GLUON_LP_REFOLD_ROWS=N times another (0: 4 rows per warp, the former)
+REFOLD_ROWS = int(os.environ.get("REPLAYSSM_GLUON_LP_REFOLD_ROWS", "32"))
+# Rows without a flush form their products from the copy's tile on the tensor cores where the
+# fp32 pool's kernel does (T = 8), the copy as one (bf16) or two (fp16) bf16 pieces, both exact
+# (utils.gluon_mma._tile_vector_pairs_mma's LPT): on the H100 with REFOLD_ROWS = 32, T = 8 rounds
+# took 475-842 us against 622-1,297 with FMA products (verify_lp_gdn_h100.json);
+# REPLAYSSM_GLUON_LP_MMA=0 keeps the FMA products
+LP_MMA = os.environ.get("REPLAYSSM_GLUON_LP_MMA", "1") != "0"
 
 
 def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
@@ -99,7 +102,8 @@ def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w,
     # (the kernel indexes the copy and the raw records as the checkpoint, contiguous: no padding)
     if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()):
         return None
-    return dict(cfg, refold_rows=REFOLD_ROWS)
+    # (a program of fewer rows than REFOLD_ROWS refolds them all at once)
+    return dict(cfg, refold_rows=min(REFOLD_ROWS, cfg["BV"]) if REFOLD_ROWS else 0)
 
 
 @triton.jit
