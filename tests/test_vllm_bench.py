@@ -114,6 +114,16 @@ def test_serving_benchmark_engine_retry_and_failure_log(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", run([ok]))
     rows = vs._run_engine(args, "stock", "none", tmp_path)
     assert vs.parser().parse_args(calls[0][3:]).block_size == 1056 and rows[0]["block_size"] == 1056
+    # an engine killed at --timeout: the points it measured stay, the rest carry the error
+    args = vs.parser().parse_args(["--batches", "8", "--shared-prefix", "1000,2048", "--timeout", "5",
+                                   "--out", str(tmp_path / "r.json")])
+
+    def slow(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=two.encode(), stderr=b"INFO compiling")
+    monkeypatch.setattr(subprocess, "run", slow)
+    rows = vs._run_engine(args, "stock", "none", tmp_path)
+    assert [r.get("tokens_per_s") for r in rows] == [5.0, None] and rows[0]["block_size"] == 976
+    assert rows[1]["error"].startswith("rc -9") and "killed after 5 s" in rows[1]["error"]
 
 
 def test_shared_prefix_prompts():

@@ -325,11 +325,11 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
            "--gpu-memory", str(args.gpu_memory), "--shared-prefix", ",".join(map(str, args.shared_prefix)),
            *(["--prefix-caching"] if args.prefix_caching else []),
            *(["--block-size", str(args.block_size)] if args.block_size else [])]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    r = _run_worker(cmd, env, args.timeout)
     if r.returncode != 0 and any(m in r.stdout + r.stderr for m in _compat.START_UP_MEMORY_ERRORS):
         # the engine before this one may still hold memory that vLLM's start-up counts as taken
         time.sleep(15)
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        r = _run_worker(cmd, env, args.timeout)
     rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     # how the plugin's layers reached vLLM's blocks (its log lines: "... KernelExecutor (strided)")
     modes = sorted(set(re.findall(r"KernelExecutor \((\w+)\)", r.stdout + r.stderr)))
@@ -351,9 +351,23 @@ def _run_engine(args, scheme: str, speculative: str, folder: Path) -> list:
         log.write_text(r.stdout + "\n--- stderr ---\n" + r.stderr)
         cause = root_cause(r.stdout + r.stderr)
         print(f"{scheme} / {speculative}: engine failed (rc {r.returncode}; whole output: {log}):\n{cause}")
-        return [{"batch": b, "shared_prefix": p, "tokens_per_s": None, "error": f"rc {r.returncode}: {cause[-600:]}"}
+        # the points it measured before it stopped (a timeout) stay; the others carry the error
+        done = {(row["batch"], row.get("shared_prefix")): row for row in rows}
+        return [done.get((b, p)) or {"batch": b, "shared_prefix": p, "tokens_per_s": None,
+                                     "error": f"rc {r.returncode}: {cause[-600:]}"}
                 for b in args.batches for p in args.shared_prefix]
     return rows
+
+
+def _run_worker(cmd: list, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """One engine's worker process; past `timeout` seconds it is killed and what it printed so far
+    comes back (rc -9: the rows it finished are kept, `_run_engine`)."""
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        return subprocess.CompletedProcess(cmd, -9, text(e.stdout),
+                                           text(e.stderr) + f"\nTimeoutExpired: killed after {timeout} s")
 
 
 def _profile_dir(profile: str, scheme: str, speculative: str) -> str:
@@ -511,15 +525,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_dir(args.model, args.layers, Path(tmp), mtp="mtp" in specs)
         for spec in specs:
-            got = {s: _run_engine(args, s, spec, folder) for s in schemes}
-            for s in schemes:
+            got = {}
+            for s in schemes:          # stock first: every later engine's rows carry their ratios
+                got[s] = _run_engine(args, s, spec, folder)
                 for j, r in enumerate(got[s]):
                     row = dict(r, model=args.model, scheme=s, speculative=spec,
                                ratio_vs_stock=_ratio(r, got["stock"][j]))
                     if "stock-fp32" in got:
                         row["ratio_vs_stock_fp32"] = _ratio(r, got["stock-fp32"][j])
                     doc["rows"].append(row)
-            write_results(args.out, doc)
+                    print(f"{spec} {s} batch {r['batch']} prefix {r.get('shared_prefix') or 0}: "
+                          f"tokens/s {r.get('tokens_per_s')}, prefill s {r.get('prefill_s')}", flush=True)
+                # written after each engine: a run stopped from outside keeps what it measured
+                write_results(args.out, doc)
     print(f"\nvLLM {doc['vllm']} decode throughput, {args.model} ({doc['layers']} layers), "
           f"{args.prompt} prompt + {args.decode} decode tokens per request")
     w = max(len(s) for s in SCHEMES)          # the scheme column holds the longest name
