@@ -473,9 +473,10 @@ def test_verify_lp_real_shapes_gpu(family, hp, lp, monkeypatch):
         assert max(rel_err(e["outs"][0], e["outs"][1]) for e in log) < 40 * ULP[hp]
 
 
-def _gluon_lp_codes(monkeypatch, vlp, mmas=None) -> list:
+def _gluon_lp_codes(monkeypatch, vlp, mmas=None, refolds=None) -> list:
     """The `lp_code` of every Gluon verify launch of the module `vlp` (a family's verify_lp),
-    appended as they run (and to `mmas` their `mma`, where the launch names it)."""
+    appended as they run (and to `mmas` their `mma`, to `refolds` their `refold_mma`, where the
+    launch names it)."""
     codes = []
     launch = vlp.launch_gluon_verify
 
@@ -483,6 +484,8 @@ def _gluon_lp_codes(monkeypatch, vlp, mmas=None) -> list:
         codes.append(kw["lp_code"])
         if mmas is not None:
             mmas.append(kw.get("mma"))
+        if refolds is not None:
+            refolds.append(kw.get("refold_mma"))
         return launch(*args, **kw)
 
     monkeypatch.setattr(vlp, "launch_gluon_verify", counted)
@@ -514,22 +517,25 @@ def test_verify_lp_gluon_real_shapes_gpu(model, lp, T, window, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T,window,mma", [(4, 8, False), (8, 16, False), (8, 16, True)])
 @pytest.mark.parametrize("lp", ["fp16", "bf16"])
-def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, mma, monkeypatch):
+@pytest.mark.parametrize("refold_mma", [False, True])
+def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, mma, refold_mma, monkeypatch):
     """GDN's Gluon verify kernel on an fp16/bf16 copy beside an fp32 checkpoint (the GPU's
     default, `GLUON_LP_GDN`; Qwen3.5-4B's shape): `_check_fp32_hp`'s checks and bounds (the copy bit
     for bit the round-to-nearest encoding of the fp32 checkpoint, the HP refold with u recomputed
     from the raw records, copy reads about a unit of the format from fp32 reads), every launch of
-    the fast pool on that kernel; `mma`: with `LP_MMA`, its products on the tensor cores."""
+    the fast pool on that kernel; `mma`: with `LP_MMA`, its products on the tensor cores;
+    `refold_mma`: with `REFOLD_MMA`, an early flush's refold on them."""
     from replayssm.ops.gdn import verify_lp as vlp
     from replayssm.ops.utils.lowp import LP_CODES
 
     monkeypatch.setattr(vlp, "LP_MMA", mma)      # both products whatever the default
-    mmas = []
-    codes = _gluon_lp_codes(monkeypatch, vlp, mmas)
+    monkeypatch.setattr(vlp, "REFOLD_MMA", refold_mma)
+    mmas, refolds = [], []
+    codes = _gluon_lp_codes(monkeypatch, vlp, mmas, refolds)
     monkeypatch.setitem(SHAPES, "gdn", GPU_SHAPES["gdn"])
     _check_fp32_hp("gdn", lp, T=T, window=window, rounds=6)
     assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
-    assert set(mmas) == {mma}, mmas
+    assert set(mmas) == {mma} and set(refolds) == {refold_mma}, (mmas, refolds)
 
 
 def test_verify_lp_gluon_only_where_it_applies():

@@ -316,7 +316,7 @@ def delta_gluon_verify(cfg, family="gdn"):
     inputs (`inputs=fp32`, `rec=fp32`), the default register cap (128 above T = 4; `maxnreg=`);
     `kq=1` (GDN) with the key head's products loaded; `mma=1` (GDN) the tile's products on the
     tensor cores; `lp=1/2` (GDN) a pool's fp16/bf16 copy beside the fp32 checkpoint, `rfl=` the
-    rows its flush refolds at a time."""
+    rows its flush refolds at a time, `rfm=1` that refold on the tensor cores; `w=` the window."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from replayssm.ops.gdn import gluon_verify as m
@@ -330,11 +330,12 @@ def delta_gluon_verify(cfg, family="gdn"):
                slot_ids="*i64", num_drafts="*i32", kq="*fp32", ckpt_lp="*i16", buf_v="*" + c["rec"],
                buf_beta="*fp32")
     rb = 4 if c["rec"] == "fp32" else 2
-    vals = m.gluon_verify_constexprs(c["T"], c["HV"], c["HK"], 128, 128, 16, 16 + c["T"], c["BV"], c["num_warps"],
+    w = int(c.get("w", 16))
+    vals = m.gluon_verify_constexprs(c["T"], c["HV"], c["HK"], 128, 128, w, w + c["T"], c["BV"], c["num_warps"],
                                      w_bytes=rb, k_bytes=rb, family=family, kq=bool(int(c.get("kq", 0))),
                                      mma=bool(int(c.get("mma", 0))), x_pieces=3 if c["inputs"] == "fp32" else 1,
                                      k_pieces=3 if c["rec"] == "fp32" else 1, lp_code=int(c.get("lp", 0)),
-                                     refold_rows=int(c.get("rfl", 0)))
+                                     refold_rows=int(c.get("rfl", 0)), refold_mma=bool(int(c.get("rfm", 0))))
     kernel = jit_function(m._gluon_verify_kernel)
     sig, const = signature(kernel, ptr, vals, floats=("scale",))
     return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource, c["maxnreg"]),

@@ -43,15 +43,13 @@ in order with the earlier drafts' keys kept weighted (`_kda_draft_grams`, before
 of step 1, while the tile arrives). The solve then takes unit weights.
 
 A pool with an fp16/bf16 copy beside the fp32 checkpoint (`lp_code`, GDN; verify_lp.py's
-contract) stages the copy's tile for a row without an early flush (half the bytes), and the
-fp32 tile for a row with one, which it refolds along the HP path before the products (each u_j
-recomputed from the raw v_j and beta_j: the buffered u came from the copy) and writes to both
-checkpoints; its drafts then follow the folded tile alone. The drafts' raw v and beta go
-behind the cursor beside their u.
+contract) stages the copy's tile for a row without an early flush (half the bytes), and the fp32
+tile for a row with one, which it refolds along the HP path before the products (each u_j from
+the raw v_j and beta_j: the buffered u came from the copy) and writes to both checkpoints; its
+drafts then follow the folded tile alone. The drafts' raw v and beta go behind the cursor.
 
-The CPU interpreter cannot run Gluon: `verify.replay_verify` runs the Triton kernel there, and
-the GPU tests (tests/test_verify_gluon_gdn.py) compare this one with the float64 reference and
-with the Triton kernel.
+The CPU interpreter cannot run Gluon (`verify.replay_verify` runs the Triton kernel there); the
+GPU tests (tests/test_verify_gluon_gdn.py) compare this one with the reference and the Triton kernel.
 """
 from __future__ import annotations
 
@@ -75,9 +73,9 @@ if HAVE_GLUON:
     from ..utils.gluon import (_add, _barrier, _draft_count, _products_to_shared, _record_weights, _rows_view,
                                 _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
     from ..utils.gluon_mma import _fold_mma_records, _tile_vector_pairs_mma
-    from .gluon_verify_drafts import (_kda_draft_grams, _records_to_shared, _refold_lp, _row_pair_products,
-                                      _stage_lp_tile, _write_drafts_beta, _write_drafts_shared,
-                                      _write_drafts_shared_kda)
+    from .gluon_verify_drafts import (_kda_draft_grams, _records_to_shared, _refold_lp, _refold_lp_mma,
+                                      _row_pair_products, _stage_lp_tile, _write_drafts_beta,
+                                      _write_drafts_shared, _write_drafts_shared_kda)
 
 __all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
 
@@ -103,14 +101,14 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
                             w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False,
                             mma: bool = False, x_pieces: int = 1, k_pieces: int = 1, lp_code: int = 0,
-                            refold_rows: int = 0) -> dict:
+                            refold_rows: int = 0, refold_mma: bool = False) -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
     "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
     `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores, and an early flush's fold too,
     the key records of `k_pieces` pieces. `lp_code` (GDN): a pool's 16-bit copy (1 fp16, 2
     bf16), verify_lp.py's contract, whose refold takes `refold_rows` rows of the tile at a time
-    (0: 4 per warp)."""
+    (0: 4 per warp), or with `refold_mma` runs on the tensor cores (`_refold_lp_mma`)."""
     TP = max(2, triton.next_power_of_2(T))
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
@@ -118,7 +116,7 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
                 NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
                 MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps),
-                KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps)
+                KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps, RFM=bool(refold_mma))
 
 
 if HAVE_GLUON:
@@ -138,7 +136,7 @@ if HAVE_GLUON:
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
         IS_KDA: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, XP: gl.constexpr, SWZ: gl.constexpr,
-        KP: gl.constexpr, LPT: gl.constexpr, RFL: gl.constexpr,
+        KP: gl.constexpr, LPT: gl.constexpr, RFL: gl.constexpr, RFM: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -395,7 +393,10 @@ if HAVE_GLUON:
         _barrier()
         if LPT:
             if flush:
-                _refold_lp(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, RFL, HV, LT, LPT)
+                if RFM:
+                    _refold_lp_mma(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, HV, KP, NW, LPT)
+                else:
+                    _refold_lp(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, RFL, HV, LT, LPT)
                 _barrier()
         if MMA:
             # on the tensor cores, exact (utils/gluon_mma.py): the tile times the drafts' raw
@@ -556,7 +557,7 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
                         pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
                         BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn", kq: bool = False,
                         mma: bool = False, ckpt_lp=None, lp_code: int = 0, buf_v=None, buf_beta=None,
-                        refold_rows: int = 0) -> None:
+                        refold_rows: int = 0, refold_mma: bool = False) -> None:
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; inputs
     validated, and the caller checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0:
     none). `kq` (GDN): the drafts' Gram products and the records' products with the drafts'
@@ -566,7 +567,8 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
     `lp_code` (1 fp16, 2 bf16; GDN, contiguous unpadded state), `buf_v`, `buf_beta`: a pool's
     16-bit copy as int16 bits and the raw records, verify_lp.py's contract (rows without an
     early flush read the copy, with `mma` as one or two bf16 pieces; a flush refolds `ckpt`
-    along the HP path and writes both, `refold_rows` of the tile at a time, 0: 4 per warp)."""
+    along the HP path and writes both, `refold_rows` of the tile at a time, 0: 4 per warp, or on
+    the tensor cores with `refold_mma`)."""
     Bt, T, Hk, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if Bt == 0:
@@ -595,5 +597,5 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
                                   num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq,
                                   mma, max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype), lp_code,
-                                  refold_rows),
+                                  refold_rows, refold_mma),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

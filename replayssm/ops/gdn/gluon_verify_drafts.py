@@ -16,8 +16,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from ..utils.gluon import (_async_load, _barrier, _lp_decode, _lp_encode, _lp_tile_view, _rows_view, _softplus,
-                                _tile_offsets)
+    from ..utils.gluon import (_add, _async_load, _barrier, _lp_decode, _lp_encode, _lp_tile_view, _record_weights,
+                                _rows_view, _softplus, _tile_offsets)
+    from ..utils.gluon_mma import _fold_mma, _mma_exact, _split_bf16, _tile_vectors_mma
 
     @gluon.jit
     def _stage_lp_tile(p_C, p_L, flush, BV: gl.constexpr, K: gl.constexpr, LT: gl.constexpr, SWZ: gl.constexpr,
@@ -197,6 +198,72 @@ if HAVE_GLUON:
             s_C.slice(r0, RCF, dim=0).store(b_Cc)
             gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
             gl.store(p_L + o_rc[:, None] * K + o_tk[None, :], _lp_encode(b_Cc, LPT))
+
+    @gluon.jit
+    def _refold_lp_mma(s_C, s_K, s_Vr, p_ld, p_beta, h, p_C, p_L, BV: gl.constexpr, K: gl.constexpr,
+                       BL: gl.constexpr, HV: gl.constexpr, KP: gl.constexpr, NW: gl.constexpr, LPT: gl.constexpr):
+        """`_refold_lp`'s result with its products on the tensor cores (exact: utils/gluon_mma.py).
+        The recurrence `S <- a_j S; u_j = beta_j (v_j - S k_j); S <- S + u_j k_j^T` over records
+        j < h, unrolled from the old tile C: `a_0..a_j S_{j-1} k_j = e_j (C k_j) + sum_{i<j} d_ji
+        (k_i . k_j) u_i` with `e_j = exp(ld_0 + .. + ld_j)` and `d_ji = exp(ld_{i+1} + .. + ld_j)`,
+        so `W = C K^T` (one product of the tile with the records' keys) and the keys' Gram give
+        every u_j by a forward substitution per row over h scalars (no pass over the tile per
+        record), and the new tile is `g C + sum_j c_j u_j k_j^T` (the fold's product). The decays
+        are sums of consecutive log decays, never differences of prefix sums. The keys past the
+        cursor are zeroed in place first (they may hold NaN; no key is read after a flush's
+        refold). Writes `s_C`, `p_C` and the copy `p_L`; the caller passes a barrier after."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AX: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        # the Gram [BL, BL]: warps over its columns (BL is 16 or 32 rows; BV = 16 NW)
+        MG: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+        AG: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MG, k_width=2)
+        BG: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MG, k_width=2)
+        LA: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        hb = gl.minimum(h, BL)
+        o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
+        b_Kz = s_K.load(LKZ)
+        _barrier()
+        s_K.store(gl.where((o_jK < hb)[:, None], b_Kz, gl.zeros_like(b_Kz)))
+        _barrier()
+        # the decays: e_j (an inclusive scan), the fold's c_j = exp(ld_{j+1} + .. + ld_{h-1}) and g
+        o_l = gl.arange(0, BL, layout=LA)
+        b_ldv = gl.load(p_ld + o_l * HV, mask=o_l < hb, other=0.0)
+        b_e = gl.exp(gl.associative_scan(b_ldv, 0, _add))
+        b_ld1 = gl.load(p_ld + (o_l + 1) * HV, mask=o_l + 1 < hb, other=0.0)
+        b_coef, b_g = _record_weights(b_ld1, gl.load(p_ld), 0.0, hb, o_l)
+        # the keys' Gram, 32 columns of K a product (a fresh accumulator each, added in fp32),
+        # weighted below the diagonal: cf[j, i] = d_ji (k_i . k_j), i < j
+        b_G = gl.zeros([BL, BL], gl.float32, MG)
+        for k0 in gl.static_range(0, K, 32):
+            a0, a1, a2 = _split_bf16(s_K.slice(k0, 32, dim=1).load(AG).to(gl.float32))
+            b_G += _mma_exact(a0, a1, a2, s_K.slice(k0, 32, dim=1).permute([1, 0]).load(BG).to(gl.float32),
+                              gl.zeros([BL, BL], gl.float32, MG), KP)
+        o_jG = gl.arange(0, BL, layout=gl.SliceLayout(1, MG))
+        o_iG = gl.arange(0, BL, layout=gl.SliceLayout(0, MG))
+        b_D = gl.zeros([BL, BL], gl.float32, MG)
+        for m in range(1, hb):
+            b_D += gl.where((o_iG[None, :] < m) & (o_jG[:, None] >= m), gl.load(p_ld + m * HV), 0.0)
+        s_cf = gl.allocate_shared_memory(gl.float32, [BL, BL], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+                                         gl.where(o_iG[None, :] < o_jG[:, None], gl.exp(b_D) * b_G, 0.0))
+        # W = C K^T scaled by e_j, its columns through shared memory (selected out of registers
+        # they took twice the registers of the rest), then u_j row by row in order (column j of U)
+        b_W = _tile_vectors_mma(s_C, s_K, BV, K, BL, KP, NW) * gl.convert_layout(b_e, gl.SliceLayout(0, MM))[None, :]
+        s_W = gl.allocate_shared_memory(gl.float32, [BL, BV], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+                                        gl.permute(b_W, [1, 0]))
+        o_jM = gl.arange(0, BL, layout=gl.SliceLayout(0, MM))
+        b_U = gl.zeros([BV, BL], gl.float32, MM)
+        _barrier()
+        s_cf1 = _rows_view(s_cf, BL, BL)
+        s_W1 = _rows_view(s_W, BL, BV)
+        s_V1 = _rows_view(s_Vr, BL, BV)
+        for j in range(0, hb):
+            b_acc = gl.sum(b_U * s_cf1.index(j).load(gl.SliceLayout(0, MM))[None, :], axis=1) + \
+                s_W1.index(j).load(gl.SliceLayout(1, MM))
+            b_u = gl.load(p_beta + j * HV) * (s_V1.index(j).load(gl.SliceLayout(1, MM)).to(gl.float32) - b_acc)
+            b_U = gl.where((o_jM == j)[None, :], b_u[:, None], b_U)
+        b_X = gl.convert_layout(b_U * gl.convert_layout(b_coef, gl.SliceLayout(0, MM))[None, :], AX)
+        _fold_mma(s_C, b_X, s_K, p_C, b_g, BV, K, BL, KP, NW, p_L, LPT)
 
     @gluon.jit
     def _write_drafts_beta(b, buf_beta, i_b, slot, n, stride_b_b, stride_b_t, stride_b_h, T: gl.constexpr,

@@ -71,6 +71,11 @@ REFOLD_ROWS = int(os.environ.get("REPLAYSSM_GLUON_LP_REFOLD_ROWS", "32"))
 # took 475-842 us against 622-1,297 with FMA products (verify_lp_gdn_h100.json);
 # REPLAYSSM_GLUON_LP_MMA=0 keeps the FMA products
 LP_MMA = os.environ.get("REPLAYSSM_GLUON_LP_MMA", "1") != "0"
+# REPLAYSSM_GLUON_LP_REFOLD_MMA=1: the refold on the tensor cores (gluon_verify_drafts._refold_lp_mma:
+# the tile's products with the records' keys, the keys' Gram, a forward substitution per row,
+# the fold's product; fp32 rounding level with the sequential refold in a float64 comparison on
+# the CPU); compiled, not yet run on a GPU
+REFOLD_MMA = os.environ.get("REPLAYSSM_GLUON_LP_REFOLD_MMA") == "1"
 
 
 def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
@@ -103,7 +108,7 @@ def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w,
     if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()):
         return None
     # (a program of fewer rows than REFOLD_ROWS refolds them all at once)
-    return dict(cfg, refold_rows=min(REFOLD_ROWS, cfg["BV"]) if REFOLD_ROWS else 0)
+    return dict(cfg, refold_rows=min(REFOLD_ROWS, cfg["BV"]) if REFOLD_ROWS else 0, refold_mma=REFOLD_MMA)
 
 
 @triton.jit
@@ -465,7 +470,7 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
                             pending, epoch, arrive, slot_ids, num_drafts, int(window), out, use_qk_l2norm, gcfg["BV"],
                             gcfg["num_warps"], gcfg["maxnreg"], "gdn", gcfg["kq"], mma=gcfg["mma"],
                             ckpt_lp=ck["lp_data"], lp_code=ck["LP"], buf_v=buf_v, buf_beta=buf_beta,
-                            refold_rows=gcfg["refold_rows"])
+                            refold_rows=gcfg["refold_rows"], refold_mma=gcfg["refold_mma"])
         return out
     ts_new = None
     if shared_nvfp4:

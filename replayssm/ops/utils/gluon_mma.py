@@ -25,7 +25,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from .gluon import _barrier
+    from .gluon import _barrier, _lp_encode
 
     @gluon.jit
     def _split_bf16(x):
@@ -55,12 +55,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fold_mma(s_S, b_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
-                  KP: gl.constexpr, NW: gl.constexpr):
+                  KP: gl.constexpr, NW: gl.constexpr, p_L=None, LPT: gl.constexpr = 0):
         """The flush's fold on the tensor cores, exact as `utils.gluon_mma._tile_vectors_mma`: per
         chunk of 32 of the tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32 in the
         A operand's layout, the keys `[BL, K]` as stored, KP pieces), the products a fresh value
         added to `g C_c` in fp32 (never accumulated inside the MMA, whose truncation would bias
-        the checkpoint), stored to shared memory and to the checkpoint `p_S`."""
+        the checkpoint), stored to shared memory and to the checkpoint `p_S` (LPT 1 / 2: and
+        its round-to-nearest fp16 / bf16 copy to `p_L`)."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         NC: gl.constexpr = 32
@@ -73,6 +74,8 @@ if HAVE_GLUON:
             b_Sc = b_g * s_S.slice(c0, NC, dim=1).load(MM) + dS
             s_S.slice(c0, NC, dim=1).store(b_Sc)
             gl.store(p_S + (o_r[:, None] * K + (c0 + o_c)[None, :]), b_Sc)
+            if LPT:
+                gl.store(p_L + (o_r[:, None] * K + (c0 + o_c)[None, :]), _lp_encode(b_Sc, LPT))
 
     @gluon.jit
     def _fold_mma_records(s_S, s_W, s_K, b_coef, h, p_S, b_g, BV: gl.constexpr, K: gl.constexpr,
