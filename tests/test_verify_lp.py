@@ -538,6 +538,23 @@ def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, mma, refold_mma, mon
     assert set(mmas) == {mma} and set(refolds) == {refold_mma}, (mmas, refolds)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
+@pytest.mark.parametrize("lp", ["fp16", "bf16"])
+def test_verify_lp_gluon_kda_real_shapes_gpu(lp, T, window, monkeypatch):
+    """KDA's pools with an fp16/bf16 copy on the Gluon verify kernel (`GLUON_LP_KDA`: its refold
+    with per-channel decays): the checks and bounds of the GDN case above, every launch on it."""
+    from replayssm.ops.gdn import verify_lp as vlp
+    from replayssm.ops.utils.lowp import LP_CODES
+
+    monkeypatch.setattr(vlp, "GLUON_LP_KDA", True)
+    codes = _gluon_lp_codes(monkeypatch, vlp)
+    monkeypatch.setitem(SHAPES, "kda", GPU_SHAPES["kda"])
+    _check_fp32_hp("kda", lp, T=T, window=window, rounds=6)
+    assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
+
+
 def test_verify_lp_gluon_only_where_it_applies():
     """`lowp_verify` keeps the Triton kernel off the GPU, and for copies other than fp16/bf16
     or an HP checkpoint other than fp32 (the Gluon kernel's contract)."""

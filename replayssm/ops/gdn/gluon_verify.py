@@ -42,7 +42,7 @@ the decays in shared memory, and are what a flush folds in), and the drafts' Gra
 in order with the earlier drafts' keys kept weighted (`_kda_draft_grams`, before the draft loads
 of step 1, while the tile arrives). The solve then takes unit weights.
 
-A pool with an fp16/bf16 copy beside the fp32 checkpoint (`lp_code`, GDN; verify_lp.py's
+A pool with an fp16/bf16 copy beside the fp32 checkpoint (`lp_code`; verify_lp.py's
 contract) stages the copy's tile for a row without an early flush (half the bytes), and the fp32
 tile for a row with one, which it refolds along the HP path before the products (each u_j from
 the raw v_j and beta_j: the buffered u came from the copy) and writes to both checkpoints; its
@@ -73,7 +73,7 @@ if HAVE_GLUON:
     from ..utils.gluon import (_add, _barrier, _draft_count, _products_to_shared, _record_weights, _rows_view,
                                 _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
     from ..utils.gluon_mma import _fold_mma_records, _tile_vector_pairs_mma
-    from .gluon_verify_drafts import (_kda_draft_grams, _records_to_shared, _refold_lp, _refold_lp_mma,
+    from .gluon_verify_drafts import (_fold_kda, _kda_draft_grams, _records_to_shared, _refold_lp, _refold_lp_mma,
                                       _row_pair_products, _stage_lp_tile, _write_drafts_beta,
                                       _write_drafts_shared, _write_drafts_shared_kda)
 
@@ -106,9 +106,9 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
     "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
     `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores, and an early flush's fold too,
-    the key records of `k_pieces` pieces. `lp_code` (GDN): a pool's 16-bit copy (1 fp16, 2
+    the key records of `k_pieces` pieces. `lp_code`: a pool's 16-bit copy (1 fp16, 2
     bf16), verify_lp.py's contract, whose refold takes `refold_rows` rows of the tile at a time
-    (0: 4 per warp), or with `refold_mma` runs on the tensor cores (`_refold_lp_mma`)."""
+    (0: 4 per warp), or with `refold_mma` (GDN) runs on the tensor cores (`_refold_lp_mma`)."""
     TP = max(2, triton.next_power_of_2(T))
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
@@ -116,7 +116,7 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
                 NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
                 MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps),
-                KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps, RFM=bool(refold_mma))
+                KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps, RFM=bool(refold_mma) and family == "gdn")
 
 
 if HAVE_GLUON:
@@ -281,13 +281,13 @@ if HAVE_GLUON:
         if not IS_KDA:
             b_dtb = gl.load(dt_bias + i_hv).to(gl.float32)
         o_l = gl.arange(0, BL, layout=LA1)
+        p_beta = buf_beta + slot * (LBCAP * HV) + i_hv
         if IS_KDA:
             o_lE = gl.arange(0, BL, layout=gl.SliceLayout(1, LE))
             o_kE = gl.arange(0, K, layout=gl.SliceLayout(0, LE))
             b_ld0 = gl.load(p_ldh + o_kE)
         else:
             p_ldh = buf_ld + slot * (LBCAP * HV) + i_hv
-            p_beta = buf_beta + slot * (LBCAP * HV) + i_hv
             b_ld1 = gl.load(p_ldh + (o_l + 1) * HV, mask=o_l + 1 < hr, other=0.0)
             b_ld0 = gl.load(p_ldh)
 
@@ -321,9 +321,9 @@ if HAVE_GLUON:
             # the weighted keys (zero at or past the cursor: selects) replace the decays
             cp.wait_group(2)
             _barrier()
-            b_lds = gl.where((o_lE + 1 < h)[:, None], s_LD.load(LE), 0.0)
-            b_gE = gl.exp(gl.where(h > 0, b_ld0, 0.0) + gl.sum(b_lds, axis=0))          # [K]
-            b_Kw = gl.where((o_lE < h)[:, None], s_K.load(LE).to(gl.float32) *
+            b_lds = gl.where((o_lE + 1 < hr)[:, None], s_LD.load(LE), 0.0)
+            b_gE = gl.exp(gl.where(hr > 0, b_ld0, 0.0) + gl.sum(b_lds, axis=0))          # [K]
+            b_Kw = gl.where((o_lE < hr)[:, None], s_K.load(LE).to(gl.float32) *
                             gl.exp(gl.associative_scan(b_lds, 0, _add, reverse=True)), 0.0)
             _barrier()
             s_Kw = s_LD
@@ -396,7 +396,7 @@ if HAVE_GLUON:
                 if RFM:
                     _refold_lp_mma(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, HV, KP, NW, LPT)
                 else:
-                    _refold_lp(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, RFL, HV, LT, LPT)
+                    _refold_lp(s_C, s_K, s_Vr, p_ldh, p_beta, h, p_C, p_L, BV, K, BL, RFL, HV, LT, LPT, IS_KDA)
                 _barrier()
         if MMA:
             # on the tensor cores, exact (utils/gluon_mma.py): the tile times the drafts' raw
@@ -503,20 +503,11 @@ if HAVE_GLUON:
         # loop to the cursor: unrolled over the window, its loads were hoisted into registers),
         # stored as the new checkpoint. KDA: C <- C Diag(g) + sum_{j<h} u_j (c_j * k_j)^T, the
         # weighted keys from shared memory
-        if IS_KDA:
-            if flush:
-                o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
-                s_Kw1 = _rows_view(s_Kw, BL, K)
-                b_gT = gl.convert_layout(b_gE, gl.SliceLayout(0, LT))[None, :]
-                for r0 in gl.static_range(0, BV, RCF):
-                    o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LT))
-                    b_Cc = s_C.slice(r0, RCF, dim=0).load(LT) * b_gT
-                    for jf in range(0, hb):
-                        b_uw = s_U1.index(jf).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
-                        b_Cc += b_uw[:, None] * s_Kw1.index(jf).load(gl.SliceLayout(0, LT))[None, :]
-                    gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
-        elif LPT:
+        if LPT:
             pass                                     # (the refold above wrote both checkpoints)
+        elif IS_KDA:
+            if flush:
+                _fold_kda(s_C, s_U1, s_Kw, b_gE, hb, p_C, BV, K, BL, RCF, LT)
         elif MMA:
             if flush:
                 # on the tensor cores, exact (utils.gluon_mma._fold_mma_records): at Qwen3.5-4B's
@@ -548,9 +539,8 @@ if HAVE_GLUON:
                 _write_drafts_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, slot, n,
                                      stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
                                      T, HV, HK, K, LBCAP, HVP, HKP, USE_QK_L2NORM, NW)
-                if LPT:
-                    _write_drafts_beta(b, buf_beta, i_b, slot, n, stride_b_b, stride_b_t, stride_b_h, T, HV, LBCAP,
-                                       HVP, NW)
+            if LPT:
+                _write_drafts_beta(b, buf_beta, i_b, slot, n, stride_b_b, stride_b_t, stride_b_h, T, HV, LBCAP, HVP, NW)
 
 
 def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
@@ -564,7 +554,7 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
     vectors formed first, once per (row, key head), by `utils.key_products.gdn_verify_key_products`
     instead of by every program of the key head's value heads and V-blocks. `mma` (GDN): the
     tile's products with the drafts' keys and queries on the tensor cores, exact. `ckpt_lp`,
-    `lp_code` (1 fp16, 2 bf16; GDN, contiguous unpadded state), `buf_v`, `buf_beta`: a pool's
+    `lp_code` (1 fp16, 2 bf16; contiguous unpadded state), `buf_v`, `buf_beta`: a pool's
     16-bit copy as int16 bits and the raw records, verify_lp.py's contract (rows without an
     early flush read the copy, with `mma` as one or two bf16 pieces; a flush refolds `ckpt`
     along the HP path and writes both, `refold_rows` of the tile at a time, 0: 4 per warp, or on
@@ -574,9 +564,9 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
     if Bt == 0:
         return
     pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
-    if lp_code and (family != "gdn" or lp_code not in (1, 2) or ckpt_lp is None or buf_v is None
-                    or buf_beta is None or any(pads.values())):
-        raise ValueError("a low-precision copy: GDN, fp16 or bf16 (lp_code 1, 2), with the raw records, on "
+    if lp_code and (lp_code not in (1, 2) or ckpt_lp is None or buf_v is None or buf_beta is None
+                    or any(pads.values())):
+        raise ValueError("a low-precision copy: fp16 or bf16 (lp_code 1, 2), with the raw records, on "
                          "contiguous unpadded state")
     if refold_rows and (BV % refold_rows or refold_rows % num_warps):
         raise ValueError(f"refold_rows {refold_rows} must divide BV {BV} and be a multiple of num_warps {num_warps}")

@@ -173,15 +173,34 @@ if HAVE_GLUON:
             gl.store(p_ldh + (hc + t) * (HV * K) + o_kG, b_ldt, mask=(o_kG >= 0) & (hc + t < LBCAP) & sole)
 
     @gluon.jit
+    def _fold_kda(s_C, s_U1, s_Kw, b_gE, hb, p_C, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
+                  RCF: gl.constexpr, LT: gl.constexpr):
+        """KDA's early flush: `C <- C Diag(g) + sum_{j<h} u_j (c_j * k_j)^T`, RCF rows of the tile
+        at a time, the u records (`s_U1`, rows view) and the weighted keys `s_Kw` from shared
+        memory, stored as the new checkpoint `p_C`."""
+        o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
+        s_Kw1 = _rows_view(s_Kw, BL, K)
+        b_gT = gl.convert_layout(b_gE, gl.SliceLayout(0, LT))[None, :]
+        for r0 in gl.static_range(0, BV, RCF):
+            o_rc = r0 + gl.arange(0, RCF, layout=gl.SliceLayout(1, LT))
+            b_Cc = s_C.slice(r0, RCF, dim=0).load(LT) * b_gT
+            for jf in range(0, hb):
+                b_uw = s_U1.index(jf).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
+                b_Cc += b_uw[:, None] * s_Kw1.index(jf).load(gl.SliceLayout(0, LT))[None, :]
+            gl.store(p_C + o_rc[:, None] * K + o_tk[None, :], b_Cc)
+
+    @gluon.jit
     def _refold_lp(s_C, s_K, s_Vr, p_ld, p_beta, h, p_C, p_L, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
-                   RCF: gl.constexpr, HV: gl.constexpr, LT: gl.constexpr, LPT: gl.constexpr):
+                   RCF: gl.constexpr, HV: gl.constexpr, LT: gl.constexpr, LPT: gl.constexpr,
+                   IS_KDA: gl.constexpr = False):
         """An early flush of a pool with a 16-bit copy (verify_lp.py's contract): the fp32 tile
         `s_C` (shared) folded over records `0..h-1` along the HP path, `S <- a_j S;
         u_j = beta_j (v_j - S k_j); S <- S + u_j k_j^T`, each u_j recomputed from the raw v_j
         (`s_Vr` `[BL, BV]`, this program's rows) and beta_j (the buffered u came from the copy),
         RCF rows at a time (LT's), in place, and stored to the checkpoint `p_C` and the copy
         `p_L` (round-to-nearest). `p_ld`, `p_beta`: the head's log decay and beta at position 0,
-        positions HV apart. The caller passes a barrier before reading `s_C` again."""
+        positions HV apart (KDA: `S <- S Diag(a_j)`, the decays `[K]` per position, HV K apart).
+        The caller passes a barrier before reading `s_C` again."""
         o_tk = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
         s_K1 = _rows_view(s_K, BL, K)
         s_V1 = _rows_view(s_Vr, BL, BV)
@@ -192,7 +211,10 @@ if HAVE_GLUON:
             for j in range(0, hb):
                 b_kj = s_K1.index(j).load(gl.SliceLayout(0, LT)).to(gl.float32)
                 b_vj = s_V1.index(j).slice(r0, RCF).load(gl.SliceLayout(1, LT)).to(gl.float32)
-                b_Cc = b_Cc * gl.exp(gl.load(p_ld + j * HV))
+                if IS_KDA:
+                    b_Cc = b_Cc * gl.exp(gl.load(p_ld + j * (HV * K) + o_tk))[None, :]
+                else:
+                    b_Cc = b_Cc * gl.exp(gl.load(p_ld + j * HV))
                 b_u = gl.load(p_beta + j * HV) * (b_vj - gl.sum(b_Cc * b_kj[None, :], axis=1))
                 b_Cc += b_u[:, None] * b_kj[None, :]
             s_C.slice(r0, RCF, dim=0).store(b_Cc)

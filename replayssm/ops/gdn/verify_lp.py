@@ -59,6 +59,9 @@ __all__ = ["lowp_verify", "verify_lp_config"]
 # `test_verify_lp_gluon_gdn_real_shapes_gpu` passes on the H100, where it took 0.2-0.4x the
 # Triton kernel's time at Qwen3.5-4B's shape (verify_lp_gdn_h100.json)
 GLUON_LP_GDN = True
+# KDA pools likewise (its per-channel decays in the refold, the weights of the records the drafts
+# follow) with REPLAYSSM_GLUON_LP_KDA=1: compiled, not yet run on a GPU (the same GPU test)
+GLUON_LP_KDA = os.environ.get("REPLAYSSM_GLUON_LP_KDA") == "1"
 
 # The rows of the tile a flushing program refolds at a time (gluon_verify.py, `refold_rows`): 32
 # (two chains of row dots per program instead of four; the same arithmetic per row). On an H100
@@ -91,15 +94,16 @@ def verify_lp_config(V: int, config: Optional[dict] = None) -> dict:
 def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w, buf_k, buf_v, cursor, pending,
                      window: int) -> Optional[dict]:
     """The Gluon verify kernel's config for this launch (verify.py's default, FMA products unless `LP_MMA`) where
-    it takes it (`GLUON_LP_GDN`): GDN, an fp32 checkpoint with an fp16 or bf16 copy, on CUDA
-    outside the interpreter, a shape and window it covers, 16-byte aligned contiguous state;
+    it takes it (`GLUON_LP_GDN`, `GLUON_LP_KDA`): an fp32 checkpoint with an fp16 or bf16 copy, on
+    CUDA outside the interpreter, a shape and window it covers, 16-byte aligned contiguous state;
     otherwise None (the Triton kernel)."""
-    if not (GLUON_LP_GDN and family == "gdn" and HAVE_GLUON and q.is_cuda and not _interpreting()
+    wanted = GLUON_LP_GDN if family == "gdn" else GLUON_LP_KDA and family == "kda"
+    if not (wanted and HAVE_GLUON and q.is_cuda and not _interpreting()
             and ck["HAS_LP"] and ck["HP"] == HP_CODES["fp32"] and ck["LP"] in (LP_CODES["fp16"], LP_CODES["bf16"])):
         return None
     T, Hk, K = q.shape[1], q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    cfg = verify_config("gdn", V, K, T, {} if LP_MMA else {"mma": False}, HV=HV, Hk=Hk, window=window,
+    cfg = verify_config(family, V, K, T, {} if LP_MMA else {"mma": False}, HV=HV, Hk=Hk, window=window,
                         Lb=buf_w.shape[1])
     if not cfg["gluon"] or not gluon_aligned(ck["ckpt"], buf_ld, buf_w, buf_k) or \
             ck["lp_data"].data_ptr() % 16 or buf_v.data_ptr() % 16:
@@ -468,7 +472,7 @@ def lowp_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Te
     if gcfg is not None:
         launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, _scale(scale, K), ck["ckpt"], buf_ld, buf_w, buf_k, cursor,
                             pending, epoch, arrive, slot_ids, num_drafts, int(window), out, use_qk_l2norm, gcfg["BV"],
-                            gcfg["num_warps"], gcfg["maxnreg"], "gdn", gcfg["kq"], mma=gcfg["mma"],
+                            gcfg["num_warps"], gcfg["maxnreg"], family, gcfg["kq"], mma=gcfg["mma"],
                             ckpt_lp=ck["lp_data"], lp_code=ck["LP"], buf_v=buf_v, buf_beta=buf_beta,
                             refold_rows=gcfg["refold_rows"], refold_mma=gcfg["refold_mma"])
         return out
