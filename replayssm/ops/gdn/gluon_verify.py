@@ -319,7 +319,7 @@ if HAVE_GLUON:
             # in-thread reverse scan of same-signed log decays, never a difference of prefix sums),
             # the checkpoint's g = exp(ld_0 + ... + ld_{h-1}): S_h = C Diag(g) + sum_j u_j (c_j k_j)^T;
             # the weighted keys (zero at or past the cursor: selects) replace the decays
-            cp.wait_group(2)
+            cp.wait_group(3 if LPT else 2)           # (a copy's raw v records: one group more)
             _barrier()
             b_lds = gl.where((o_lE + 1 < hr)[:, None], s_LD.load(LE), 0.0)
             b_gE = gl.exp(gl.where(hr > 0, b_ld0, 0.0) + gl.sum(b_lds, axis=0))          # [K]
