@@ -189,9 +189,13 @@ def _needs_vllm():
 
 
 def _model(name, tmp_path):
-    """The model folder `name`: make_models.py's under MODELS, or `qwen3_5_tiny`, built here."""
+    """The model folder `name`: make_models.py's under MODELS, or `qwen3_5_tiny`, built here. A
+    folder without weights fails here, not deep inside vLLM's start-up (a carried copy lost them)."""
     if name != "qwen3_5_tiny":
-        return os.path.join(MODELS, name)
+        d = os.path.join(MODELS, name)
+        if not any(f.endswith(".safetensors") for f in os.listdir(d)):
+            pytest.fail(f"{d} holds no *.safetensors: rebuild it with make_models.py")
+        return d
     d = tmp_path / name
     if not d.exists():
         pytest.importorskip("transformers")
