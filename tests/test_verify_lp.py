@@ -576,3 +576,14 @@ def test_verify_lp_gluon_only_where_it_applies():
                            ("gdn", "bf16", "fp16")):
         ck = dict(HAS_LP=True, HP=HP_CODES[hp], LP=LP_CODES[lp], ckpt=torch.zeros(1, 2, 128, 128))
         assert gvlp._gluon_lp_config(family, q, v, ck, *rest) is None, (family, hp, lp)
+
+
+def test_verify_lp_refold_rows_switch_refuses_bad_values():
+    """`REPLAYSSM_GLUON_LP_REFOLD_ROWS` is read at import: a value the kernel cannot take is named there."""
+    import os
+    import subprocess
+    import sys
+    for bad in ("abc", "24", "-8"):
+        r = subprocess.run([sys.executable, "-c", "import replayssm.ops.gdn.verify_lp"], capture_output=True,
+                           text=True, env=dict(os.environ, REPLAYSSM_GLUON_LP_REFOLD_ROWS=bad))
+        assert r.returncode != 0 and f"REPLAYSSM_GLUON_LP_REFOLD_ROWS='{bad}'" in r.stderr, r.stderr[-500:]

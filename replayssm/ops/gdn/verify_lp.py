@@ -67,7 +67,10 @@ GLUON_LP_KDA = os.environ.get("REPLAYSSM_GLUON_LP_KDA") == "1"
 # (two chains of row dots per program instead of four; the same arithmetic per row). On an H100
 # it took flush-heavy T = 8 rounds from 1,297 to 1,182 us (Qwen3.5-4B, batch 256) and the GPU test
 # passed at it; REPLAYSSM_GLUON_LP_REFOLD_ROWS=N times another (0: 4 rows per warp, the former)
-REFOLD_ROWS = int(os.environ.get("REPLAYSSM_GLUON_LP_REFOLD_ROWS", "32"))
+_ROWS = os.environ.get("REPLAYSSM_GLUON_LP_REFOLD_ROWS", "32")
+if not _ROWS.isdigit() or (int(_ROWS) and int(_ROWS) & (int(_ROWS) - 1)):
+    raise ValueError(f"REPLAYSSM_GLUON_LP_REFOLD_ROWS={_ROWS!r}: 0 or a power of two (rows of the tile a refold takes)")
+REFOLD_ROWS = int(_ROWS)
 # Rows without a flush form their products from the copy's tile on the tensor cores where the
 # fp32 pool's kernel does (T = 8), the copy as one (bf16) or two (fp16) bf16 pieces, both exact
 # (utils.gluon_mma._tile_vector_pairs_mma's LPT): on the H100 with REFOLD_ROWS = 32, T = 8 rounds
