@@ -318,7 +318,8 @@ if HAVE_GLUON:
             # flight), per channel: record j's weight c_j = exp(ld_{j+1} + ... + ld_{h-1}) (an
             # in-thread reverse scan of same-signed log decays, never a difference of prefix sums),
             # the checkpoint's g = exp(ld_0 + ... + ld_{h-1}): S_h = C Diag(g) + sum_j u_j (c_j k_j)^T;
-            # the weighted keys (zero at or past the cursor: selects) replace the decays
+            # the weighted keys (zero at or past the cursor: selects) replace the decays. (h: hr, the
+            # records the drafts follow, none after a copy pool's refold)
             cp.wait_group(3 if LPT else 2)           # (a copy's raw v records: one group more)
             _barrier()
             b_lds = gl.where((o_lE + 1 < hr)[:, None], s_LD.load(LE), 0.0)
