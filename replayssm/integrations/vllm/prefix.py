@@ -35,8 +35,8 @@ with its cursor moved back over the records past the boundary, which no flush ca
 a verify flushes before its first record). vLLM's fused copy still moves the convolution
 states (its own tensor and semantics); its copy of the temporal tensors is turned into a copy of
 nothing. The copy functions read the running block whatever the accepted count
-(`committed_copy`), which without drafts (count 1) is vLLM's own choice. This path's GPU test
-has not passed yet (it failed on an H100, the reason not captured): it is off unless
+(`committed_copy`), which without drafts (count 1) is vLLM's own choice. Its GPU test has passed
+for NemotronH without CUDA graphs only (the other cases not yet run to the end): it is off unless
 `REPLAYSSM_VLLM_PREFIX_SPEC=1`, and refused otherwise.
 
 `all` (Mamba-2 only, as in vLLM; plain decoding; `REPLAYSSM_VLLM_PREFIX_ALL=1` until its cost
@@ -157,10 +157,11 @@ def side_copy_entries(copy_bufs, kv_cache_config, group_ids, block_ids, src_idx:
             if st is None or not st.spec.side_records:
                 continue
             for t in (st.ld, st.w, st.k):
-                i = copy_bufs.offset
-                copy_bufs.src_ptrs.np[i] = t[src].data_ptr()
-                copy_bufs.dst_ptrs.np[i] = t[dst].data_ptr()
-                copy_bufs.sizes.np[i] = t[src].numel() * t.element_size()
+                # (addresses from the base and the block stride: no tensor view per entry)
+                i, row = copy_bufs.offset, t.stride(0) * t.element_size()
+                copy_bufs.src_ptrs.np[i] = t.data_ptr() + src * row
+                copy_bufs.dst_ptrs.np[i] = t.data_ptr() + dst * row
+                copy_bufs.sizes.np[i] = row
                 copy_bufs.offset = i + 1
                 n += 1
     return n

@@ -18,7 +18,7 @@ if HAVE_GLUON:
 
     from ..utils.gluon import (_add, _async_load, _barrier, _lp_decode, _lp_encode, _lp_tile_view, _record_weights,
                                 _rows_view, _softplus, _tile_offsets)
-    from ..utils.gluon_mma import _fold_mma, _mma_exact, _split_bf16, _tile_vectors_mma
+    from ..utils.gluon_mma import _fold_mma, _mma_exact, _split_bf16, _tile_vectors_mma, _zero_keys_past
 
     @gluon.jit
     def _stage_lp_tile(p_C, p_L, flush, BV: gl.constexpr, K: gl.constexpr, LT: gl.constexpr, SWZ: gl.constexpr,
@@ -241,13 +241,8 @@ if HAVE_GLUON:
         AG: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MG, k_width=2)
         BG: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MG, k_width=2)
         LA: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         hb = gl.minimum(h, BL)
-        o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
-        b_Kz = s_K.load(LKZ)
-        _barrier()
-        s_K.store(gl.where((o_jK < hb)[:, None], b_Kz, gl.zeros_like(b_Kz)))
-        _barrier()
+        _zero_keys_past(s_K, hb, BL, NW)
         # the decays: e_j (an inclusive scan), the fold's c_j = exp(ld_{j+1} + .. + ld_{h-1}) and g
         o_l = gl.arange(0, BL, layout=LA)
         b_ldv = gl.load(p_ld + o_l * HV, mask=o_l < hb, other=0.0)

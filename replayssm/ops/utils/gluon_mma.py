@@ -78,6 +78,17 @@ if HAVE_GLUON:
                 gl.store(p_L + (o_r[:, None] * K + (c0 + o_c)[None, :]), _lp_encode(b_Sc, LPT))
 
     @gluon.jit
+    def _zero_keys_past(s_K, h, BL: gl.constexpr, NW: gl.constexpr):
+        """The key records `s_K` `[BL, K]` (shared) at and past position h set to zero in place,
+        barriers on both sides: they may hold anything, NaN too, and 0 * NaN is NaN in a product."""
+        LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
+        b_Kz = s_K.load(LKZ)
+        _barrier()
+        s_K.store(gl.where((o_jK < h)[:, None], b_Kz, gl.zeros_like(b_Kz)))
+        _barrier()
+
+    @gluon.jit
     def _fold_mma_records(s_S, s_W, s_K, b_coef, h, p_S, b_g, BV: gl.constexpr, K: gl.constexpr,
                           BL: gl.constexpr, KP: gl.constexpr, NW: gl.constexpr):
         """An early flush's fold on the tensor cores, `C <- g C + sum_{j<h} coef_j w_j k_j^T`, from
@@ -92,12 +103,7 @@ if HAVE_GLUON:
         b_coefX = gl.convert_layout(b_coef, gl.SliceLayout(0, AX))
         b_WX = s_W.permute([1, 0]).load(AX).to(gl.float32)                          # [BV, BL]
         b_X = gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0)
-        LKZ: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-        o_jK = gl.arange(0, BL, layout=gl.SliceLayout(1, LKZ))
-        b_Kz = s_K.load(LKZ)
-        _barrier()
-        s_K.store(gl.where((o_jK < h)[:, None], b_Kz, gl.zeros_like(b_Kz)))
-        _barrier()
+        _zero_keys_past(s_K, h, BL, NW)
         _fold_mma(s_S, b_X, s_K, p_S, b_g, BV, K, BL, KP, NW)
 
     @gluon.jit
