@@ -316,7 +316,9 @@ def delta_gluon_verify(cfg, family="gdn"):
     inputs (`inputs=fp32`, `rec=fp32`), the default register cap (128 above T = 4; `maxnreg=`);
     `kq=1` (GDN) with the key head's products loaded; `mma=1` (GDN) the tile's products on the
     tensor cores; `lp=1/2` (GDN) a pool's fp16/bf16 copy beside the fp32 checkpoint, `rfl=` the
-    rows its flush refolds at a time, `rfm=1` that refold on the tensor cores; `w=` the window."""
+    rows its flush refolds at a time, `rfm=1` that refold on the tensor cores; `w=` the window;
+    `lean=1` (GDN, with `mma`) the drafts' own products on the tensor cores too
+    (gluon_verify.LEAN)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from replayssm.ops.gdn import gluon_verify as m
@@ -335,7 +337,8 @@ def delta_gluon_verify(cfg, family="gdn"):
                                      w_bytes=rb, k_bytes=rb, family=family, kq=bool(int(c.get("kq", 0))),
                                      mma=bool(int(c.get("mma", 0))), x_pieces=3 if c["inputs"] == "fp32" else 1,
                                      k_pieces=3 if c["rec"] == "fp32" else 1, lp_code=int(c.get("lp", 0)),
-                                     refold_rows=int(c.get("rfl", 0)), refold_mma=bool(int(c.get("rfm", 0))))
+                                     refold_rows=int(c.get("rfl", 0)), refold_mma=bool(int(c.get("rfm", 0))),
+                                     lean=bool(int(c.get("lean", 0))))
     kernel = jit_function(m._gluon_verify_kernel)
     sig, const = signature(kernel, ptr, vals, floats=("scale",))
     return report(compile_kernel(kernel, sig, const, c["num_warps"], GluonASTSource, c["maxnreg"]),

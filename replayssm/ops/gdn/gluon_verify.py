@@ -53,14 +53,12 @@ GPU tests (tests/test_verify_gluon_gdn.py) compare this one with the reference a
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import triton
 
-from ..utils.dots import pieces
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
-from ..utils.key_products import gdn_verify_key_products
-from ..utils.launch import slot_pads
 
 # verify.MAX_DRAFT (verify.py imports this module)
 _MAX_T = 8
@@ -73,11 +71,28 @@ if HAVE_GLUON:
     from ..utils.gluon import (_add, _barrier, _draft_count, _products_to_shared, _record_weights, _rows_view,
                                 _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
     from ..utils.gluon_mma import _fold_mma_records, _tile_vector_pairs_mma
-    from .gluon_verify_drafts import (_fold_kda, _kda_draft_grams, _records_to_shared, _refold_lp, _refold_lp_mma,
-                                      _row_pair_products, _stage_lp_tile, _write_drafts_beta,
-                                      _write_drafts_shared, _write_drafts_shared_kda)
+    from .gluon_verify_drafts import (_draft_products_mma, _fold_kda, _kda_draft_grams, _records_to_shared,
+                                      _refold_lp, _refold_lp_mma, _row_pair_products, _stage_keys_queries,
+                                      _stage_lp_tile, _write_drafts_beta, _write_drafts_shared,
+                                      _write_drafts_shared_kda)
 
-__all__ = ["gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify"]
+__all__ = ["LEAN", "gluon_verify_constexprs", "gluon_verify_unsupported", "lean_applies"]
+
+# REPLAYSSM_GLUON_VERIFY_LEAN=1 (experimental, off: not yet run on a GPU; `lean_applies`): the
+# drafts' Gram products and the key records' products with the drafts on the tensor cores
+# (gluon_verify_drafts._draft_products_mma), the fp32 tile split by truncation
+# (utils.gluon_mma._split_bf16_rz), the drafts' decays and gates once per draft rather than in
+# every thread. Compiled under Triton 3.6 at Qwen3.5-4B's shape, T = 8 (benchmarks/tools/
+# regcount.py): 6,256 -> 4,968 SASS instructions, all of the cut outside the flush's hand-off
+# (whose ~1,750 only a slot's last program runs), 128 registers, 16 bytes of stack (32 before).
+# The verify step is bound by instruction issue (docs/verify.md): time it against the default.
+LEAN = os.environ.get("REPLAYSSM_GLUON_VERIFY_LEAN") == "1"
+
+
+def lean_applies(family: str, T: int, mma: bool, kq: bool, x_pieces: int, k_pieces: int) -> bool:
+    """Whether `lean` changes the kernel: GDN with `mma`, without `kq`, 5..8 drafts (8 padded
+    rows), token inputs and key records of one bf16 piece each (`dots.pieces`)."""
+    return family == "gdn" and bool(mma) and not kq and 5 <= T <= 8 and x_pieces == 1 and k_pieces == 1
 
 
 def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: int, window: int, Lb: int,
@@ -101,22 +116,28 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
                             num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
                             w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False,
                             mma: bool = False, x_pieces: int = 1, k_pieces: int = 1, lp_code: int = 0,
-                            refold_rows: int = 0, refold_mma: bool = False) -> dict:
+                            refold_rows: int = 0, refold_mma: bool = False,
+                            lean: Optional[bool] = None) -> dict:
     """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
     `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
     "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
     `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores, and an early flush's fold too,
     the key records of `k_pieces` pieces. `lp_code`: a pool's 16-bit copy (1 fp16, 2
     bf16), verify_lp.py's contract, whose refold takes `refold_rows` rows of the tile at a time
-    (0: 4 per warp), or with `refold_mma` (GDN) runs on the tensor cores (`_refold_lp_mma`)."""
+    (0: 4 per warp), or with `refold_mma` (GDN) runs on the tensor cores (`_refold_lp_mma`).
+    `lean` (None: the module's `LEAN` as it is at the call): where it applies (`lean_applies`), the
+    drafts' Gram and record products on the tensor cores too, the fp32 tile split by truncation,
+    the drafts' gates computed once per draft."""
     TP = max(2, triton.next_power_of_2(T))
+    lean = LEAN if lean is None else lean
     return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
                 BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
                 HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
                 VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
                 NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
                 MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps),
-                KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps, RFM=bool(refold_mma) and family == "gdn")
+                KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps, RFM=bool(refold_mma) and family == "gdn",
+                LEAN=bool(lean) and lean_applies(family, T, mma, kq, x_pieces, k_pieces))
 
 
 if HAVE_GLUON:
@@ -136,7 +157,7 @@ if HAVE_GLUON:
         RC: gl.constexpr, RCF: gl.constexpr, HVP: gl.constexpr, HKP: gl.constexpr, VW: gl.constexpr,
         VK: gl.constexpr, USE_QK_L2NORM: gl.constexpr, HAS_NDRAFT: gl.constexpr, NW: gl.constexpr,
         IS_KDA: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, XP: gl.constexpr, SWZ: gl.constexpr,
-        KP: gl.constexpr, LPT: gl.constexpr, RFL: gl.constexpr, RFM: gl.constexpr,
+        KP: gl.constexpr, LPT: gl.constexpr, RFL: gl.constexpr, RFM: gl.constexpr, LEAN: gl.constexpr,
     ):
         # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
@@ -257,7 +278,12 @@ if HAVE_GLUON:
                        mask=m_D, other=0.0).to(gl.float32)
         b_qD = gl.load(q + i_b * stride_q_b + i_hk * stride_q_h + o_tD[:, None] * stride_q_t + o_kD[None, :],
                        mask=m_D, other=0.0).to(gl.float32)
-        if MMA:
+        if LEAN:
+            s_kq = _stage_keys_queries(k, q, i_b, i_hk, stride_k_b, stride_k_t, stride_k_h, stride_q_b, stride_q_t,
+                                       stride_q_h, T, K, NW)
+            s_kx = s_kq.slice(0, 8, dim=0)
+            s_qx = s_kq.slice(8, 8, dim=0)
+        elif MMA:
             # the raw keys and queries as the tensor cores' B operands (8 rows, zero past T),
             # staged while the tile is in flight (utils/gluon_mma.py)
             LXN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
@@ -298,7 +324,18 @@ if HAVE_GLUON:
             b_kD = b_kD * b_rk[:, None]
             b_qD = b_qD * b_rq[:, None]
         b_qD = b_qD * scale
-        if not IS_KDA:
+        if LEAN:
+            # the factors of the raw vectors' products (_draft_products_mma, the tile's below)
+            s_f = gl.allocate_shared_memory(gl.float32, [16], S1)
+            if USE_QK_L2NORM:
+                s_f.slice(0, TP).store(b_rk)
+                s_f.slice(8, TP).store(b_rq * scale)
+            else:
+                s_f.store(gl.where(gl.arange(0, 16, layout=LA1) < 8, 1.0, scale))
+            # the decays once per draft, not in every thread (the same values)
+            b_ldc = gl.convert_layout(-gl.exp(b_Alog) * _softplus(gl.convert_layout(b_ar, LA1).to(gl.float32) + b_dtb),
+                                      LC)
+        elif not IS_KDA:
             b_ldc = -gl.exp(b_Alog) * _softplus(b_ar.to(gl.float32) + b_dtb)          # [TP] LC
 
         # without a flush, the drafts' decays (KDA: in the Gram loop below) and keys at h + t now
@@ -357,6 +394,10 @@ if HAVE_GLUON:
             if KQ:
                 s_Gk = s_Gk0
                 s_Gq = s_Gq0
+            elif LEAN:
+                s_G = gl.allocate_shared_memory(gl.float32, [2 * TP, TP], SM)     # (below, on the tensor cores)
+                s_Gk = s_G
+                s_Gq = s_G
             else:
                 s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
                 s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
@@ -374,20 +415,23 @@ if HAVE_GLUON:
             _barrier()
             s_Zk = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
             s_Zq = gl.allocate_shared_memory(gl.float32, [BL, TP], SM)
-            o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
-            for j0 in gl.static_range(0, BL, NW):
-                b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
-                m_jO = ((j0 + o_jO) < hr)[:, None]
-                if KQ:
-                    # (landed with the first copy group, which the wait above covers)
-                    b_zk = s_Zkr.slice(j0, NW, dim=0).load(LO)
-                    b_zq = s_Zqr.slice(j0, NW, dim=0).load(LO)
-                else:
-                    b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
-                    b_zk = gl.sum(b_Kj * b_kD[None, :, :], axis=2)
-                    b_zq = gl.sum(b_Kj * b_qD[None, :, :], axis=2)
-                s_Zk.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * b_zk, 0.0))
-                s_Zq.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * b_zq, 0.0))
+            if LEAN:
+                _draft_products_mma(s_kq, s_K, s_c, s_f, hr, s_G, s_Zk, s_Zq, BL, K, NW)
+            else:
+                o_jO = gl.arange(0, NW, layout=gl.SliceLayout(1, LO))
+                for j0 in gl.static_range(0, BL, NW):
+                    b_cj = s_c.slice(j0, NW).load(gl.SliceLayout(1, LO))[:, None]
+                    m_jO = ((j0 + o_jO) < hr)[:, None]
+                    if KQ:
+                        # (landed with the first copy group, which the wait above covers)
+                        b_zk = s_Zkr.slice(j0, NW, dim=0).load(LO)
+                        b_zq = s_Zqr.slice(j0, NW, dim=0).load(LO)
+                    else:
+                        b_Kj = s_K.slice(j0, NW, dim=0).load(LR).to(gl.float32)[:, None, :]
+                        b_zk = gl.sum(b_Kj * b_kD[None, :, :], axis=2)
+                        b_zq = gl.sum(b_Kj * b_qD[None, :, :], axis=2)
+                    s_Zk.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * b_zk, 0.0))
+                    s_Zq.slice(j0, NW, dim=0).store(gl.where(m_jO, b_cj * b_zq, 0.0))
 
         # 3. C x for the 2T vectors, RC rows at a time, each chunk of the tile read once
         cp.wait_group(0)
@@ -406,7 +450,10 @@ if HAVE_GLUON:
             o_nM = gl.arange(0, 8, layout=gl.SliceLayout(0, MM))
             f_k = gl.zeros([8], gl.float32, gl.SliceLayout(0, MM)) + 1.0
             f_q = f_k * scale
-            if USE_QK_L2NORM:
+            if LEAN:
+                f_k = s_f.slice(0, 8).load(gl.SliceLayout(0, MM))
+                f_q = s_f.slice(8, 8).load(gl.SliceLayout(0, MM))
+            elif USE_QK_L2NORM:
                 for t in gl.static_range(TP):
                     on = o_nM == t
                     f_k = gl.where(on, gl.sum(gl.where(o_tD == t, b_rk, 0.0), axis=0), f_k)
@@ -415,11 +462,11 @@ if HAVE_GLUON:
             s_Yq8 = gl.allocate_shared_memory(gl.float32, [BV, 8], SM)
             if LPT:
                 if flush:
-                    b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW)
+                    b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW, 0, LEAN)
                 else:
                     b_Yk, b_Yq = _tile_vector_pairs_mma(s_L, s_kx, s_qx, BV, K, 8, XP, NW, LPT)
             else:
-                b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW)
+                b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW, 0, LEAN)
             s_Yk8.store(b_Yk * f_k[None, :])
             s_Yq8.store(b_Yq * f_q[None, :])
             s_Yk = s_Yk8.slice(0, TP, dim=1)
@@ -451,14 +498,18 @@ if HAVE_GLUON:
 
         # 4. the drafts in order. lw[r]: log decay from draft r + 1 to the current one (reset
         # when r is solved, as verify.py's b_La); lb: from draft 0 to the current one
-        b_bet = 1.0 / (1.0 + gl.exp(-b_br.to(gl.float32)))
+        if LEAN:
+            b_bet = gl.convert_layout(1.0 / (1.0 + gl.exp(-gl.convert_layout(b_br, LA1).to(gl.float32))), LC)
+        else:
+            b_bet = 1.0 / (1.0 + gl.exp(-b_br.to(gl.float32)))
         b_V = b_vr.to(gl.float32)
         b_lw = gl.zeros([TP], gl.float32, LC)
         b_lb = gl.sum(b_lw, axis=0)
         b_Ud = gl.zeros([BV, TP], gl.float32, LS)
         b_O = gl.zeros([BV, TP], gl.float32, LS)
-        s_Gk1 = _rows_view(s_Gk, TP, TP)
-        s_Gq1 = _rows_view(s_Gq, TP, TP)
+        # (LEAN: one buffer, the queries' rows after the keys')
+        s_Gk1 = _rows_view(s_Gk, 2 * TP if LEAN else TP, TP)
+        s_Gq1 = _rows_view(s_Gq, 2 * TP if LEAN else TP, TP)
         for t in gl.static_range(T):
             is_t = o_c == t
             col = is_t[None, :]
@@ -473,7 +524,7 @@ if HAVE_GLUON:
                 g_t = gl.exp(b_lb)
             beta_t = gl.sum(gl.where(is_t, b_bet, 0.0), axis=0)
             b_gk = s_Gk1.index(t).load(LC)
-            b_gq = s_Gq1.index(t).load(LC)
+            b_gq = s_Gq1.index(t + TP * LEAN).load(LC)
             kq_t = gl.sum(gl.where(is_t, b_gq, 0.0), axis=0)
             if not IS_KDA:
                 b_w = gl.exp(b_lw)
@@ -542,51 +593,3 @@ if HAVE_GLUON:
                                      T, HV, HK, K, LBCAP, HVP, HKP, USE_QK_L2NORM, NW)
             if LPT:
                 _write_drafts_beta(b, buf_beta, i_b, slot, n, stride_b_b, stride_b_t, stride_b_h, T, HV, LBCAP, HVP, NW)
-
-
-def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
-                        pending, epoch, arrive, slot_ids, num_drafts, window: int, o, use_qk_l2norm: bool,
-                        BV: int, num_warps: int, maxnreg: int = 0, family: str = "gdn", kq: bool = False,
-                        mma: bool = False, ckpt_lp=None, lp_code: int = 0, buf_v=None, buf_beta=None,
-                        refold_rows: int = 0, refold_mma: bool = False) -> None:
-    """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`) for `family` "gdn" or "kda"; inputs
-    validated, and the caller checked `gluon_verify_unsupported`. `maxnreg`: a register cap (0:
-    none). `kq` (GDN): the drafts' Gram products and the records' products with the drafts'
-    vectors formed first, once per (row, key head), by `utils.key_products.gdn_verify_key_products`
-    instead of by every program of the key head's value heads and V-blocks. `mma` (GDN): the
-    tile's products with the drafts' keys and queries on the tensor cores, exact. `ckpt_lp`,
-    `lp_code` (1 fp16, 2 bf16; contiguous unpadded state), `buf_v`, `buf_beta`: a pool's
-    16-bit copy as int16 bits and the raw records, verify_lp.py's contract (rows without an
-    early flush read the copy, with `mma` as one or two bf16 pieces; a flush refolds `ckpt`
-    along the HP path and writes both, `refold_rows` of the tile at a time, 0: 4 per warp, or on
-    the tensor cores with `refold_mma`)."""
-    Bt, T, Hk, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if Bt == 0:
-        return
-    pads = slot_pads(ckpt, buf_ld, buf_w, buf_k, cursor, pending)
-    if lp_code and (lp_code not in (1, 2) or ckpt_lp is None or buf_v is None or buf_beta is None
-                    or any(pads.values())):
-        raise ValueError("a low-precision copy: fp16 or bf16 (lp_code 1, 2), with the raw records, on "
-                         "contiguous unpadded state")
-    if refold_rows and (BV % refold_rows or refold_rows % num_warps):
-        raise ValueError(f"refold_rows {refold_rows} must divide BV {BV} and be a multiple of num_warps {num_warps}")
-    kq = bool(kq) and family == "gdn"
-    kqs = gdn_verify_key_products(q, k, buf_k, cursor, slot_ids, scale, use_qk_l2norm,
-                                  gluon_record_tile(window, buf_w.shape[1]), max(2, triton.next_power_of_2(T)),
-                                  pads["pad_k"], pads["pad_cur"]) if kq else slot_ids
-    _gluon_verify_kernel[(HV * (V // BV), Bt)](
-        q, k, v, a, b, A_log, dt_bias, o,
-        ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch, arrive, slot_ids,
-        num_drafts if num_drafts is not None else slot_ids, kqs,
-        ckpt_lp if lp_code else ckpt, buf_v if lp_code else buf_w, buf_beta if lp_code else buf_ld,
-        *pads.values(),
-        scale, window,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
-                                  num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq,
-                                  mma, max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype), lp_code,
-                                  refold_rows, refold_mma),
-        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

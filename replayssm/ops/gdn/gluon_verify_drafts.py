@@ -1,6 +1,6 @@
 """Pieces of the GDN/KDA Gluon verify kernel (gluon_verify.py), for the GPU only: the records'
-copies into shared memory and the row products with the drafts' vectors, KDA's drafts' Gram
-rows, a pool's 16-bit copy (its tile's staging, an early flush's refold along the HP path),
+copies into shared memory and the row products with the drafts' vectors (with `LEAN`, the
+drafts' own products on the tensor cores), KDA's drafts' Gram rows, a pool's 16-bit copy (its tile's staging, an early flush's refold along the HP path),
 and the early flush's hand-off: the slot's last program writes the drafts' shared fields
 (decays, normalised keys; with a copy, the gates) at positions `0..n-1`, recomputed from the
 inputs, which the slot's other programs read as committed records until they all arrived.
@@ -18,7 +18,51 @@ if HAVE_GLUON:
 
     from ..utils.gluon import (_add, _async_load, _barrier, _lp_decode, _lp_encode, _lp_tile_view, _record_weights,
                                 _rows_view, _softplus, _tile_offsets)
-    from ..utils.gluon_mma import _fold_mma, _mma_exact, _split_bf16, _tile_vectors_mma, _zero_keys_past
+    from ..utils.gluon_mma import (_bf16_products_mma, _fold_mma, _mma_exact, _split_bf16, _tile_vectors_mma,
+                                   _zero_keys_past)
+
+    @gluon.jit
+    def _stage_keys_queries(k, q, i_b, i_hk, stride_k_b, stride_k_t, stride_k_h, stride_q_b, stride_q_t,
+                            stride_q_h, T: gl.constexpr, K: gl.constexpr, NW: gl.constexpr):
+        """(GDN, `mma` with `LEAN`: bf16 inputs.) The drafts' raw keys (rows 0..7) and queries (rows
+        8..15), zero past T, stored from registers into one `[16, K]` shared buffer swizzled as
+        the tensor cores read it (utils/gluon_mma.py), while the tile is in flight: the B
+        operands of the tile's products and both operands of `_draft_products_mma`. The
+        caller's barrier comes before a read."""
+        LXN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        o_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LXN))
+        o_kx = gl.arange(0, K, layout=gl.SliceLayout(0, LXN))
+        o_t = o_r % 8
+        p_k = k + i_b * stride_k_b + i_hk * stride_k_h + o_t * stride_k_t
+        p_q = q + i_b * stride_q_b + i_hk * stride_q_h + o_t * stride_q_t
+        m_x = (o_t < T)[:, None] & (o_kx >= 0)[None, :]
+        return gl.allocate_shared_memory(k.dtype.element_ty, [16, K], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]),
+                                         gl.load(gl.where(o_r < 8, p_k, p_q)[:, None] + o_kx[None, :], mask=m_x,
+                                                 other=0.0))
+
+    @gluon.jit
+    def _draft_products_mma(s_kq, s_K, s_c, s_f, hr, s_G, s_Zk, s_Zq, BL: gl.constexpr, K: gl.constexpr,
+                            NW: gl.constexpr):
+        """(GDN, `mma` with `LEAN`: bf16 inputs and key records.) What every program of a key head
+        forms beside the tile's products, on the tensor cores too, from the raw vectors as stored
+        (exact products, `utils.gluon_mma._bf16_products_mma`) with the norms and the scale
+        applied after, as to the tile's products: the drafts' Gram rows into `s_G` `[16, 8]`
+        (row t: k_t . k_r; row 8 + t: q_t . k_r) and the key records' products with the drafts'
+        keys and queries, weighted by c_j (`s_c`) and zero at or past the cursor `hr` (a select:
+        records there may hold anything), into `s_Zk`, `s_Zq` `[BL, 8]`. `s_kq`:
+        `_stage_keys_queries`' buffer; `s_f` `[16]` its rows' factors (the keys' inverse norms,
+        the queries' times the scale); the key records `s_K` landed, and a barrier passed."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        f_r = s_f.load(gl.SliceLayout(1, MM))[:, None]
+        f_k = s_f.slice(0, 8).load(gl.SliceLayout(0, MM))[None, :]
+        f_q = s_f.slice(8, 8).load(gl.SliceLayout(0, MM))[None, :]
+        s_kx = s_kq.slice(0, 8, dim=0)
+        s_G.store(_bf16_products_mma(s_kq, s_kx, 16, 8, K, NW) * f_r * f_k)
+        o_j = gl.arange(0, BL, layout=gl.SliceLayout(1, MM))
+        m_j = (o_j < hr)[:, None]
+        b_c = s_c.load(gl.SliceLayout(1, MM))[:, None]
+        s_Zk.store(gl.where(m_j, b_c * (_bf16_products_mma(s_K, s_kx, BL, 8, K, NW) * f_k), 0.0))
+        s_Zq.store(gl.where(m_j, b_c * (_bf16_products_mma(s_K, s_kq.slice(8, 8, dim=0), BL, 8, K, NW) * f_q), 0.0))
 
     @gluon.jit
     def _stage_lp_tile(p_C, p_L, flush, BV: gl.constexpr, K: gl.constexpr, LT: gl.constexpr, SWZ: gl.constexpr,

@@ -45,7 +45,8 @@ from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
 from ..utils.tiles import check_slices, tile_offsets
 from .common import (_FLOATS, _for_store, _interpreting, _load_head, _load_qk, _scale, _write_shared,
                      check_cursor_values, check_devices, check_slot_ids, check_slot_values, check_state)
-from .gluon_verify import gluon_verify_unsupported, launch_gluon_verify
+from .gluon_verify import gluon_verify_unsupported
+from .gluon_verify_launch import launch_gluon_verify
 from .verify_mma import launch_verify_mma, mma_verify_unsupported
 
 __all__ = ["replay_verify", "run_verify", "verify_config"]
@@ -267,8 +268,6 @@ def _replay_verify_kernel(
         _write_shared(k, a, A_log, dt_bias, buf_ld, buf_k, i_b, i_s, n, o_k, m_k,
                       stride_k_b, stride_k_t, stride_k_h, stride_a_b, stride_a_t, stride_a_h,
                       T, HV, HK, K, LBCAP, HVP, HKP, IS_KDA, USE_QK_L2NORM, EXACT_BF16)
-
-
 
 
 # ---------------------------------------------------------------------------------------------

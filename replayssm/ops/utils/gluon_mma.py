@@ -144,12 +144,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_vector_pairs_mma(s_S, s_X, s_Z, BV: gl.constexpr, K: gl.constexpr, NQ: gl.constexpr,
-                               XP: gl.constexpr, NW: gl.constexpr, LPT: gl.constexpr = 0):
+                               XP: gl.constexpr, NW: gl.constexpr, LPT: gl.constexpr = 0, RZ: gl.constexpr = False):
         """`_tile_vectors_mma` for two sets of vectors (`s_X`, `s_Z`) at once: each K chunk of
         the tile is read and split once for both products. `LPT` 1 / 2: the tile is a 16-bit
         copy's (int16 bits, fp16 / bf16): a bf16 value is its one piece, an fp16 value two
         (8 + 3 significant bits, exact), so a chunk takes one or two leading products where an
-        fp32 tile takes three pieces (`_lp_mma_exact`)."""
+        fp32 tile takes three pieces (`_lp_mma_exact`). `RZ`: an fp32 tile split by truncation
+        (`_split_bf16_rz`; for one-piece vectors, XP 1: every product kept either way)."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
@@ -163,6 +164,8 @@ if HAVE_GLUON:
             elif LPT == 2:
                 a0 = s_S.slice(k0, 32, dim=1).load(AL).to(gl.bfloat16, bitcast=True)
                 a1 = a0
+            elif RZ:
+                a0, a1, a2 = _split_bf16_rz(s_S.slice(k0, 32, dim=1).load(AL))
             else:
                 a0, a1, a2 = _split_bf16(s_S.slice(k0, 32, dim=1).load(AL))
             bx = s_X.slice(k0, 32, dim=1).permute([1, 0]).load(BO).to(gl.float32)
@@ -174,3 +177,30 @@ if HAVE_GLUON:
                 yx += _mma_exact(a0, a1, a2, bx, gl.zeros([BV, NQ], gl.float32, MM), XP)
                 yz += _mma_exact(a0, a1, a2, bz, gl.zeros([BV, NQ], gl.float32, MM), XP)
         return yx, yz
+
+    @gluon.jit
+    def _split_bf16_rz(x):
+        # fp32 x as three bf16 pieces by truncation, x == p0 + p1 + p2 exactly for normal x: p0
+        # keeps x's leading 8 significant bits, so the rest r has at most 16 and r's own rest at
+        # most 8. Each piece's fp32 value is a mask of the bits, not a convert back (fewer
+        # instructions than `_split_bf16`; pieces up to 2^-7 and 2^-15 of x, not 2^-8, 2^-16)
+        p0 = x.to(gl.bfloat16, fp_downcast_rounding="rtz")
+        r = x - (x.to(gl.int32, bitcast=True) & -65536).to(gl.float32, bitcast=True)
+        p1 = r.to(gl.bfloat16, fp_downcast_rounding="rtz")
+        r2 = r - (r.to(gl.int32, bitcast=True) & -65536).to(gl.float32, bitcast=True)
+        return p0, p1, r2.to(gl.bfloat16)
+
+    @gluon.jit
+    def _bf16_products_mma(s_A, s_B, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, NW: gl.constexpr):
+        """`A @ B^T` of 16-bit rows as stored, `s_A` `[M, K]` and `s_B` `[N, K]` (shared, bf16: one
+        piece each, so every product is exact), fp32 `[M, N]` in the MMA layout, a fresh
+        accumulator per K chunk of 32 added in fp32 (the module docstring)."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        y = gl.zeros([M, N], gl.float32, MM)
+        for k0 in gl.static_range(0, K, 32):
+            a = s_A.slice(k0, 32, dim=1).load(AL)
+            b = s_B.slice(k0, 32, dim=1).permute([1, 0]).load(BO)
+            y += mma_v2(a, b, gl.zeros([M, N], gl.float32, MM))
+        return y
