@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from replayssm.ops.gdn.gluon_verify import gluon_verify_unsupported  # noqa: E402
+from replayssm.ops.gdn.gluon_verify_host import gluon_verify_unsupported  # noqa: E402
 from replayssm.ops.gdn.verify import verify_config  # noqa: E402
 from replayssm.ops.utils.commit import commit  # noqa: E402
 from replayssm.ops.utils.gluon import HAVE_GLUON  # noqa: E402
@@ -224,11 +224,11 @@ def test_gpu_gluon_kda_matches_triton(name, rec, T):
 @pytest.mark.parametrize("T", [5, 8])
 @pytest.mark.parametrize("name", ["qwen3.5-4b", "qwen3.5-122b"])
 def test_gpu_gluon_lean(name, T, monkeypatch):
-    # REPLAYSSM_GLUON_VERIFY_LEAN (gluon_verify.LEAN, read at each launch): the drafts' Gram and
+    # REPLAYSSM_GLUON_VERIFY_LEAN (gluon_verify_host.LEAN, read at each launch): the drafts' Gram and
     # record products on the tensor cores too, the tile split by truncation, the gates once per
     # draft; where it applies (bf16 inputs and records) each launch's outputs within fp32
     # rounding of the Triton kernel's, and rounds against the float64 reference
-    from replayssm.ops.gdn import gluon_verify as gv
+    from replayssm.ops.gdn import gluon_verify_host as gv
     monkeypatch.setattr(gv, "LEAN", True)
     mma = {"gluon": True, "mma": True}
     _matches_triton("gdn", name, torch.bfloat16, T, mma, out_tol=2e-5)
@@ -500,14 +500,14 @@ _COMPILE = r"""
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from replayssm.ops.gdn import gluon_verify as m
+from replayssm.ops.gdn import gluon_verify as m, gluon_verify_host as h
 T, HV, Hk, L, rec, family = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:7]
 fn = m._gluon_verify_kernel
 ptr = dict({n: "*bf16" for n in ("q", "k", "v", "a", "b", "o")}, A_log="*fp32", dt_bias="*fp32", ckpt="*fp32",
            buf_ld="*fp32", buf_w="*" + rec, buf_k="*" + rec, cursor="*i32", pending="*i32", epoch="*i64",
            arrive="*i32", slot_ids="*i32", num_drafts="*i32", kq="*fp32")
 nb = 4 if rec == "fp32" else 2
-vals = m.gluon_verify_constexprs(T, HV, Hk, 128, 128, L, L + T, 64, 4, w_bytes=nb, k_bytes=nb, family=family,
+vals = h.gluon_verify_constexprs(T, HV, Hk, 128, 128, L, L + T, 64, 4, w_bytes=nb, k_bytes=nb, family=family,
                                  kq="kq" in sys.argv[7:], mma="mma" in sys.argv[7:], lean="lean" in sys.argv[7:])
 sig, const = {}, {}
 for i, n in enumerate(fn.arg_names):

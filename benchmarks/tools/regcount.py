@@ -318,10 +318,10 @@ def delta_gluon_verify(cfg, family="gdn"):
     tensor cores; `lp=1/2` (GDN) a pool's fp16/bf16 copy beside the fp32 checkpoint, `rfl=` the
     rows its flush refolds at a time, `rfm=1` that refold on the tensor cores; `w=` the window;
     `lean=1` (GDN, with `mma`) the drafts' own products on the tensor cores too
-    (gluon_verify.LEAN)."""
+    (gluon_verify_host.LEAN)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from replayssm.ops.gdn import gluon_verify as m
+    from replayssm.ops.gdn import gluon_verify as m, gluon_verify_host as h
 
     c = dict(BV=64, num_warps=4, T=8, HV=32, HK=16 if family == "gdn" else 32, rec="bf16", inputs="bf16")
     c.update(cfg)
@@ -333,7 +333,7 @@ def delta_gluon_verify(cfg, family="gdn"):
                buf_beta="*fp32")
     rb = 4 if c["rec"] == "fp32" else 2
     w = int(c.get("w", 16))
-    vals = m.gluon_verify_constexprs(c["T"], c["HV"], c["HK"], 128, 128, w, w + c["T"], c["BV"], c["num_warps"],
+    vals = h.gluon_verify_constexprs(c["T"], c["HV"], c["HK"], 128, 128, w, w + c["T"], c["BV"], c["num_warps"],
                                      w_bytes=rb, k_bytes=rb, family=family, kq=bool(int(c.get("kq", 0))),
                                      mma=bool(int(c.get("mma", 0))), x_pieces=3 if c["inputs"] == "fp32" else 1,
                                      k_pieces=3 if c["rec"] == "fp32" else 1, lp_code=int(c.get("lp", 0)),

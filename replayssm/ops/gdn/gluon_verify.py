@@ -53,15 +53,7 @@ GPU tests (tests/test_verify_gluon_gdn.py) compare this one with the reference a
 """
 from __future__ import annotations
 
-import os
-from typing import Optional
-
-import triton
-
-from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
-
-# verify.MAX_DRAFT (verify.py imports this module)
-_MAX_T = 8
+from ..utils.gluon import HAVE_GLUON
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -70,74 +62,13 @@ if HAVE_GLUON:
 
     from ..utils.gluon import (_add, _barrier, _draft_count, _products_to_shared, _record_weights, _rows_view,
                                 _slot_bases, _softplus, _tile_to_shared, _verify_arrive)
-    from ..utils.gluon_mma import _fold_mma_records, _tile_vector_pairs_mma
+    from ..utils.gluon_mma import _fold_mma_records, _records_weights_mma, _tile_vector_pairs_mma
     from .gluon_verify_drafts import (_draft_products_mma, _fold_kda, _kda_draft_grams, _records_to_shared,
-                                      _refold_lp, _refold_lp_mma, _row_pair_products, _stage_keys_queries,
-                                      _stage_lp_tile, _write_drafts_beta, _write_drafts_shared,
-                                      _write_drafts_shared_kda)
+                                      _refold_lp, _refold_lp_mma, _row_pair_products, _solve_weights,
+                                      _stage_keys_queries, _stage_lp_tile, _write_drafts_beta,
+                                      _write_drafts_shared, _write_drafts_shared_kda)
 
-__all__ = ["LEAN", "gluon_verify_constexprs", "gluon_verify_unsupported", "lean_applies"]
-
-# REPLAYSSM_GLUON_VERIFY_LEAN=1 (experimental, off: not yet run on a GPU; `lean_applies`): the
-# drafts' Gram products and the key records' products with the drafts on the tensor cores
-# (gluon_verify_drafts._draft_products_mma), the fp32 tile split by truncation
-# (utils.gluon_mma._split_bf16_rz), the drafts' decays and gates once per draft rather than in
-# every thread. Compiled under Triton 3.6 at Qwen3.5-4B's shape, T = 8 (benchmarks/tools/
-# regcount.py): 6,256 -> 4,968 SASS instructions, all of the cut outside the flush's hand-off
-# (whose ~1,750 only a slot's last program runs), 128 registers, 16 bytes of stack (32 before).
-# The verify step is bound by instruction issue (docs/verify.md): time it against the default.
-LEAN = os.environ.get("REPLAYSSM_GLUON_VERIFY_LEAN") == "1"
-
-
-def lean_applies(family: str, T: int, mma: bool, kq: bool, x_pieces: int, k_pieces: int) -> bool:
-    """Whether `lean` changes the kernel: GDN with `mma`, without `kq`, 5..8 drafts (8 padded
-    rows), token inputs and key records of one bf16 piece each (`dots.pieces`)."""
-    return family == "gdn" and bool(mma) and not kq and 5 <= T <= 8 and x_pieces == 1 and k_pieces == 1
-
-
-def gluon_verify_unsupported(family: str, HV: int, Hk: int, V: int, K: int, T: int, window: int, Lb: int,
-                             BV: int, num_warps: int) -> Optional[str]:
-    """Why the Gluon verify kernel does not cover this family, shape and launch config; None
-    when it does (GDN and KDA; K = 128, BV = 16 * num_warps dividing V, windows up to 32)."""
-    if family not in ("gdn", "kda"):
-        return f"family {family!r} (GDN and KDA only)"
-    if not 1 <= T <= _MAX_T:
-        return f"T={T} drafts (1..{_MAX_T})"
-    if T > window:
-        # Mamba-2's Gluon verify failed its H200 round test with a window below T, and this
-        # kernel's test of that case has not run on a GPU yet
-        return f"T={T} drafts above the window {window} (the Triton kernel)"
-    if HV < 1 or Hk < 1 or HV % Hk:
-        return f"HV={HV} is not a multiple of Hk={Hk}"
-    return gluon_shape_supported(V, K, window, Lb, BV, num_warps) or None
-
-
-def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: int, Lb: int, BV: int,
-                            num_warps: int, use_qk_l2norm: bool = True, has_ndraft: bool = True,
-                            w_bytes: int = 2, k_bytes: int = 2, family: str = "gdn", kq: bool = False,
-                            mma: bool = False, x_pieces: int = 1, k_pieces: int = 1, lp_code: int = 0,
-                            refold_rows: int = 0, refold_mma: bool = False,
-                            lean: Optional[bool] = None) -> dict:
-    """The kernel's constexpr arguments for a launch (offline compiles use them too); `w_bytes`,
-    `k_bytes`: the element sizes of the u and key records (16-byte copies); `family` "gdn" or
-    "kda"; `mma` (GDN): the tile's products with the drafts' raw keys and queries (of
-    `x_pieces` bf16 pieces, `dots.pieces`) on the tensor cores, and an early flush's fold too,
-    the key records of `k_pieces` pieces. `lp_code`: a pool's 16-bit copy (1 fp16, 2
-    bf16), verify_lp.py's contract, whose refold takes `refold_rows` rows of the tile at a time
-    (0: 4 per warp), or with `refold_mma` (GDN) runs on the tensor cores (`_refold_lp_mma`).
-    `lean` (None: the module's `LEAN` as it is at the call): where it applies (`lean_applies`), the
-    drafts' Gram and record products on the tensor cores too, the fp32 tile split by truncation,
-    the drafts' gates computed once per draft."""
-    TP = max(2, triton.next_power_of_2(T))
-    lean = LEAN if lean is None else lean
-    return dict(T=T, TP=TP, TL=min(TP, 4), HV=HV, HK=Hk, V=V, K=K, LBCAP=Lb, BV=BV,
-                BL=gluon_record_tile(window, Lb), RC=2 * num_warps, RCF=4 * num_warps,
-                HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), VW=16 // w_bytes,
-                VK=16 // k_bytes, USE_QK_L2NORM=bool(use_qk_l2norm), HAS_NDRAFT=bool(has_ndraft),
-                NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
-                MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps),
-                KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps, RFM=bool(refold_mma) and family == "gdn",
-                LEAN=bool(lean) and lean_applies(family, T, mma, kq, x_pieces, k_pieces))
+__all__ = ["HAVE_GLUON"]
 
 
 if HAVE_GLUON:
@@ -333,8 +264,8 @@ if HAVE_GLUON:
             else:
                 s_f.store(gl.where(gl.arange(0, 16, layout=LA1) < 8, 1.0, scale))
             # the decays once per draft, not in every thread (the same values)
-            b_ldc = gl.convert_layout(-gl.exp(b_Alog) * _softplus(gl.convert_layout(b_ar, LA1).to(gl.float32) + b_dtb),
-                                      LC)
+            b_ldc1 = -gl.exp(b_Alog) * _softplus(gl.convert_layout(b_ar, LA1).to(gl.float32) + b_dtb)
+            b_ldc = gl.convert_layout(b_ldc1, LC)
         elif not IS_KDA:
             b_ldc = -gl.exp(b_Alog) * _softplus(b_ar.to(gl.float32) + b_dtb)          # [TP] LC
 
@@ -342,7 +273,10 @@ if HAVE_GLUON:
         # (V-block 0 of the head, of the key head's first value head): no program of this launch
         # reads positions >= h
         sole = (h + n <= window) & (i_v == 0)
-        if not IS_KDA:
+        if LEAN:
+            o_c1 = gl.arange(0, TP, layout=LA1)
+            gl.store(p_ldh + (hc + o_c1) * HV, b_ldc1, mask=(o_c1 < T) & (o_c1 < n) & (hc + o_c1 < LBCAP) & sole)
+        elif not IS_KDA:
             gl.store(p_ldh + (hc + o_c) * HV, b_ldc, mask=m_c & (o_c < n) & (hc + o_c < LBCAP) & sole)
         if i_hv % HG == 0:
             p_kh = p_Kg + ((hc + o_tD) * (HK * K))[:, None] + o_kD[None, :]
@@ -467,8 +401,17 @@ if HAVE_GLUON:
                     b_Yk, b_Yq = _tile_vector_pairs_mma(s_L, s_kx, s_qx, BV, K, 8, XP, NW, LPT)
             else:
                 b_Yk, b_Yq = _tile_vector_pairs_mma(s_C, s_kx, s_qx, BV, K, 8, XP, NW, 0, LEAN)
-            s_Yk8.store(b_Yk * f_k[None, :])
-            s_Yq8.store(b_Yq * f_q[None, :])
+            if LEAN:
+                # g C x and the records' terms together: U^T Z on the tensor cores too
+                s_Yk8.store(b_g * (b_Yk * f_k[None, :]) + _records_weights_mma(s_U, s_Zk, BV, BL, NW))
+                s_Yq8.store(b_g * (b_Yq * f_q[None, :]) + _records_weights_mma(s_U, s_Zq, BV, BL, NW))
+            else:
+                s_Yk8.store(b_Yk * f_k[None, :])
+                s_Yq8.store(b_Yq * f_q[None, :])
+            if LEAN:
+                s_W = gl.allocate_shared_memory(gl.float32, [2 * TP, TP], SM)
+                s_v = gl.allocate_shared_memory(gl.float32, [2 * TP], S1)
+                _solve_weights(b_ldc, s_G, s_W, s_v, TP, LC, NW)
             s_Yk = s_Yk8.slice(0, TP, dim=1)
             s_Yq = s_Yq8.slice(0, TP, dim=1)
         else:
@@ -485,16 +428,22 @@ if HAVE_GLUON:
 
         # S_h x = g C x + sum_{j<h} c_j (k_j . x) u_j, per row and draft (on a flush too: the
         # drafts follow the folded checkpoint, which is this)
-        b_Sk = b_g * s_Yk.load(LS)
-        b_Sq = b_g * s_Yq.load(LS)
-        s_U1 = _rows_view(s_U, BL, BV)
-        s_Zk1 = _rows_view(s_Zk, BL, TP)
-        s_Zq1 = _rows_view(s_Zq, BL, TP)
-        hb = gl.minimum(hr, BL)                      # (a bad cursor past the window reads no further)
-        for j in range(0, hb):
-            b_uj = s_U1.index(j).load(LY).to(gl.float32)[:, None]
-            b_Sk += b_uj * s_Zk1.index(j).load(LC)[None, :]
-            b_Sq += b_uj * s_Zq1.index(j).load(LC)[None, :]
+        if LEAN:
+            b_Sk = s_Yk.load(LS)                     # (all of it formed on the tensor cores)
+            b_Sq = s_Yq.load(LS)
+            s_U1 = _rows_view(s_U, BL, BV)
+            hb = gl.minimum(hr, BL)
+        else:
+            b_Sk = b_g * s_Yk.load(LS)
+            b_Sq = b_g * s_Yq.load(LS)
+            s_U1 = _rows_view(s_U, BL, BV)
+            s_Zk1 = _rows_view(s_Zk, BL, TP)
+            s_Zq1 = _rows_view(s_Zq, BL, TP)
+            hb = gl.minimum(hr, BL)                  # (a bad cursor past the window reads no further)
+            for j in range(0, hb):
+                b_uj = s_U1.index(j).load(LY).to(gl.float32)[:, None]
+                b_Sk += b_uj * s_Zk1.index(j).load(LC)[None, :]
+                b_Sq += b_uj * s_Zq1.index(j).load(LC)[None, :]
 
         # 4. the drafts in order. lw[r]: log decay from draft r + 1 to the current one (reset
         # when r is solved, as verify.py's b_La); lb: from draft 0 to the current one
@@ -507,13 +456,20 @@ if HAVE_GLUON:
         b_lb = gl.sum(b_lw, axis=0)
         b_Ud = gl.zeros([BV, TP], gl.float32, LS)
         b_O = gl.zeros([BV, TP], gl.float32, LS)
-        # (LEAN: one buffer, the queries' rows after the keys')
-        s_Gk1 = _rows_view(s_Gk, 2 * TP if LEAN else TP, TP)
-        s_Gq1 = _rows_view(s_Gq, 2 * TP if LEAN else TP, TP)
+        if LEAN:
+            # (the loop's factors formed once: _solve_weights)
+            s_W1 = _rows_view(s_W, 2 * TP, TP)
+            b_gv = s_v.slice(0, TP).load(LC)
+            b_kqv = s_v.slice(TP, TP).load(LC)
+        else:
+            s_Gk1 = _rows_view(s_Gk, TP, TP)
+            s_Gq1 = _rows_view(s_Gq, TP, TP)
         for t in gl.static_range(T):
             is_t = o_c == t
             col = is_t[None, :]
-            if IS_KDA:
+            if LEAN:
+                g_t = gl.sum(gl.where(is_t, b_gv, 0.0), axis=0)
+            elif IS_KDA:
                 # KDA's decays are in the products (Gram rows, decayed vectors): unit weights
                 g_t = 1.0
                 b_w = 1.0
@@ -523,21 +479,27 @@ if HAVE_GLUON:
                 b_lb = b_lb + ld_t
                 g_t = gl.exp(b_lb)
             beta_t = gl.sum(gl.where(is_t, b_bet, 0.0), axis=0)
-            b_gk = s_Gk1.index(t).load(LC)
-            b_gq = s_Gq1.index(t + TP * LEAN).load(LC)
-            kq_t = gl.sum(gl.where(is_t, b_gq, 0.0), axis=0)
-            if not IS_KDA:
-                b_w = gl.exp(b_lw)
-            before = o_c < t
-            w_k = gl.where(before, b_w * b_gk, 0.0)[None, :]
-            w_q = gl.where(before, b_w * b_gq, 0.0)[None, :]
+            if LEAN:
+                kq_t = gl.sum(gl.where(is_t, b_kqv, 0.0), axis=0)
+                w_k = s_W1.index(t).load(LC)[None, :]
+                w_q = s_W1.index(TP + t).load(LC)[None, :]
+            else:
+                b_gk = s_Gk1.index(t).load(LC)
+                b_gq = s_Gq1.index(t).load(LC)
+                kq_t = gl.sum(gl.where(is_t, b_gq, 0.0), axis=0)
+                if not IS_KDA:
+                    b_w = gl.exp(b_lw)
+                before = o_c < t
+                w_k = gl.where(before, b_w * b_gk, 0.0)[None, :]
+                w_q = gl.where(before, b_w * b_gq, 0.0)[None, :]
             b_Pk = g_t * gl.sum(gl.where(col, b_Sk, 0.0), axis=1) + gl.sum(b_Ud * w_k, axis=1)
             b_u = beta_t * (gl.sum(gl.where(col, b_V, 0.0), axis=1) - b_Pk)
             b_Pq = g_t * gl.sum(gl.where(col, b_Sq, 0.0), axis=1) + gl.sum(b_Ud * w_q, axis=1)
             b_Ud = gl.where(col, b_u[:, None], b_Ud)
             b_O = gl.where(col, (b_Pq + kq_t * b_u)[:, None], b_O)
             if not IS_KDA:
-                b_lw = gl.where(is_t, 0.0, b_lw)
+                if not LEAN:
+                    b_lw = gl.where(is_t, 0.0, b_lw)
         m_n = (o_c < n)[None, :]
         gl.store(p_o, gl.where(m_n, b_O, 0.0).to(o.dtype.element_ty), mask=m_o)
 

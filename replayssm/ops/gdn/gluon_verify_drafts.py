@@ -41,6 +41,34 @@ if HAVE_GLUON:
                                                  other=0.0))
 
     @gluon.jit
+    def _solve_weights(b_ldc, s_G, s_W, s_v, TP: gl.constexpr, LC: gl.constexpr, NW: gl.constexpr):
+        """(GDN with `LEAN`.) The solve's per-draft factors formed once, one element per thread,
+        where the solve's loop formed them in every thread: `s_W` `[2 TP, TP]` rows t and TP + t
+        the weights w_k, w_q of draft t on the earlier drafts r < t (exp of the log decays
+        ld_{r+1} + ... + ld_t summed in that order, times the Gram rows of `s_G`; zero from r = t
+        on), and `s_v` `[2 TP]` g_t = exp(ld_0 + ... + ld_t) and k_t . q_t: the same values the
+        loop forms, bit for bit. `b_ldc`: the drafts' log decays, whole in every thread (LC); `s_G`
+        written and a barrier passed; the caller's barrier comes before a read."""
+        LW2: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [NW, 1], [1, 0])
+        o_t = gl.arange(0, TP, layout=gl.SliceLayout(1, LW2))[:, None]
+        o_r = gl.arange(0, TP, layout=gl.SliceLayout(0, LW2))[None, :]
+        o_c = gl.arange(0, TP, layout=LC)
+        lw = gl.zeros([TP, TP], gl.float32, LW2)
+        lb = gl.zeros([TP, TP], gl.float32, LW2)
+        for s in gl.static_range(TP):
+            ld_s = gl.sum(gl.where(o_c == s, b_ldc, 0.0), axis=0)
+            lw = gl.where((o_r < s) & (s <= o_t), lw + ld_s, lw)
+            lb = gl.where(s <= o_t, lb + ld_s, lb)
+        before = o_r < o_t
+        b_w = gl.exp(lw)
+        b_gq = s_G.slice(TP, TP, dim=0).load(LW2)
+        s_W.slice(0, TP, dim=0).store(gl.where(before, b_w * s_G.slice(0, TP, dim=0).load(LW2), 0.0))
+        s_W.slice(TP, TP, dim=0).store(gl.where(before, b_w * b_gq, 0.0))
+        # (lb is the same along a row; its first column taken)
+        s_v.slice(0, TP).store(gl.sum(gl.where(o_r == 0, gl.exp(lb), 0.0), axis=1))
+        s_v.slice(TP, TP).store(gl.sum(gl.where(o_r == o_t, b_gq, 0.0), axis=1))
+
+    @gluon.jit
     def _draft_products_mma(s_kq, s_K, s_c, s_f, hr, s_G, s_Zk, s_Zq, BL: gl.constexpr, K: gl.constexpr,
                             NW: gl.constexpr):
         """(GDN, `mma` with `LEAN`: bf16 inputs and key records.) What every program of a key head

@@ -45,8 +45,7 @@ from ..utils.launch import arrive_counter, gluon_aligned, slot_pads
 from ..utils.tiles import check_slices, tile_offsets
 from .common import (_FLOATS, _for_store, _interpreting, _load_head, _load_qk, _scale, _write_shared,
                      check_cursor_values, check_devices, check_slot_ids, check_slot_values, check_state)
-from .gluon_verify import gluon_verify_unsupported
-from .gluon_verify_launch import launch_gluon_verify
+from .gluon_verify_host import gluon_verify_unsupported, launch_gluon_verify
 from .verify_mma import launch_verify_mma, mma_verify_unsupported
 
 __all__ = ["replay_verify", "run_verify", "verify_config"]

@@ -51,7 +51,7 @@ from ..utils.sround import (HP_CODES, checkpoint_args, nvfp4_tensor_scale, share
 from .common import (_for_store, _interpreting, _load_head, _load_qk, _scale, _write_shared, check_cursor_values,
                      check_devices, check_slot_ids, check_slot_values, check_state)
 from .gluon_verify import HAVE_GLUON
-from .gluon_verify_launch import launch_gluon_verify
+from .gluon_verify_host import launch_gluon_verify
 from .verify import _check_draft_counts, _fold, check_verify_inputs, verify_config
 
 __all__ = ["lowp_verify", "verify_lp_config"]

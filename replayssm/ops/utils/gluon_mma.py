@@ -204,3 +204,21 @@ if HAVE_GLUON:
             b = s_B.slice(k0, 32, dim=1).permute([1, 0]).load(BO)
             y += mma_v2(a, b, gl.zeros([M, N], gl.float32, MM))
         return y
+
+    @gluon.jit
+    def _records_weights_mma(s_U, s_Z, BV: gl.constexpr, BL: gl.constexpr, NW: gl.constexpr):
+        """`U^T Z`: 16-bit records `s_U` `[BL, BV]` (shared, bf16: one piece) times fp32 weights
+        `s_Z` `[BL, 8]` (shared; three pieces, `_split_bf16`), fp32 `[BV, 8]` in the MMA layout,
+        every product exact, each 16 records a fresh value (the leading products in an
+        accumulator of their own) added in fp32."""
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        y = gl.zeros([BV, 8], gl.float32, MM)
+        for j0 in gl.static_range(0, BL, 16):
+            a = s_U.slice(j0, 16, dim=0).permute([1, 0]).load(AL)
+            b0, b1, b2 = _split_bf16(s_Z.slice(j0, 16, dim=0).load(BO))
+            zero = gl.zeros([BV, 8], gl.float32, MM)
+            small = mma_v2(a, b1, mma_v2(a, b2, zero))
+            y += mma_v2(a, b0, zero) + small
+        return y
