@@ -77,7 +77,7 @@ def _rel(a, b):
 # GPU: the float64 reference
 
 
-def _rounds_against_reference(family, name, T, configs=None):
+def _rounds_against_reference(family, name, T, configs=None, io=torch.float32):
     # 32 verify rounds (random draft counts and acceptance, a padding row, an unused slot, NaN
     # past every cursor), a decode step after every third; fp32 records within 1.5x of the
     # conventional kernel's error, bf16 records at bf16 level
@@ -87,7 +87,7 @@ def _rounds_against_reference(family, name, T, configs=None):
     for config in configs:
         _uses_gluon(shape, T, 16, config, family)
         for rec in (torch.float32, torch.bfloat16):
-            run, err = _drive(family, 32, **shape, L=16, T=T, cursors=CURSORS, seed=T, rec=rec, config=config)
+            run, err = _drive(family, 32, **shape, L=16, T=T, cursors=CURSORS, seed=T, rec=rec, config=config, io=io)
             assert {f for _, f in run.seen} == {True, False}, run.seen
             if rec == torch.float32:
                 _check_accuracy(run, err)
@@ -152,7 +152,7 @@ def test_gpu_gluon_windows(L, T, cursors):
 # GPU: the Triton kernel, round by round
 
 
-def _matches_triton(family, name, rec, T, config=GLUON, out_tol=None):
+def _matches_triton(family, name, rec, T, config=GLUON, out_tol=None, io=torch.float32):
     # the same state and inputs through both kernels: outputs and every state tensor agree
     # (integers exactly, floats to rounding: the weights are associated differently), padding
     # rows and drafts past a row's count exactly zero; both then commit the same acceptance
@@ -161,7 +161,7 @@ def _matches_triton(family, name, rec, T, config=GLUON, out_tol=None):
     # bf16 records it writes round apart)
     shape, L = SHAPES[name], 16
     _uses_gluon(shape, T, L, config, family)
-    run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, rec=rec, seed=100 + T)
+    run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, rec=rec, seed=100 + T, io=io)
     st_t = run.st
     st_g = {n: t.clone() for n, t in st_t.items()}
     arr_t = torch.zeros(run.N, dtype=torch.int32, device="cuda")
@@ -224,15 +224,25 @@ def test_gpu_gluon_kda_matches_triton(name, rec, T):
 @pytest.mark.parametrize("T", [5, 8])
 @pytest.mark.parametrize("name", ["qwen3.5-4b", "qwen3.5-122b"])
 def test_gpu_gluon_lean(name, T, monkeypatch):
-    # REPLAYSSM_GLUON_VERIFY_LEAN (gluon_verify_host.LEAN, read at each launch): the drafts' Gram and
-    # record products on the tensor cores too, the tile split by truncation, the gates once per
-    # draft; where it applies (bf16 inputs and records) each launch's outputs within fp32
-    # rounding of the Triton kernel's, and rounds against the float64 reference
+    # REPLAYSSM_GLUON_VERIFY_LEAN (gluon_verify_host.LEAN, read at each launch): every product of
+    # the drafts on the tensor cores, the tile split by truncation, the solve's factors formed
+    # once; where it applies (bf16 inputs and records: asserted to have run) each launch's
+    # outputs within fp32 rounding of the Triton kernel's, rounds against the float64
+    # reference, poisoned drafts as the default kernel's
     from replayssm.ops.gdn import gluon_verify_host as gv
     monkeypatch.setattr(gv, "LEAN", True)
-    mma = {"gluon": True, "mma": True}
-    _matches_triton("gdn", name, torch.bfloat16, T, mma, out_tol=2e-5)
-    _rounds_against_reference("gdn", name, T, [mma])
+    seen, constexprs = [], gv.gluon_verify_constexprs
+
+    def spy(*a, **k):
+        d = constexprs(*a, **k)
+        seen.append(d["LEAN"])
+        return d
+    monkeypatch.setattr(gv, "gluon_verify_constexprs", spy)
+    mma, bf = {"gluon": True, "mma": True}, torch.bfloat16
+    _matches_triton("gdn", name, bf, T, mma, out_tol=2e-5, io=bf)
+    _rounds_against_reference("gdn", name, T, [mma], io=bf)
+    _poisoned_drafts("gdn", name, T, mma, rec=bf, io=bf)
+    assert any(seen), "LEAN never applied"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,12 +254,16 @@ def test_gpu_gluon_lean(name, T, monkeypatch):
 @pytest.mark.parametrize("T", [2, 4, 8])
 @pytest.mark.parametrize("family, name", [("gdn", "qwen3.5-4b"), ("kda", "kimi-linear-48b")], ids=["gdn", "kda"])
 def test_gpu_gluon_poisoned_drafts(family, name, T):
+    _poisoned_drafts(family, name, T)
+
+
+def _poisoned_drafts(family, name, T, config=GLUON, **kw):
     # NaN in every input of the drafts past each row's count: outputs and state bit for bit
     # those of clean inputs; NaN in draft t0 < n of one row: that row's earlier outputs bit for
     # bit the clean ones, every other row's outputs untouched
     shape, L = SHAPES[name], 16
-    _uses_gluon(shape, T, L, GLUON, family)
-    run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, seed=7)
+    _uses_gluon(shape, T, L, config, family)
+    run = _Run(family, **shape, L=L, T=T, cursors=CURSORS, seed=7, **kw)
     g = torch.Generator().manual_seed(1)
     ids = run._rows()
     Bt = ids.numel()
@@ -261,7 +275,7 @@ def test_gpu_gluon_poisoned_drafts(family, name, T):
 
     def once(xx):
         st = {n: t.clone() for n, t in run.st.items()}
-        return _verify(run, st, xx, ids_d, nd, L, GLUON, arr), st
+        return _verify(run, st, xx, ids_d, nd, L, config, arr), st
 
     o_ref, st_ref = once(x)
     past = (torch.arange(T)[None, :] >= nd.cpu()[:, None]).cuda()
