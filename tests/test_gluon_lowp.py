@@ -286,6 +286,32 @@ def test_split_matches_single_launch_gpu(shape, design):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("design", [DESIGNS[i] for i in (0, 1, 2, 7)], ids=[DESIGN_IDS[i] for i in (0, 1, 2, 7)])
+def test_split_gpu_read_mma(design, monkeypatch):
+    """REPLAYSSM_GLUON_LP_READ_MMA (`utils.gluon_lowp.READ_MMA`, read at each launch): fp16, bf16
+    and fp8 rows summed on the tensor cores, as `test_split_matches_single_launch_gpu`."""
+    from replayssm.ops.utils import gluon_lowp
+    monkeypatch.setattr(gluon_lowp, "READ_MMA", True)
+    gaps = _run_split(design, GPU_SHAPES["super"], 8, 16, 40, {"gluon": True}, False, ref_every=3)
+    assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize("design", [DESIGNS[i] for i in (0, 2, 3, 7, 9)], ids=[DESIGN_IDS[i] for i in (0, 2, 3, 7, 9)])
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_split_gpu_heads(shape, design, heads, monkeypatch):
+    """REPLAYSSM_GLUON_LP_HEADS (`mamba2.gluon_lowp.HEADS`, read at each launch): several heads of
+    a group per program (gluon_lowp_heads.py), as `test_split_matches_single_launch_gpu`."""
+    from replayssm.ops.mamba2 import gluon_lowp
+    monkeypatch.setattr(gluon_lowp, "HEADS", heads)
+    gaps = _run_split(design, GPU_SHAPES[shape], 8, 16, 40, {"gluon": True}, False, ref_every=3)
+    assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("lp", FORMATS)
 def test_split_gpu_recmask(lp):
     """The Gluon kernel's record loads predicated on the cursor (`gluon_recmask`, off by default
@@ -470,3 +496,12 @@ def test_gluon_decode_bit_exact(fmt, nw):
     nan = torch.isnan(want).any(dim=-1, keepdim=True).expand_as(want)
     assert torch.isnan(out[nan]).all()
     assert _probe_equal(out[~nan], want[~nan])
+
+
+def test_heads_unsupported_reasons():
+    # the several-heads kernel's cover (gluon_lowp_heads.py): heads of one group, every read format
+    from replayssm.ops.mamba2.gluon_lowp_heads import heads_unsupported
+    assert heads_unsupported(2, 3, 128, 8) == "" and heads_unsupported(4, 4, 96, 8) == ""
+    assert "power of two" in heads_unsupported(3, 1, 128, 8)
+    assert "nvfp4" in heads_unsupported(2, 5, 128, 8)
+    assert "divide" in heads_unsupported(8, 1, 96, 8)          # Nano-4B: 12 heads a group

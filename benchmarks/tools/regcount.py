@@ -358,7 +358,7 @@ def _lp_ptr(c):
 def mamba2_gluon_lp(cfg):
     """Mamba-2's low-precision Gluon kernel (ops/mamba2/gluon_lowp.py) at Super's shape (`HV=`,
     `V=` others), `lp=` the read format's code (fp16 by default), `kq=1` with the group's key
-    products loaded (`gluon_kq`)."""
+    products loaded (`gluon_kq`), `rmma=1` the rows summed on the tensor cores (`READ_MMA`)."""
     from replayssm.ops.mamba2 import gluon_lowp as m
 
     c = dict(BV=64, num_warps=4, lp=1)
@@ -366,14 +366,29 @@ def mamba2_gluon_lp(cfg):
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
     ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "kq")}, **_lp_ptr(c))
     vals = dict(HV=c.pop("HV", 128), Hk=8, V=c.pop("V", 64), K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True,
-                LP=c["lp"], KQ=bool(c.pop("kq", 0)))
+                LP=c["lp"], KQ=bool(c.pop("kq", 0)), RMMA=bool(c.pop("rmma", 0)))
     return _gluon(m._gluon_lp_kernel, "mamba2 gluon lp", ptr, vals, c)
+
+
+def mamba2_gluon_lp_heads(cfg):
+    """Mamba-2's low-precision Gluon kernel over `heads=` heads per program
+    (ops/mamba2/gluon_lowp_heads.py), as `mamba2_gluon_lp` (`lp=`, `kq=1`)."""
+    from replayssm.ops.mamba2 import gluon_lowp_heads as m
+
+    c = dict(BV=64, num_warps=4, lp=1, heads=2)
+    c.update(cfg)
+    ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
+    ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "kq")}, **_lp_ptr(c))
+    vals = dict(HV=c.pop("HV", 128), Hk=8, V=c.pop("V", 64), K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True,
+                LP=c["lp"], KQ=bool(c.pop("kq", 0)), NH=int(c.pop("heads")))
+    return _gluon(m._gluon_lp_heads_kernel, "mamba2 gluon lp heads", ptr, vals, c)
 
 
 def delta_gluon_lp(cfg, family="gdn"):
     """GDN's (KDA's) low-precision Gluon kernel (ops/gdn/gluon_lowp.py) at Qwen3.5-4B's (Kimi
     Linear's) shape, fp16 reads beside an fp32 checkpoint by default (`raw=1`: the raw v, beta
-    records; `kq=1`: the record products loaded, `gluon_kq`)."""
+    records; `kq=1`: the record products loaded, `gluon_kq`; `rmma=1`: the rows summed on the
+    tensor cores, `READ_MMA`)."""
     from replayssm.ops.gdn import gluon_lowp as m
 
     c = dict(BV=32, num_warps=2, lp=1, raw=1)
@@ -381,7 +396,8 @@ def delta_gluon_lp(cfg, family="gdn"):
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("q", "k", "v", "a", "b", "o")}
     ptr.update({n: "*fp32" for n in ("A_log", "dt_bias", "buf_v", "buf_beta", "kq")}, **_lp_ptr(c))
     vals = dict(HV=32, HK=16 if family == "gdn" else 32, V=128, K=128, LBCAP=17, WINDOW=16, LP=c["lp"],
-                USE_QK_L2NORM=True, IS_KDA=family == "kda", RAW=bool(c["raw"]), KQ=bool(c.pop("kq", 0)))
+                USE_QK_L2NORM=True, IS_KDA=family == "kda", RAW=bool(c["raw"]), KQ=bool(c.pop("kq", 0)),
+                RMMA=bool(c.pop("rmma", 0)))
     return _gluon(m._gluon_lp_kernel, f"{family} gluon lp", ptr, vals, c)
 
 
@@ -396,6 +412,7 @@ if __name__ == "__main__":
            "mamba2-gluon-verify": mamba2_gluon_verify,
            "gdn-gluon": gdn_gluon, "kda-gluon": kda_gluon, "gdn-verify": delta_verify,
            "kda-verify": lambda c: delta_verify(c, "kda"), "mamba2-gluon-lp": mamba2_gluon_lp,
+           "mamba2-gluon-lp-heads": mamba2_gluon_lp_heads,
            "gdn-gluon-lp": delta_gluon_lp, "kda-gluon-lp": lambda c: delta_gluon_lp(c, "kda"),
            "gdn-gluon-verify": delta_gluon_verify,
            "kda-gluon-verify": lambda c: delta_gluon_verify(c, "kda")}[fam](cfg))

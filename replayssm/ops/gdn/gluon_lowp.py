@@ -32,6 +32,7 @@ import os
 from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils import gluon_lowp as _lowp
 from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views
 from ..utils.key_products import key_products
 
@@ -41,8 +42,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import _add, _arrive_early, _barrier, _move_cursor, _record_weights, _softplus
-    from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_tile_to_shared,
-                                    lp_vector)
+    from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_row_sums_mma,
+                                    lp_tile_to_shared, lp_vector)
     from .gluon_decode import _delta_token_loads
 
 __all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
@@ -81,7 +82,7 @@ if HAVE_GLUON:
         HV: gl.constexpr, HK: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LBCAP: gl.constexpr,
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, LP: gl.constexpr,
         USE_QK_L2NORM: gl.constexpr, NW: gl.constexpr, RECMASK: gl.constexpr, IS_KDA: gl.constexpr,
-        RAW: gl.constexpr, KQ: gl.constexpr,
+        RAW: gl.constexpr, KQ: gl.constexpr, RMMA: gl.constexpr,
     ):
         # the fp32 kernel's layouts (gluon_decode.py) for everything but the tile: LW value
         # records [BL, BV] (8 positions per thread), LK key records [BL, K], LA1 [BL] one
@@ -113,7 +114,7 @@ if HAVE_GLUON:
 
         # 1. the LP tile's bytes, to shared memory
         i_m = slot * HV + i_hv                                      # this head's matrix in the pool
-        s_T = lp_tile_to_shared(lp_data + i_m * (V * KE) + v0 * KE, BV, K, LP, NW)
+        s_T = lp_tile_to_shared(lp_data + i_m * (V * KE) + v0 * KE, BV, K, LP, NW, RMMA)
 
         # 2. every other load, as the fp32 kernel issues them, plus the row scales
         h = gl.load(cursor + slot).to(gl.int32)
@@ -192,8 +193,12 @@ if HAVE_GLUON:
             b_rq = gl.sum(b_U * gl.convert_layout(b_kq, gl.SliceLayout(1, LW))[:, None], axis=0)
             b_g0K = gl.convert_layout(b_g0, gl.SliceLayout(0, LK))
             # (not in memory: NVFP4's table is rearranged from registers)
-            b_kv = lp_vector(b_kK * b_g0K, p_kt, K, LP, NW, False)
-            b_qv = lp_vector(b_qK * b_g0K, p_qt, K, LP, NW, False)
+            if RMMA:
+                b_kx = b_kK * b_g0K
+                b_qx = b_qK * b_g0K
+            else:
+                b_kv = lp_vector(b_kK * b_g0K, p_kt, K, LP, NW, False)
+                b_qv = lp_vector(b_qK * b_g0K, p_qt, K, LP, NW, False)
             b_g = 1.0
         else:
             b_coef, b_g = _record_weights(b_ld1, b_ld0, b_ld, h, o_l)
@@ -207,16 +212,22 @@ if HAVE_GLUON:
             b_rk = gl.sum(b_U * (b_cW * gl.convert_layout(b_kk, gl.SliceLayout(1, LW)))[:, None], axis=0)
             b_rq = gl.sum(b_U * (b_cW * gl.convert_layout(b_kq, gl.SliceLayout(1, LW)))[:, None], axis=0)
             # the raw key and query: their norms multiply the row sums
-            b_kv = lp_vector(b_kK, p_kt, K, LP, NW, True)
-            b_qv = lp_vector(b_qK, p_qt, K, LP, NW, True)
+            b_kx = b_kK
+            b_qx = b_qK
+            if not RMMA:
+                b_kv = lp_vector(b_kK, p_kt, K, LP, NW, True)
+                b_qv = lp_vector(b_qK, p_qt, K, LP, NW, True)
 
         # 4. the tile, once landed, decoded in row chunks: C k, then C q, through shared memory
         cp.wait_group(0)
         _barrier()
         s_yk = gl.allocate_shared_memory(gl.float32, [BV], S1)
         s_yq = gl.allocate_shared_memory(gl.float32, [BV], S1)
-        lp_row_sums(s_T, b_kv, s_yk, b_sca, b_scb, BV, K, LP, NW)
-        lp_row_sums(s_T, b_qv, s_yq, b_sca, b_scb, BV, K, LP, NW)
+        if RMMA:
+            lp_row_sums_mma(s_T, b_kx, b_qx, s_yk, s_yq, BV, K, LP, NW, True)
+        else:
+            lp_row_sums(s_T, b_kv, s_yk, b_sca, b_scb, BV, K, LP, NW)
+            lp_row_sums(s_T, b_qv, s_yq, b_sca, b_scb, BV, K, LP, NW)
         _barrier()
         b_Pk = b_g * ((s_yk.load(LY) * b_fac) * r_k) + gl.convert_layout(b_rk, LY)
         b_Pq = b_g * ((s_yq.load(LY) * b_fac) * r_q) + gl.convert_layout(b_rq, LY)
@@ -250,7 +261,7 @@ if HAVE_GLUON:
 
 def launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
                     buf_v, buf_beta, cursor, epoch, arrive, slot_ids, o, window, BV, use_qk_l2norm=True,
-                    family="gdn", maxnreg=0, recmask=None, kq=None):
+                    family="gdn", maxnreg=0, recmask=None, kq=None, read_mma=None):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) for `family` "gdn"
     or "kda" on the LP parts of `lowp.lp_views` under format code `LP`; `buf_v`, `buf_beta` the
     raw records beside an LP copy, None for the shared design. The caller checked
@@ -275,4 +286,6 @@ def launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, lp_data, lp_scale, lp_
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV=HV, HK=Hk, V=V, K=K, LBCAP=LBCAP, WINDOW=int(window), BV=BV, BL=BL,
         LP=int(LP), USE_QK_L2NORM=bool(use_qk_l2norm), NW=nw, RECMASK=recmask is None or bool(recmask), IS_KDA=family == "kda",
-        RAW=buf_v is not None, KQ=kq, num_warps=nw, **({"maxnreg": maxnreg} if maxnreg else {}))
+        RAW=buf_v is not None, KQ=kq, num_warps=nw,
+        RMMA=(_lowp.READ_MMA if read_mma is None else bool(read_mma)) and int(LP) in (1, 2, 3),
+        **({"maxnreg": maxnreg} if maxnreg else {}))

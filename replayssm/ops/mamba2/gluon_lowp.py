@@ -25,9 +25,11 @@ import os
 from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
+from ..utils import gluon_lowp as _lowp
 from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views
 from ..utils.key_products import key_products
 from .common import OPTIONAL_INPUTS
+from .gluon_lowp_heads import heads_unsupported, launch_gluon_lp_heads
 
 if HAVE_GLUON:
     import triton
@@ -36,10 +38,17 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import _arrive_early, _barrier, _move_cursor, _record_weights, _softplus
-    from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_tile_to_shared,
-                                    lp_vector)
+    from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_row_sums_mma,
+                                    lp_tile_to_shared, lp_vector)
 
-__all__ = ["gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
+__all__ = ["HEADS", "gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
+
+# REPLAYSSM_GLUON_LP_HEADS=N (experimental; 1, the default: one head per program): N heads of a
+# group per program (gluon_lowp_heads.py), where `heads_unsupported` has no objection
+_HEADS = os.environ.get("REPLAYSSM_GLUON_LP_HEADS", "1")
+if not _HEADS.isdigit() or int(_HEADS) < 1 or int(_HEADS) & (int(_HEADS) - 1):
+    raise ValueError(f"REPLAYSSM_GLUON_LP_HEADS={_HEADS!r}: a power of two (heads per program)")
+HEADS = int(_HEADS)
 
 
 def gluon_lp_unsupported(lp_code: int, V: int, K: int, window: int, Lb: int, BV: int) -> Optional[str]:
@@ -72,7 +81,7 @@ if HAVE_GLUON:
         HV: gl.constexpr, Hk: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, LP: gl.constexpr,
         HAS_D: gl.constexpr, HAS_Z: gl.constexpr, NW: gl.constexpr, RECMASK: gl.constexpr,
-        KQ: gl.constexpr,
+        KQ: gl.constexpr, RMMA: gl.constexpr,
     ):
         # the fp32 kernel's layouts (gluon_decode.py) for everything but the tile: LW value
         # records [BL, BV], LK key records [BL, K], LY outputs [BV], LA1 [BL] one position per lane
@@ -100,7 +109,7 @@ if HAVE_GLUON:
 
         # 1. the LP tile's bytes, to shared memory
         i_m = slot * HV + i_h                                       # this head's matrix in the pool
-        s_T = lp_tile_to_shared(lp_data + i_m * (V * KE) + v0 * KE, BV, K, LP, NW)
+        s_T = lp_tile_to_shared(lp_data + i_m * (V * KE) + v0 * KE, BV, K, LP, NW, RMMA)
 
         # 2. every other load, as the fp32 kernel issues them (the records over the window's
         # positions unless RECMASK), plus the row scales
@@ -129,7 +138,8 @@ if HAVE_GLUON:
         else:
             b_sca = 0
             b_scb = 0
-        b_qv = lp_vector(b_qK, p_Ct, K, LP, NW, True)
+        if not RMMA:
+            b_qv = lp_vector(b_qK, p_Ct, K, LP, NW, True)
 
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
         o_l = gl.arange(0, BL, layout=LA1)
@@ -172,7 +182,10 @@ if HAVE_GLUON:
         cp.wait_group(0)
         _barrier()
         s_y = gl.allocate_shared_memory(gl.float32, [BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        lp_row_sums(s_T, b_qv, s_y, b_sca, b_scb, BV, K, LP, NW)
+        if RMMA:
+            lp_row_sums_mma(s_T, b_qK, b_qK, s_y, s_y, BV, K, LP, NW, False)
+        else:
+            lp_row_sums(s_T, b_qv, s_y, b_sca, b_scb, BV, K, LP, NW)
         _barrier()
         b_y = b_g * (s_y.load(LY) * b_fac) + gl.convert_layout(b_rec, LY) + b_kcq * b_w
         if HAS_D:
@@ -197,15 +210,25 @@ if HAVE_GLUON:
 
 
 def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
-                    cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=None, kq=None):
+                    cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=None, kq=None,
+                    read_mma=None, heads=None):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) on the LP parts of
     `lowp.lp_views` under format code `LP`; the caller checked `gluon_lp_unsupported` and runs
     the flush rows first (precision.py, `ROWS=1`). `recmask`: the record loads wait for the
     cursor and skip positions past it (None: off, Mamba-2's default). `kq` (None: on, Mamba-2's
     default): the group's key products formed first (`utils.key_products`, a launch of `Bt * Hk`
-    programs), which the kernel then loads instead of the key records."""
+    programs), which the kernel then loads instead of the key records. `read_mma` (None: the
+    module switch `utils.gluon_lowp.READ_MMA` at the call): fp16, bf16 and fp8 rows summed on the
+    tensor cores (`lp_row_sums_mma`). `heads` (None: the module's `HEADS` at the call): that many
+    heads per program (gluon_lowp_heads.py, where it applies; `recmask` and `maxnreg` do not
+    apply there)."""
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
+    heads = HEADS if heads is None else int(heads)
+    if heads > 1 and not heads_unsupported(heads, int(LP), HV, Hk):
+        launch_gluon_lp_heads(x, dt, B, C, A, dt_bias, D, z, lp_gluon_views(lp_data, LP), lp_scale, lp_tscale, LP,
+                              buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, out, window, BV, heads, kq)
+        return
     LB = buf_ld.shape[1]
     nw = BV // 16
     BL = gluon_record_tile(window, LB)
@@ -222,4 +245,6 @@ def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale,
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=int(window), BV=BV, BL=BL, LP=int(LP),
-        NW=nw, num_warps=nw, RECMASK=bool(recmask), KQ=kq, **({"maxnreg": maxnreg} if maxnreg else {}))
+        NW=nw, num_warps=nw, RECMASK=bool(recmask), KQ=kq,
+        RMMA=(_lowp.READ_MMA if read_mma is None else bool(read_mma)) and int(LP) in (1, 2, 3),
+        **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -27,6 +27,8 @@ Gluon kernels run on the GPU only (the interpreter cannot run them).
 """
 from __future__ import annotations
 
+import os
+
 from .gluon import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -34,7 +36,10 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
     from .gluon import _async_load, _barrier
+    from .gluon_mma import _split_bf16
 
     # a shared tile seen with another dtype or shape: `_reinterpret` in Triton 3.6 (the H200
     # machine's), `reinterpret` later
@@ -44,6 +49,9 @@ __all__ = ["HAVE_GLUON", "GLUON_LP_CODES", "E2M1_PAIRS", "e2m1_pair_bits", "lp_g
 
 # the read formats of the steady-row kernels (lowp.LP_CODES)
 GLUON_LP_CODES = (1, 2, 3, 4)
+# REPLAYSSM_GLUON_LP_READ_MMA=1 (experimental, off: not yet run on a GPU): the steady rows' fp16,
+# bf16 and fp8 reads summed on the tensor cores (`lp_row_sums_mma`), read at each launch
+READ_MMA = os.environ.get("REPLAYSSM_GLUON_LP_READ_MMA") == "1"
 # NVFP4 word -> fp16 pairs: (shift, left?) of the code bits and of the sign bits; pair i holds code
 # i of the word in its low half and code i + 4 in its high half (byte j's low nibble is code 2j)
 E2M1_PAIRS = ((9, 12), (5, 8), (1, 4), (-3, 0))
@@ -90,11 +98,25 @@ if HAVE_GLUON:
         return s_T
 
     @gluon.jit
-    def lp_tile_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, LP: gl.constexpr, NW: gl.constexpr):
+    def lp_tile_to_shared(p_T, BV: gl.constexpr, K: gl.constexpr, LP: gl.constexpr, NW: gl.constexpr,
+                          MMA: gl.constexpr = False):
         """Start copying the `[BV, K]` LP tile whose first row is at `p_T` (in the element type of
         `lp_gluon_views`: int16, uint8, int32 words) into shared memory; returns the shared tile.
-        The caller waits for it (`cp.wait_group(0)` and a barrier) before `lp_row_sums`."""
-        if LP == 4:
+        The caller waits for it (`cp.wait_group(0)` and a barrier) before `lp_row_sums`. `MMA`:
+        a 16-bit tile swizzled as the tensor cores read it (`lp_row_sums_mma`)."""
+        if MMA and LP < 4:
+            # 16-byte units XOR-ed with the row (mod 8): the operand reads of 8 or 16 rows at one
+            # column spread over the banks (rows K elements apart all start in bank 0)
+            VEC: gl.constexpr = 16 if LP == 3 else 8
+            LT: gl.constexpr = gl.BlockedLayout([1, VEC], [2 * VEC // 8, 32 // (2 * VEC // 8)], [NW, 1], [1, 0])
+            o_r = gl.arange(0, BV, layout=gl.SliceLayout(1, LT))
+            o_c = gl.arange(0, K, layout=gl.SliceLayout(0, LT))
+            s_T = gl.allocate_shared_memory(p_T.dtype.element_ty, [BV, K], gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0]))
+            _async_load(s_T, p_T + (o_r[:, None] * K + o_c[None, :]), eviction_policy="evict_first")
+            cp.commit_group()
+            _barrier()
+            return s_T
+        elif LP == 4:
             return _copy_to_shared(p_T, BV, K // 8, gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0]))
         elif LP == 3:
             return _copy_to_shared(p_T, BV, K, gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0]))
@@ -219,3 +241,59 @@ if HAVE_GLUON:
             return gl.load(lp_tscale + i_m) * 16384.0
         else:
             return 1.0
+
+    @gluon.jit
+    def _vector_pieces(b_v, F16: gl.constexpr):
+        """fp32 `v` `[K]` as the B operand's pieces: fp16 (F16) two pieces of `v * 2^s`, `2^s`
+        putting max |v| in [2^14, 2^15) (so no piece overflows, and a bf16 or fp16 `v` is its
+        first piece exactly), else bf16 three pieces of `v` (`_split_bf16`, exact); and `2^-s`."""
+        if F16:
+            e = (gl.max(gl.abs(b_v), axis=0).to(gl.int32, bitcast=True) >> 23) & 255
+            e = gl.minimum(gl.maximum(268 - e, 2), 252)              # 127 + s, kept normal
+            b_s = b_v * (e << 23).to(gl.float32, bitcast=True)
+            p0 = b_s.to(gl.float16)
+            p1 = (b_s - p0.to(gl.float32)).to(gl.float16)
+            return p0.to(gl.float32), p1.to(gl.float32), gl.zeros_like(b_v), ((254 - e) << 23).to(gl.float32, bitcast=True)
+        else:
+            p0, p1, p2 = _split_bf16(b_v)
+            return p0.to(gl.float32), p1.to(gl.float32), p2.to(gl.float32), 1.0
+
+    @gluon.jit
+    def lp_row_sums_mma(s_T, b_x, b_z, s_yx, s_yz, BV: gl.constexpr, K: gl.constexpr, LP: gl.constexpr,
+                        NW: gl.constexpr, TWO: gl.constexpr):
+        """`lp_row_sums` on the tensor cores for fp16, bf16 and fp8 copies (LP 1..3): the tile's rows
+        times `b_x` (and `b_z`, TWO) `[K]` fp32 (any layout, as the row sums' vectors before
+        `lp_vector`), stored to the shared `[BV]` fp32 `s_yx` (`s_yz`), before `lp_row_factor`.
+        The tile's elements are exact in fp16 (fp16, fp8) or bf16 (bf16), the B operand's
+        columns the vectors' pieces in the same type (`_vector_pieces`), so every product is
+        exact; the tensor cores sum K = 128 in one chain, whose error (about 1e-7 relative) lies
+        far below the copy's own rounding. An fp16 tile is read as stored (`lp_tile_to_shared`
+        with MMA, swizzled), an fp8 tile in row chunks converted to fp16 on the way. Replaces
+        per element a convert, an FMA and a share of the shuffles by a share of the MMA."""
+        F16: gl.constexpr = LP != 2
+        DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+        NP: gl.constexpr = 2 if F16 else 3
+        MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
+        BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
+        LB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])
+        o_n = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))[None, :]
+        x0, x1, x2, f_x = _vector_pieces(gl.convert_layout(b_x, gl.SliceLayout(1, LB)), F16)
+        b = gl.where(o_n == 0, x0[:, None], gl.where(o_n == 1, x1[:, None], gl.where(o_n == 2, x2[:, None], 0.0)))
+        f_z = 1.0
+        if TWO:
+            z0, z1, z2, f_z = _vector_pieces(gl.convert_layout(b_z, gl.SliceLayout(1, LB)), F16)
+            b = gl.where(o_n == 4, z0[:, None], gl.where(o_n == 5, z1[:, None], gl.where(o_n == 6, z2[:, None], b)))
+        s_B = gl.allocate_shared_memory(DT, [K, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]), b.to(DT))
+        _barrier()
+        y = gl.zeros([BV, 8], gl.float32, MM)
+        if LP == 3:
+            for k0 in gl.static_range(0, K, 32):
+                a = s_T.slice(k0, 32, dim=1).load(AL).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+                y = mma_v2(a, s_B.slice(k0, 32, dim=0).load(BO), y)
+        else:
+            y = mma_v2(s_T.load(AL).to(DT, bitcast=True), s_B.load(BO), y)
+        o_nM = gl.arange(0, 8, layout=gl.SliceLayout(0, MM))[None, :]
+        s_yx.store(gl.sum(gl.where(o_nM < NP, y, 0.0), axis=1) * f_x)
+        if TWO:
+            s_yz.store(gl.sum(gl.where((o_nM >= 4) & (o_nM < 4 + NP), y, 0.0), axis=1) * f_z)
