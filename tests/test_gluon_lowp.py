@@ -312,6 +312,20 @@ def test_split_gpu_heads(shape, design, heads, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("design", [DESIGNS[i] for i in (0, 2, 7)], ids=[DESIGN_IDS[i] for i in (0, 2, 7)])
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_split_gpu_heads_read_mma(shape, design, monkeypatch):
+    """Both switches: two heads per program, their rows summed on the tensor cores."""
+    from replayssm.ops.mamba2 import gluon_lowp
+    from replayssm.ops.utils import gluon_lowp as utils_lowp
+    monkeypatch.setattr(gluon_lowp, "HEADS", 2)
+    monkeypatch.setattr(utils_lowp, "READ_MMA", True)
+    gaps = _run_split(design, GPU_SHAPES[shape], 8, 16, 40, {"gluon": True}, False, ref_every=3)
+    assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("lp", FORMATS)
 def test_split_gpu_recmask(lp):
     """The Gluon kernel's record loads predicated on the cursor (`gluon_recmask`, off by default

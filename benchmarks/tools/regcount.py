@@ -372,7 +372,7 @@ def mamba2_gluon_lp(cfg):
 
 def mamba2_gluon_lp_heads(cfg):
     """Mamba-2's low-precision Gluon kernel over `heads=` heads per program
-    (ops/mamba2/gluon_lowp_heads.py), as `mamba2_gluon_lp` (`lp=`, `kq=1`)."""
+    (ops/mamba2/gluon_lowp_heads.py), as `mamba2_gluon_lp` (`lp=`, `kq=1`, `rmma=1`)."""
     from replayssm.ops.mamba2 import gluon_lowp_heads as m
 
     c = dict(BV=64, num_warps=4, lp=1, heads=2)
@@ -380,7 +380,7 @@ def mamba2_gluon_lp_heads(cfg):
     ptr = {n: f"*{c.get('inputs', 'fp32')}" for n in ("x", "dt", "B", "C", "z", "out")}
     ptr.update({n: "*fp32" for n in ("A", "dt_bias", "D", "kq")}, **_lp_ptr(c))
     vals = dict(HV=c.pop("HV", 128), Hk=8, V=c.pop("V", 64), K=128, LB=17, WINDOW=16, HAS_D=True, HAS_Z=True,
-                LP=c["lp"], KQ=bool(c.pop("kq", 0)), NH=int(c.pop("heads")))
+                LP=c["lp"], KQ=bool(c.pop("kq", 0)), NH=int(c.pop("heads")), RMMA=bool(c.pop("rmma", 0)))
     return _gluon(m._gluon_lp_heads_kernel, "mamba2 gluon lp heads", ptr, vals, c)
 
 

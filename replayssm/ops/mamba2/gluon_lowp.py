@@ -227,7 +227,8 @@ def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale,
     heads = HEADS if heads is None else int(heads)
     if heads > 1 and not heads_unsupported(heads, int(LP), HV, Hk):
         launch_gluon_lp_heads(x, dt, B, C, A, dt_bias, D, z, lp_gluon_views(lp_data, LP), lp_scale, lp_tscale, LP,
-                              buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, out, window, BV, heads, kq)
+                              buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, out, window, BV, heads, kq,
+                              _lowp.READ_MMA if read_mma is None else bool(read_mma))
         return
     LB = buf_ld.shape[1]
     nw = BV // 16

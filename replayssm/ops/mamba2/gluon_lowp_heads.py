@@ -24,7 +24,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import _arrive_early, _async_load, _barrier, _move_cursor, _record_weights, _softplus
-    from ..utils.gluon_lowp import _nvfp4_chunk, lp_row_sums, lp_vector
+    from ..utils.gluon_lowp import _nvfp4_chunk, lp_row_sums, lp_row_sums_mma, lp_vector
 
 __all__ = ["heads_unsupported", "launch_gluon_lp_heads"]
 
@@ -52,6 +52,7 @@ if HAVE_GLUON:
         HV: gl.constexpr, Hk: gl.constexpr, V: gl.constexpr, K: gl.constexpr, LB: gl.constexpr,
         WINDOW: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, LP: gl.constexpr,
         HAS_D: gl.constexpr, HAS_Z: gl.constexpr, NW: gl.constexpr, NH: gl.constexpr, KQ: gl.constexpr,
+        RMMA: gl.constexpr,
     ):
         # gluon_lowp.py's layouts over R = NH * BV rows: LW value records [BL, R], LK key
         # records [BL, K], LY rows [R], LA1 [BL] one position per lane
@@ -90,7 +91,9 @@ if HAVE_GLUON:
         o_cT = gl.arange(0, KE, layout=gl.SliceLayout(0, LT))
         i_m0 = slot * HV + i_h0                                     # the first head's matrix
         SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        s_T = gl.allocate_shared_memory(lp_data.dtype.element_ty, [R, KE], SM)
+        # (RMMA: swizzled as the tensor cores read it, utils/gluon_lowp.lp_tile_to_shared)
+        ST: gl.constexpr = gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0]) if RMMA else SM
+        s_T = gl.allocate_shared_memory(lp_data.dtype.element_ty, [R, KE], ST)
         _async_load(s_T, lp_data + i_m0 * (V * KE) + ((o_rT // BV) * (V * KE) + (v0 + o_rT % BV) * KE)[:, None]
                     + o_cT[None, :], eviction_policy="evict_first")
         if LP == 4:
@@ -124,7 +127,8 @@ if HAVE_GLUON:
             b_fac = gl.load(lp_tscale + i_m0 + o_hy) * 16384.0
         else:
             b_fac = 1.0
-        b_qv = lp_vector(b_qK, p_Ct, K, LP, NW, True)
+        if not RMMA:
+            b_qv = lp_vector(b_qK, p_Ct, K, LP, NW, True)
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
         o_l = gl.arange(0, BL, layout=LA1)
         if KQ:
@@ -180,6 +184,8 @@ if HAVE_GLUON:
             for c in gl.static_range(R // RC4):
                 b_sc = s_sc.slice(c * RC4, RC4, dim=0).load(LS4)
                 s_y.slice(c * RC4, RC4, dim=0).store(_nvfp4_chunk(s_T, b_qv, b_sc, c * RC4, RC4, K, NW))
+        elif RMMA:
+            lp_row_sums_mma(s_T, b_qK, b_qK, s_y, s_y, R, K, LP, NW, False)
         else:
             lp_row_sums(s_T, b_qv, s_y, 0, 0, R, K, LP, NW)
         _barrier()
@@ -205,11 +211,12 @@ if HAVE_GLUON:
 
 
 def launch_gluon_lp_heads(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
-                          cursor, epoch, arrive, slot_ids, out, window, BV, heads, kq=None):
+                          cursor, epoch, arrive, slot_ids, out, window, BV, heads, kq=None, read_mma=False):
     """Launch `_gluon_lp_heads_kernel` (grid `(HV / heads * V / BV, Bt)`, `BV / 16` warps) on the LP
     parts of `lowp.lp_views` (`lp_data` as `utils.gluon_lowp.lp_gluon_views`) under format
     code `LP`, gluon_lowp.launch_gluon_lp's contract; the caller checked `heads_unsupported`.
-    `kq` (None: on): the group's key products formed by the launch before."""
+    `kq` (None: on): the group's key products formed by the launch before; `read_mma`: fp16, bf16
+    and fp8 rows summed on the tensor cores (`utils.gluon_lowp.lp_row_sums_mma`)."""
     from ..utils.gluon import gluon_record_tile
     from ..utils.key_products import key_products
 
@@ -229,4 +236,4 @@ def launch_gluon_lp_heads(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_t
         stride_z_b=z.stride(0) if z is not None else 0, stride_z_h=z.stride(1) if z is not None else 0,
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
         HV=HV, Hk=Hk, V=V, K=K, LB=LB, WINDOW=int(window), BV=BV, BL=BL, LP=int(LP),
-        NW=nw, num_warps=nw, NH=int(heads), KQ=kq)
+        NW=nw, num_warps=nw, NH=int(heads), KQ=kq, RMMA=bool(read_mma) and int(LP) < 4)
