@@ -28,10 +28,14 @@ __all__ = ["LEAN", "gluon_verify_constexprs", "gluon_verify_unsupported", "launc
 LEAN = os.environ.get("REPLAYSSM_GLUON_VERIFY_LEAN") == "1"
 
 
-def lean_applies(family: str, T: int, mma: bool, kq: bool, x_pieces: int, k_pieces: int, w_pieces: int = 1) -> bool:
+def lean_applies(family: str, T: int, mma: bool, kq: bool, x_pieces: int, k_pieces: int, w_pieces: int = 1,
+                 lp_code: int = 0) -> bool:
     """Whether `lean` changes the kernel: GDN with `mma`, without `kq`, 5..8 drafts (8 padded
-    rows), token inputs, key and u records of one bf16 piece each (`dots.pieces`)."""
-    return family == "gdn" and bool(mma) and not kq and 5 <= T <= 8 and x_pieces == k_pieces == w_pieces == 1
+    rows), token inputs, key and u records of one bf16 piece each (`dots.pieces`), not on a
+    pool's 16-bit copy (`lp_code`: it compiles, but the copy pools' GPU tests take fp32 inputs,
+    so nothing would check it there)."""
+    return family == "gdn" and bool(mma) and not kq and 5 <= T <= 8 and x_pieces == k_pieces == w_pieces == 1 \
+        and not lp_code
 
 
 # verify.MAX_DRAFT
@@ -80,7 +84,7 @@ def gluon_verify_constexprs(T: int, HV: int, Hk: int, V: int, K: int, window: in
                 NW=num_warps, IS_KDA=family == "kda", KQ=bool(kq) and family == "gdn",
                 MMA=bool(mma) and family == "gdn", XP=x_pieces, SWZ=min(8, 4 * num_warps),
                 KP=k_pieces, LPT=int(lp_code), RFL=refold_rows or 4 * num_warps, RFM=bool(refold_mma) and family == "gdn",
-                LEAN=bool(lean) and lean_applies(family, T, mma, kq, x_pieces, k_pieces, w_pieces))
+                LEAN=bool(lean) and lean_applies(family, T, mma, kq, x_pieces, k_pieces, w_pieces, lp_code))
 
 
 def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_ld, buf_w, buf_k, cursor,
