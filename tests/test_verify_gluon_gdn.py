@@ -115,14 +115,15 @@ def test_gpu_gluon_kq_rounds_against_reference(name, T):
 
 @gpu
 @needs_gluon
+@pytest.mark.parametrize("io", [torch.float32, torch.bfloat16], ids=["fp32-io", "bf16-io"])
 @pytest.mark.parametrize("T", [2, 5, 8])
 @pytest.mark.parametrize("name", ["small", "qwen3.5-4b", "qwen3.5-122b"])
-def test_gpu_gluon_mma_rounds_against_reference(name, T):
+def test_gpu_gluon_mma_rounds_against_reference(name, T, io):
     # the tile's products with the drafts' keys and queries on the tensor cores, exact
     # (`mma`), and an early flush's fold there too, with and without the key head's products
-    # from the launch before
+    # from the launch before; fp32 token inputs (three pieces) and bf16 (one, as served)
     _rounds_against_reference("gdn", name, T, [{"gluon": True, "mma": True},
-                                               {"gluon": True, "mma": True, "kq": True}])
+                                               {"gluon": True, "mma": True, "kq": True}], io=io)
 
 
 @gpu
@@ -224,11 +225,9 @@ def test_gpu_gluon_kda_matches_triton(name, rec, T):
 @pytest.mark.parametrize("T", [5, 8])
 @pytest.mark.parametrize("name", ["qwen3.5-4b", "qwen3.5-122b"])
 def test_gpu_gluon_lean(name, T, monkeypatch):
-    # REPLAYSSM_GLUON_VERIFY_LEAN (gluon_verify_host.LEAN, read at each launch): every product of
-    # the drafts on the tensor cores, the tile split by truncation, the solve's factors formed
-    # once; where it applies (bf16 inputs and records: asserted to have run) each launch's
-    # outputs within fp32 rounding of the Triton kernel's, rounds against the float64
-    # reference, poisoned drafts as the default kernel's
+    # REPLAYSSM_GLUON_VERIFY_LEAN (gluon_verify_host.LEAN, read at each launch), where it applies
+    # (bf16 inputs and records; asserted to have run): each launch's outputs within fp32 rounding
+    # of the Triton kernel's, rounds against the float64 reference, poisoned drafts as by default
     from replayssm.ops.gdn import gluon_verify_host as gv
     monkeypatch.setattr(gv, "LEAN", True)
     seen, constexprs = [], gv.gluon_verify_constexprs
