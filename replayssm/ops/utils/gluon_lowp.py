@@ -35,7 +35,6 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from .gluon import _async_load, _barrier
@@ -267,9 +266,10 @@ if HAVE_GLUON:
         The tile's elements are exact in fp16 (fp16, fp8) or bf16 (bf16), the B operand's
         columns the vectors' pieces in the same type (`_vector_pieces`), so every product is
         exact; the tensor cores sum K = 128 in one chain, whose error (about 1e-7 relative) lies
-        far below the copy's own rounding. An fp16 tile is read as stored (`lp_tile_to_shared`
-        with MMA, swizzled), an fp8 tile in row chunks converted to fp16 on the way. Replaces
-        per element a convert, an FMA and a share of the shuffles by a share of the MMA."""
+        far below the copy's own rounding. A 16-bit tile is read as stored (`lp_tile_to_shared`
+        with MMA, swizzled), an fp8 tile 32 columns at a time in the operand's layout, converted
+        to fp16 in registers. Replaces per element a convert, an FMA and a share of the shuffles
+        by a share of the MMA."""
         F16: gl.constexpr = LP != 2
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
         NP: gl.constexpr = 2 if F16 else 3
