@@ -326,6 +326,19 @@ def test_split_gpu_heads_read_mma(shape, design, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("design", [DESIGNS[i] for i in (0, 2, 7)], ids=[DESIGN_IDS[i] for i in (0, 2, 7)])
+def test_split_gpu_rows(design, rows, monkeypatch):
+    """REPLAYSSM_GLUON_LP_ROWS (`utils.gluon_lowp.ROWS`, read at each launch): Super's tile in 2 or 1
+    warps (`lp_launch_rows`), as `test_split_matches_single_launch_gpu`."""
+    from replayssm.ops.utils import gluon_lowp
+    monkeypatch.setattr(gluon_lowp, "ROWS", rows)
+    gaps = _run_split(design, GPU_SHAPES["super"], 8, 16, 40, {"gluon": True}, False, ref_every=3)
+    assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("lp", FORMATS)
 def test_split_gpu_recmask(lp):
     """The Gluon kernel's record loads predicated on the cursor (`gluon_recmask`, off by default
@@ -519,3 +532,12 @@ def test_heads_unsupported_reasons():
     assert "power of two" in heads_unsupported(3, 1, 128, 8)
     assert "nvfp4" in heads_unsupported(2, 5, 128, 8)
     assert "divide" in heads_unsupported(8, 1, 96, 8)          # Nano-4B: 12 heads a group
+
+
+def test_lp_launch_rows():
+    # more rows per thread: the block grows while it divides V, then the warps shrink; NVFP4 as is
+    from replayssm.ops.utils.gluon_lowp import lp_launch_rows
+    assert lp_launch_rows(32, 128, 1, 1) == (32, 2) and lp_launch_rows(32, 128, 3, 2) == (64, 2)
+    assert lp_launch_rows(32, 128, 1, 4) == (128, 2) and lp_launch_rows(32, 128, 2, 8) == (128, 1)
+    assert lp_launch_rows(64, 64, 3, 2) == (64, 2) and lp_launch_rows(64, 64, 1, 4) == (64, 1)
+    assert lp_launch_rows(16, 80, 1, 4) == (16, 1) and lp_launch_rows(32, 128, 4, 4) == (32, 2)

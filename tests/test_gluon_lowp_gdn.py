@@ -323,6 +323,19 @@ def test_split_gpu_read_mma(shape, name, gluon_launches, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("name, shape", [("gdn-fp32-fp16", "qwen3.5-4b"), ("gdn-fp32-fp8", "qwen3.5-122b"),
+                                         ("kda-fp32-bf16", "kimi-linear-48b")])
+def test_split_gpu_rows(shape, name, rows, gluon_launches, monkeypatch):
+    """REPLAYSSM_GLUON_LP_ROWS (`utils.gluon_lowp.ROWS`): blocks of 64 or 128 rows in 2 warps
+    (`lp_launch_rows`), as `test_split_matches_single_launch_gpu`."""
+    from replayssm.ops.utils import gluon_lowp
+    monkeypatch.setattr(gluon_lowp, "ROWS", rows)
+    _gpu_split(name, shape, 8, 16, 40, {}, gluon_launches)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("name", ["kda-fp32-nvfp4", "kda-shared-nvfp4-near"])
 def test_split_kda_nvfp4_matches_single_launch_gpu(name, gluon_launches):
     """KDA's NVFP4 reads in the Gluon kernel, its vector table rearranged from registers: as

@@ -33,7 +33,7 @@ from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 from ..utils import gluon_lowp as _lowp
-from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views
+from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views, lp_launch_rows
 from ..utils.key_products import key_products
 
 if HAVE_GLUON:
@@ -261,7 +261,7 @@ if HAVE_GLUON:
 
 def launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
                     buf_v, buf_beta, cursor, epoch, arrive, slot_ids, o, window, BV, use_qk_l2norm=True,
-                    family="gdn", maxnreg=0, recmask=None, kq=None, read_mma=None):
+                    family="gdn", maxnreg=0, recmask=None, kq=None, read_mma=None, rows=None):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) for `family` "gdn"
     or "kda" on the LP parts of `lowp.lp_views` under format code `LP`; `buf_v`, `buf_beta` the
     raw records beside an LP copy, None for the shared design. The caller checked
@@ -270,11 +270,13 @@ def launch_gluon_lp(q, k, v, a, b, A_log, dt_bias, scale, lp_data, lp_scale, lp_
     `kq` (GDN; None: off; KDA's record weights are per value head): the key head's record
     products formed first (`utils.key_products`), which the kernel loads instead of the key
     records: measured mixed (precision_gluon_kq_h200.json: Qwen3.5-122B fp16 1.41x -> 1.44x at
-    batch 256, Qwen3.5-4B 1.38x -> 1.37x, at batch 64 1.26x -> 1.19x), so off by default."""
+    batch 256, Qwen3.5-4B 1.38x -> 1.37x, at batch 64 1.26x -> 1.19x), so off by default.
+    `read_mma`, `rows` (None: the switches `utils.gluon_lowp.READ_MMA`, `ROWS` at the call): the
+    rows summed on the tensor cores; more rows per thread (`lp_launch_rows`)."""
     Bt, Hk, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     LBCAP = buf_w.shape[1]
-    nw = BV // 16
+    BV, nw = lp_launch_rows(BV, V, int(LP), rows)
     BL = gluon_record_tile(window, LBCAP)
     kq = bool(kq) and family == "gdn"            # (None: off)
     kqs = key_products([k, q], buf_k, cursor, slot_ids, BL) if kq else slot_ids

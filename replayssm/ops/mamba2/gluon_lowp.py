@@ -26,7 +26,7 @@ from typing import Optional
 
 from ..utils.gluon import HAVE_GLUON, gluon_record_tile, gluon_shape_supported
 from ..utils import gluon_lowp as _lowp
-from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views
+from ..utils.gluon_lowp import GLUON_LP_CODES, lp_gluon_views, lp_launch_rows
 from ..utils.key_products import key_products
 from .common import OPTIONAL_INPUTS
 from .gluon_lowp_heads import heads_unsupported, launch_gluon_lp_heads
@@ -211,7 +211,7 @@ if HAVE_GLUON:
 
 def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale, LP, buf_ld, buf_w, buf_k,
                     cursor, epoch, arrive, slot_ids, out, window, BV, maxnreg=0, recmask=None, kq=None,
-                    read_mma=None, heads=None):
+                    read_mma=None, heads=None, rows=None):
     """Launch `_gluon_lp_kernel` (grid `(HV * V / BV, Bt)`, `BV / 16` warps) on the LP parts of
     `lowp.lp_views` under format code `LP`; the caller checked `gluon_lp_unsupported` and runs
     the flush rows first (precision.py, `ROWS=1`). `recmask`: the record loads wait for the
@@ -221,7 +221,8 @@ def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale,
     module switch `utils.gluon_lowp.READ_MMA` at the call): fp16, bf16 and fp8 rows summed on the
     tensor cores (`lp_row_sums_mma`). `heads` (None: the module's `HEADS` at the call): that many
     heads per program (gluon_lowp_heads.py, where it applies; `recmask` and `maxnreg` do not
-    apply there)."""
+    apply there). `rows` (None: `utils.gluon_lowp.ROWS` at the call): more rows per thread
+    (`lp_launch_rows`)."""
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     heads = HEADS if heads is None else int(heads)
@@ -231,7 +232,7 @@ def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale,
                               _lowp.READ_MMA if read_mma is None else bool(read_mma))
         return
     LB = buf_ld.shape[1]
-    nw = BV // 16
+    BV, nw = lp_launch_rows(BV, V, int(LP), rows)
     BL = gluon_record_tile(window, LB)
     # measured (precision_gluon_kq_h200.json, batch 256, non-flush steps over fp32 reads):
     # Nano-4B fp16 1.43x -> 1.68x, fp8 1.47x -> 2.01x; Super fp8 1.92x -> 2.12x, fp16 unchanged

@@ -44,13 +44,20 @@ if HAVE_GLUON:
     # machine's), `reinterpret` later
     _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
-__all__ = ["HAVE_GLUON", "GLUON_LP_CODES", "E2M1_PAIRS", "e2m1_pair_bits", "lp_gluon_views", "lp_row_chunk"]
+__all__ = ["HAVE_GLUON", "GLUON_LP_CODES", "E2M1_PAIRS", "e2m1_pair_bits", "lp_gluon_views", "lp_launch_rows",
+           "lp_row_chunk"]
 
 # the read formats of the steady-row kernels (lowp.LP_CODES)
 GLUON_LP_CODES = (1, 2, 3, 4)
 # REPLAYSSM_GLUON_LP_READ_MMA=1 (experimental, off: not yet run on a GPU): the steady rows' fp16,
 # bf16 and fp8 reads summed on the tensor cores (`lp_row_sums_mma`), read at each launch
 READ_MMA = os.environ.get("REPLAYSSM_GLUON_LP_READ_MMA") == "1"
+# REPLAYSSM_GLUON_LP_ROWS=m (experimental; 1, the default): m times the rows per thread of the
+# steady-row kernels' fp16, bf16 and fp8 reads (`lp_launch_rows`), read at each launch
+_ROWS = os.environ.get("REPLAYSSM_GLUON_LP_ROWS", "1")
+if not _ROWS.isdigit() or int(_ROWS) < 1 or int(_ROWS) & (int(_ROWS) - 1):
+    raise ValueError(f"REPLAYSSM_GLUON_LP_ROWS={_ROWS!r}: a power of two (rows per thread)")
+ROWS = int(_ROWS)
 # NVFP4 word -> fp16 pairs: (shift, left?) of the code bits and of the sign bits; pair i holds code
 # i of the word in its low half and code i + 4 in its high half (byte j's low nibble is code 2j)
 E2M1_PAIRS = ((9, 12), (5, 8), (1, 4), (-3, 0))
@@ -74,6 +81,24 @@ def lp_gluon_views(lp_data, lp_code: int):
     (int16, uint8), NVFP4's packed bytes as int32 words `[N, HV, V, K / 8]`."""
     import torch
     return lp_data.view(torch.int32) if lp_code == 4 else lp_data
+
+
+def lp_launch_rows(BV: int, V: int, lp_code: int, rows=None):
+    """`(BV, num_warps)` of a steady-row launch whose config says `BV` rows in `BV / 16` warps,
+    with `rows` (None: `ROWS` at the call) times the rows per thread: the block grows while it
+    divides V, then the warps shrink. A program's per-row work is then shared by more rows (the
+    cursor, the token's vectors and key products, the records' weights: the instructions that
+    keep fp8 reads off their byte bound). NVFP4 keeps its config (its read-back takes a tile as
+    two row chunks of 8 per warp)."""
+    rows = ROWS if rows is None else int(rows)
+    nw = max(1, BV // 16)
+    if lp_code == 4:
+        return BV, nw
+    while rows > 1 and 2 * BV <= V and V % (2 * BV) == 0:
+        BV, rows = 2 * BV, rows // 2
+    while rows > 1 and nw > 1:
+        nw, rows = nw // 2, rows // 2
+    return BV, nw
 
 
 def lp_row_chunk(lp_code: int, num_warps: int) -> int:
