@@ -1,7 +1,8 @@
 """Pieces of the GDN/KDA Gluon verify kernel (gluon_verify.py), for the GPU only: the records'
 copies into shared memory and the row products with the drafts' vectors (with `LEAN`, the
-drafts' own products on the tensor cores), KDA's drafts' Gram rows, a pool's 16-bit copy (its tile's staging, an early flush's refold along the HP path),
-and the early flush's hand-off: the slot's last program writes the drafts' shared fields
+drafts' own products on the tensor cores and the solve's factors formed once), KDA's drafts'
+Gram rows, a pool's 16-bit copy (its tile's staging, an early flush's refold along the HP
+path), and the early flush's hand-off: the slot's last program writes the drafts' shared fields
 (decays, normalised keys; with a copy, the gates) at positions `0..n-1`, recomputed from the
 inputs, which the slot's other programs read as committed records until they all arrived.
 """

@@ -277,7 +277,8 @@ if HAVE_GLUON:
             b_s = b_v * (e << 23).to(gl.float32, bitcast=True)
             p0 = b_s.to(gl.float16)
             p1 = (b_s - p0.to(gl.float32)).to(gl.float16)
-            return p0.to(gl.float32), p1.to(gl.float32), gl.zeros_like(b_v), ((254 - e) << 23).to(gl.float32, bitcast=True)
+            inv = ((254 - e) << 23).to(gl.float32, bitcast=True)                  # 2^-s
+            return p0.to(gl.float32), p1.to(gl.float32), gl.zeros_like(b_v), inv
         else:
             p0, p1, p2 = _split_bf16(b_v)
             return p0.to(gl.float32), p1.to(gl.float32), p2.to(gl.float32), 1.0
