@@ -16,7 +16,8 @@ from .gluon_verify import HAVE_GLUON
 if HAVE_GLUON:
     from .gluon_verify import _gluon_verify_kernel
 
-__all__ = ["LEAN", "gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify", "lean_applies"]
+__all__ = ["LEAN", "ROWS", "gluon_verify_constexprs", "gluon_verify_unsupported", "launch_gluon_verify",
+           "lean_applies"]
 
 # REPLAYSSM_GLUON_VERIFY_LEAN=1 (experimental, off: not yet run on a GPU; `lean_applies`): the
 # drafts' Gram products, the key records' products with the drafts and the records' terms
@@ -26,6 +27,12 @@ __all__ = ["LEAN", "gluon_verify_constexprs", "gluon_verify_unsupported", "launc
 # element rather than in every thread (gluon_verify_drafts._solve_weights). The verify step is
 # bound by instruction issue (docs/verify.md): time it against the default.
 LEAN = os.environ.get("REPLAYSSM_GLUON_VERIFY_LEAN") == "1"
+# REPLAYSSM_GLUON_VERIFY_ROWS=2 (experimental, with LEAN where it applies, not yet run on a GPU):
+# programs of twice the rows in the same warps (128 rows in 4 at V = 128), so that the drafts'
+# setup serves twice the rows and the solve's one-row-per-thread layout holds no row twice.
+# Triton 3.6, Qwen3.5-4B, T = 8: about 178 warp-instructions a row against 300, but 87.5 KB of
+# shared memory (2 programs per SM against 4); read at each launch
+ROWS = 2 if os.environ.get("REPLAYSSM_GLUON_VERIFY_ROWS") == "2" else 1
 
 
 def lean_applies(family: str, T: int, mma: bool, kq: bool, x_pieces: int, k_pieces: int, w_pieces: int = 1,
@@ -115,6 +122,9 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
     if refold_rows and (BV % refold_rows or refold_rows % num_warps):
         raise ValueError(f"refold_rows {refold_rows} must divide BV {BV} and be a multiple of num_warps {num_warps}")
     kq = bool(kq) and family == "gdn"
+    xp, kp, wp = max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype), pieces(buf_w.dtype)
+    if ROWS > 1 and LEAN and lean_applies(family, T, mma, kq, xp, kp, wp, lp_code) and V % (2 * BV) == 0:
+        BV *= 2                                      # (the same warps: two rows a thread)
     kqs = gdn_verify_key_products(q, k, buf_k, cursor, slot_ids, scale, use_qk_l2norm,
                                   gluon_record_tile(window, buf_w.shape[1]), max(2, triton.next_power_of_2(T)),
                                   pads["pad_k"], pads["pad_cur"]) if kq else slot_ids
@@ -130,6 +140,5 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
                                   num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq,
-                                  mma, max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype), lp_code,
-                                  refold_rows, refold_mma, w_pieces=pieces(buf_w.dtype)),
+                                  mma, xp, kp, lp_code, refold_rows, refold_mma, w_pieces=wp),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
