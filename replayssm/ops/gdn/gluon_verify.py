@@ -330,8 +330,6 @@ if HAVE_GLUON:
                 s_Gq = s_Gq0
             elif LEAN:
                 s_G = gl.allocate_shared_memory(gl.float32, [2 * TP, TP], SM)     # (below, on the tensor cores)
-                s_Gk = s_G
-                s_Gq = s_G
             else:
                 s_Gk = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
                 s_Gq = gl.allocate_shared_memory(gl.float32, [TP, TP], SM)
