@@ -325,7 +325,7 @@ def test_split_gpu_read_mma(shape, name, gluon_launches, monkeypatch):
 @gpu
 @pytest.mark.parametrize("rows", [2, 4])
 @pytest.mark.parametrize("name, shape", [("gdn-fp32-fp16", "qwen3.5-4b"), ("gdn-fp32-fp8", "qwen3.5-122b"),
-                                         ("kda-fp32-bf16", "kimi-linear-48b")])
+                                         ("gdn-fp32-nvfp4", "qwen3.5-4b"), ("kda-fp32-bf16", "kimi-linear-48b")])
 def test_split_gpu_rows(shape, name, rows, gluon_launches, monkeypatch):
     """REPLAYSSM_GLUON_LP_ROWS (`utils.gluon_lowp.ROWS`): blocks of 64 or 128 rows in 2 warps
     (`lp_launch_rows`), as `test_split_matches_single_launch_gpu`."""

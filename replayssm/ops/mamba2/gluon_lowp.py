@@ -133,8 +133,13 @@ if HAVE_GLUON:
         b_fac = lp_row_factor(lp_scale, lp_tscale, i_m, v0 + o_y, V, LP)
         if LP == 4:
             RC4: gl.constexpr = 8 * NW
-            b_sca = lp_block_scales(lp_scale, i_m, v0, V, K, RC4, NW)
-            b_scb = lp_block_scales(lp_scale, i_m, v0 + RC4, V, K, RC4, NW)
+            if BV > 2 * RC4:
+                # (more rows a thread, utils.gluon_lowp.lp_launch_rows: the tile's scales at once)
+                b_sca = lp_block_scales(lp_scale, i_m, v0, V, K, BV, NW)
+                b_scb = 0
+            else:
+                b_sca = lp_block_scales(lp_scale, i_m, v0, V, K, RC4, NW)
+                b_scb = lp_block_scales(lp_scale, i_m, v0 + RC4, V, K, RC4, NW)
         else:
             b_sca = 0
             b_scb = 0

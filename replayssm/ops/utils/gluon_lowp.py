@@ -53,7 +53,7 @@ GLUON_LP_CODES = (1, 2, 3, 4)
 # bf16 and fp8 reads summed on the tensor cores (`lp_row_sums_mma`), read at each launch
 READ_MMA = os.environ.get("REPLAYSSM_GLUON_LP_READ_MMA") == "1"
 # REPLAYSSM_GLUON_LP_ROWS=m (experimental; 1, the default): m times the rows per thread of the
-# steady-row kernels' fp16, bf16 and fp8 reads (`lp_launch_rows`), read at each launch
+# steady-row kernels' reads (`lp_launch_rows`), read at each launch
 _ROWS = os.environ.get("REPLAYSSM_GLUON_LP_ROWS", "1")
 if not _ROWS.isdigit() or int(_ROWS) < 1 or int(_ROWS) & (int(_ROWS) - 1):
     raise ValueError(f"REPLAYSSM_GLUON_LP_ROWS={_ROWS!r}: a power of two (rows per thread)")
@@ -88,12 +88,9 @@ def lp_launch_rows(BV: int, V: int, lp_code: int, rows=None):
     with `rows` (None: `ROWS` at the call) times the rows per thread: the block grows while it
     divides V, then the warps shrink. A program's per-row work is then shared by more rows (the
     cursor, the token's vectors and key products, the records' weights: the instructions that
-    keep fp8 reads off their byte bound). NVFP4 keeps its config (its read-back takes a tile as
-    two row chunks of 8 per warp)."""
+    keep fp8 reads off their byte bound). NVFP4's read-back then takes the tile as one chunk."""
     rows = ROWS if rows is None else int(rows)
     nw = max(1, BV // 16)
-    if lp_code == 4:
-        return BV, nw
     while rows > 1 and 2 * BV <= V and V % (2 * BV) == 0:
         BV, rows = 2 * BV, rows // 2
     while rows > 1 and nw > 1:
@@ -239,8 +236,13 @@ if HAVE_GLUON:
         unused otherwise). The caller passes a barrier before reading `s_y`."""
         if LP == 4:
             RC4: gl.constexpr = 8 * NW
-            s_y.slice(0, RC4, dim=0).store(_nvfp4_chunk(s_T, b_v, sc_a, 0, RC4, K, NW))
-            s_y.slice(RC4, RC4, dim=0).store(_nvfp4_chunk(s_T, b_v, sc_b, RC4, RC4, K, NW))
+            if BV > 2 * RC4:
+                # (more rows a thread, `lp_launch_rows`: the whole tile as one chunk, `sc_a` its
+                # block scales, `lp_block_scales` of BV rows)
+                s_y.store(_nvfp4_chunk(s_T, b_v, sc_a, 0, BV, K, NW))
+            else:
+                s_y.slice(0, RC4, dim=0).store(_nvfp4_chunk(s_T, b_v, sc_a, 0, RC4, K, NW))
+                s_y.slice(RC4, RC4, dim=0).store(_nvfp4_chunk(s_T, b_v, sc_b, RC4, RC4, K, NW))
         else:
             RC: gl.constexpr = 4 * NW
             SPT: gl.constexpr = 16 if LP == 3 else 8          # elements per 16-byte piece
