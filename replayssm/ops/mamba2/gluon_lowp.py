@@ -38,7 +38,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from ..utils.gluon import _arrive_early, _barrier, _move_cursor, _record_weights, _softplus
-    from ..utils.gluon_lowp import (lp_block_scales, lp_row_factor, lp_row_sums, lp_row_sums_mma,
+    from ..utils.gluon_lowp import (lp_row_factor, lp_row_sums, lp_row_sums_mma, lp_tile_scales,
                                     lp_tile_to_shared, lp_vector)
 
 __all__ = ["HEADS", "gluon_lp_unsupported", "use_gluon_lp", "launch_gluon_lp"]
@@ -132,14 +132,7 @@ if HAVE_GLUON:
             b_D = gl.load(D + i_h).to(gl.float32)
         b_fac = lp_row_factor(lp_scale, lp_tscale, i_m, v0 + o_y, V, LP)
         if LP == 4:
-            RC4: gl.constexpr = 8 * NW
-            if BV > 2 * RC4:
-                # (more rows a thread, utils.gluon_lowp.lp_launch_rows: the tile's scales at once)
-                b_sca = lp_block_scales(lp_scale, i_m, v0, V, K, BV, NW)
-                b_scb = 0
-            else:
-                b_sca = lp_block_scales(lp_scale, i_m, v0, V, K, RC4, NW)
-                b_scb = lp_block_scales(lp_scale, i_m, v0 + RC4, V, K, RC4, NW)
+            b_sca, b_scb = lp_tile_scales(lp_scale, i_m, v0, V, K, BV, NW)
         else:
             b_sca = 0
             b_scb = 0

@@ -179,6 +179,18 @@ if HAVE_GLUON:
         return gl.load(lp_scale + i_m * (V * (K // 16)) + o_r[:, None] * (K // 16) + o_b[None, :])
 
     @gluon.jit
+    def lp_tile_scales(lp_scale, i_m, v0, V: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr):
+        """NVFP4: the block scales `lp_row_sums` takes for the tile of rows `v0 .. v0 + BV - 1` of head
+        matrix `i_m` (`lp_block_scales`): its two row chunks of 8 per warp, or with more rows a
+        thread (`lp_launch_rows`) the whole tile's at once and 0."""
+        RC4: gl.constexpr = 8 * NW
+        if BV > 2 * RC4:
+            return lp_block_scales(lp_scale, i_m, v0, V, K, BV, NW), 0
+        else:
+            return (lp_block_scales(lp_scale, i_m, v0, V, K, RC4, NW),
+                    lp_block_scales(lp_scale, i_m, v0 + RC4, V, K, RC4, NW))
+
+    @gluon.jit
     def e4m3_to_f32(b):
         """e4m3 ("fn") bits (uint8) to fp32 by the hardware convert: exact, NaN for 0x7F/0xFF."""
         return b.to(gl.float8e4nv, bitcast=True).to(gl.float32)
