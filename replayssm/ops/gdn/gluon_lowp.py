@@ -210,9 +210,10 @@ if HAVE_GLUON:
             b_rk = gl.sum(b_U * (b_cW * gl.convert_layout(b_kk, gl.SliceLayout(1, LW)))[:, None], axis=0)
             b_rq = gl.sum(b_U * (b_cW * gl.convert_layout(b_kq, gl.SliceLayout(1, LW)))[:, None], axis=0)
             # the raw key and query: their norms multiply the row sums
-            b_kx = b_kK
-            b_qx = b_qK
-            if not RMMA:
+            if RMMA:
+                b_kx = b_kK
+                b_qx = b_qK
+            else:
                 b_kv = lp_vector(b_kK, p_kt, K, LP, NW, True)
                 b_qv = lp_vector(b_qK, p_qt, K, LP, NW, True)
 
