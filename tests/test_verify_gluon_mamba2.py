@@ -427,3 +427,24 @@ def test_gluon_cuda_graph_equals_eager(shape, T, config):
     live = sid[sid >= 0].long()
     assert int((pools[0]["epoch"][live] - e0[live]).min()) > 0, "some row never flushed"
     assert torch.isfinite(outs[0].float()).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: REPLAYSSM_GLUON_VERIFY_KEYS_GLOBAL (the flush's keys from global memory, none staged)
+
+
+@gpu
+@needs_gluon
+@pytest.mark.parametrize("shape, T", [pytest.param(SUPER, 8, id="super-T8"), pytest.param(NANO, 8, id="nano4b-T8"),
+                                      pytest.param(TINY, 3, id="tiny-T3")])
+def test_gluon_keys_global(shape, T, monkeypatch):
+    from replayssm.ops.mamba2 import gluon_verify
+
+    monkeypatch.setattr(gluon_verify, "KEYS_GLOBAL", True)
+    config = dict(gluon=True, mma=True)
+    cfg = verify_config(shape["HV"], shape["V"], shape["K"], shape["Hk"], T, config, device="cuda")
+    assert cfg["mma"] and cfg["kq"], cfg                  # where KEYS_GLOBAL applies
+    # rounds against the float64 reference (NaN past every cursor: the masked loads must not
+    # carry it into the fold), then one launch of every kind of row against the Triton kernel
+    test_gluon_rounds(shape, T, config)
+    test_gluon_matches_triton_one_launch(shape, T, config, torch.bfloat16, 16)

@@ -174,7 +174,8 @@ def mamba2_gluon_verify(cfg):
     """Mamba-2's Gluon verify kernel (ops/mamba2/gluon_verify.py) at Super's shape (`model=nano`:
     Nano-4B's, one-warp programs of 16 rows), `T` drafts (8), bf16 records and token inputs,
     window 16; `kq=1` with the group's key products loaded (`kq`); `mma=1` the tile's products
-    on the tensor cores (bf16 queries: one piece); `lp=1`/`2` a pool's fp16/bf16 copy read by rows without a flush."""
+    on the tensor cores (bf16 queries: one piece); `lp=1`/`2` a pool's fp16/bf16 copy read by rows without a flush;
+    `kg=1` (with mma and kq) the flush's keys from global memory, none staged (`KEYS_GLOBAL`)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from replayssm.ops.mamba2 import gluon_verify as m
@@ -194,7 +195,7 @@ def mamba2_gluon_verify(cfg):
     vals = dict(tiles, HV=HV, Hk=G, V=V, K=K, LB=LB, WINDOW=L, T=T, BV=c["BV"],
                 NW=c["num_warps"], VK=8, VW=8, HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(G),
                 HAS_D=True, HAS_Z=True, HAS_N=True, RECMASK=False, KQ=bool(int(c["kq"])), MMA=mma, NQ=nq, QP=1,
-                YN=nq if mma else tiles["TP"], KP=1, LPT=int(c.get("lp", 0)))
+                YN=nq if mma else tiles["TP"], KP=1, LPT=int(c.get("lp", 0)), KG=bool(int(c.get("kg", 0))))
     fn = jit_function(m._gluon_verify_kernel)
     sig, const = signature(fn, ptr, vals)
     return report(compile_kernel(fn, sig, const, c["num_warps"], GluonASTSource), f"mamba2 gluon verify {c}")

@@ -26,6 +26,7 @@ The CPU interpreter cannot run Gluon: `verify.replay_verify` runs the Triton ker
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from ..utils.dots import pieces
@@ -47,6 +48,14 @@ if HAVE_GLUON:
 __all__ = ["HAVE_GLUON", "gluon_verify_unsupported", "launch_gluon_verify"]
 
 MAX_DRAFT = 8
+
+# REPLAYSSM_GLUON_VERIFY_KEYS_GLOBAL=1 (experimental, off: not yet run on a GPU): with `mma` and
+# `kq` the committed keys are read only by a flush's fold, so they need not be staged in shared
+# memory by every program; the fold loads them from global memory (L2: a group's heads share
+# them) into the MMA's operand registers. 8 KB less shared memory a program (Triton 3.6:
+# Nano-4B's 16-row programs 16.7 -> 8.5 KB, Super's 64-row 43.6 -> 35.4 KB), so more programs
+# and more tile bytes in flight per SM. Read at each launch (its GPU tests set it)
+KEYS_GLOBAL = os.environ.get("REPLAYSSM_GLUON_VERIFY_KEYS_GLOBAL") == "1"
 
 
 def gluon_verify_unsupported(HV: int, V: int, K: int, Hk: int, T: int, window: int, Lb: int, BV: int,
@@ -134,7 +143,7 @@ if HAVE_GLUON:
         RCK: gl.constexpr, RCD: gl.constexpr, VK: gl.constexpr, VW: gl.constexpr, HVP: gl.constexpr,
         HKP: gl.constexpr, HAS_D: gl.constexpr, HAS_Z: gl.constexpr, HAS_N: gl.constexpr,
         NPOS: gl.constexpr, RECMASK: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, NQ: gl.constexpr,
-        QP: gl.constexpr, YN: gl.constexpr, KP: gl.constexpr, LPT: gl.constexpr,
+        QP: gl.constexpr, YN: gl.constexpr, KP: gl.constexpr, LPT: gl.constexpr, KG: gl.constexpr = False,
     ):
         # Layouts (NW warps, K = 128, BV = 16 NW, TP drafts padded, BL record positions):
         # LT   the tile [BV, K] as copied and folded: a row per warp, 4 columns per lane
@@ -263,9 +272,15 @@ if HAVE_GLUON:
         o_lk = gl.arange(0, BL, layout=gl.SliceLayout(1, LKC))
         o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, LKC))
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
-        s_K = gl.allocate_shared_memory(buf_k.dtype.element_ty, [BL, K], SM)
-        m_lk = (o_lk < h) if RECMASK else (o_lk < NPOS)
-        _async_load(s_K, p_Kg + (o_lk[:, None] * (Hk * K) + o_kk[None, :]), mask=m_lk[:, None] & (o_kk < K)[None, :])
+        if KG:
+            # the keys only a flushing program reads (MMA and KQ): from global memory in its fold,
+            # no shared copy (8 KB a program: Nano-4B's 16-row programs hold 17 KB with it)
+            s_K = None
+        else:
+            s_K = gl.allocate_shared_memory(buf_k.dtype.element_ty, [BL, K], SM)
+            m_lk = (o_lk < h) if RECMASK else (o_lk < NPOS)
+            _async_load(s_K, p_Kg + (o_lk[:, None] * (Hk * K) + o_kk[None, :]),
+                        mask=m_lk[:, None] & (o_kk < K)[None, :])
         o_lw = gl.arange(0, BL, layout=gl.SliceLayout(1, LWC))
         o_vw = gl.arange(0, BV, layout=gl.SliceLayout(0, LWC))
         p_Wh = buf_w + slot * (LB * HV * V) + i_h * V + v0
@@ -336,7 +351,7 @@ if HAVE_GLUON:
                 # X formed in the A operand's layout from the records' shared copy: in registers,
                 # not staged (4 KB more shared memory would leave 4 programs per SM, not 5)
                 _fold_mma_records(s_S, s_W, s_K, gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), h, p_S, gl.exp(b_L),
-                                  BV, K, BL, KP, NW)
+                                  BV, K, BL, KP, NW, p_K=p_Kg, stride_k=Hk * K, KG=KG)
                 _barrier()
         else:
             if flush:
@@ -461,7 +476,7 @@ if HAVE_GLUON:
 
 def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_k, cursor, pending, epoch,
                         arrive, slot_ids, num_drafts, out, window, BV, num_warps, recmask=False, kq=False, mma=False,
-                        ckpt_lp=None, lp_code=0):
+                        ckpt_lp=None, lp_code=0, keys_global=None):
     """Launch `_gluon_verify_kernel` (grid `(HV * V / BV, Bt)`); the caller checked
     `gluon_verify_unsupported`. `recmask`: predicate the committed records' copies on the
     cursor (no traffic for empty positions; they then wait for it) rather than the window.
@@ -471,7 +486,9 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
     on the tensor cores (`utils.gluon_mma._tile_vectors_mma`, exact), instead of the row loop's FMA dots.
     `ckpt_lp`, `lp_code` (1 fp16, 2 bf16; FMA dots only, contiguous unpadded checkpoints): a pool's
     low-precision copy as int16 bits, verify_lp.py's contract (rows without an early flush read
-    the copy; a flush folds `ckpt` and writes both)."""
+    the copy; a flush folds `ckpt` and writes both). `keys_global` (None: the module's
+    `KEYS_GLOBAL` as it is at the call; with `mma` and `kq` only): an early flush's fold reads the
+    committed keys from global memory, none staged in shared memory."""
     Bt, T, HV, V = x.shape
     Hk, K = B.shape[2], B.shape[3]
     LB = buf_ld.shape[1]
@@ -500,5 +517,5 @@ def launch_gluon_verify(x, dt, B, C, A, dt_bias, D, z, ckpt, buf_ld, buf_w, buf_
         VK=16 // buf_k.element_size(), VW=16 // buf_w.element_size(),
         HVP=triton.next_power_of_2(HV), HKP=triton.next_power_of_2(Hk), RECMASK=bool(recmask), KQ=bool(kq),
         MMA=bool(mma), NQ=nq, QP=pieces(C.dtype), YN=nq if mma else tiles["TP"], KP=pieces(buf_k.dtype),
-        LPT=int(lp_code),
+        LPT=int(lp_code), KG=bool(mma and kq and (KEYS_GLOBAL if keys_global is None else keys_global)),
         num_warps=num_warps, **tiles)
