@@ -52,9 +52,10 @@ MAX_DRAFT = 8
 # REPLAYSSM_GLUON_VERIFY_KEYS_GLOBAL=1 (experimental, off: not yet run on a GPU): with `mma` and
 # `kq` the committed keys are read only by a flush's fold, so they need not be staged in shared
 # memory by every program; the fold loads them from global memory (L2: a group's heads share
-# them) into the MMA's operand registers. 8 KB less shared memory a program (Triton 3.6:
-# Nano-4B's 16-row programs 16.7 -> 8.5 KB, Super's 64-row 43.6 -> 35.4 KB), so more programs
-# and more tile bytes in flight per SM. Read at each launch (its GPU tests set it)
+# them) into the MMA's operand registers. Less shared memory a program (Triton 3.6, T = 8:
+# Nano-4B's 16-row programs 16.7 -> 13.1 KB, 12 -> 16 programs per SM; Super's 64-row 43.6 ->
+# 41.5 KB, 5 either way), so more tile bytes in flight per SM. Read at each launch (its GPU
+# tests set it)
 KEYS_GLOBAL = os.environ.get("REPLAYSSM_GLUON_VERIFY_KEYS_GLOBAL") == "1"
 
 
@@ -274,7 +275,7 @@ if HAVE_GLUON:
         p_Kg = buf_k + slot * (LB * Hk * K) + i_g * K
         if KG:
             # the keys only a flushing program reads (MMA and KQ): from global memory in its fold,
-            # no shared copy (8 KB a program: Nano-4B's 16-row programs hold 17 KB with it)
+            # no shared copy (4 KB a program at window 16: a quarter of Nano-4B's 16.7 KB)
             s_K = None
         else:
             s_K = gl.allocate_shared_memory(buf_k.dtype.element_ty, [BL, K], SM)
