@@ -90,7 +90,7 @@ if HAVE_GLUON:
         IS_KDA: gl.constexpr, KQ: gl.constexpr, MMA: gl.constexpr, XP: gl.constexpr, SWZ: gl.constexpr,
         KP: gl.constexpr, LPT: gl.constexpr, RFL: gl.constexpr, RFM: gl.constexpr, LEAN: gl.constexpr,
     ):
-        # Layouts (NW warps, BV = 16 NW rows, K = 128, TP = T padded to a power of two >= 2):
+        # Layouts (NW warps, BV = 16 NW rows (32 NW with ROWS = 2), K = 128, TP = T padded to a power of two >= 2):
         # L3  the products [rows, TP, K]: rows over the warps, drafts over TL lanes (TP / TL per
         #     thread), K over the other 32 / TL lanes, 4 columns per piece
         # LD  [TP, K] the drafts' keys and queries as operands (the same on every warp)

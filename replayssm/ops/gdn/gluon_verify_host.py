@@ -31,7 +31,7 @@ LEAN = os.environ.get("REPLAYSSM_GLUON_VERIFY_LEAN") == "1"
 # programs of twice the rows in the same warps (128 rows in 4 at V = 128), so that the drafts'
 # setup serves twice the rows and the solve's one-row-per-thread layout holds no row twice.
 # Triton 3.6, Qwen3.5-4B, T = 8: about 178 warp-instructions a row against 300, but 87.5 KB of
-# shared memory (2 programs per SM against 4); read at each launch
+# shared memory (2 programs per SM against 4); read at each launch; nothing changes where LEAN does not apply
 ROWS = 2 if os.environ.get("REPLAYSSM_GLUON_VERIFY_ROWS") == "2" else 1
 
 
