@@ -123,7 +123,8 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         raise ValueError(f"refold_rows {refold_rows} must divide BV {BV} and be a multiple of num_warps {num_warps}")
     kq = bool(kq) and family == "gdn"
     xp, kp, wp = max(pieces(q.dtype), pieces(k.dtype)), pieces(buf_k.dtype), pieces(buf_w.dtype)
-    if ROWS > 1 and LEAN and lean_applies(family, T, mma, kq, xp, kp, wp, lp_code) and V % (2 * BV) == 0:
+    lean = LEAN and lean_applies(family, T, mma, kq, xp, kp, wp, lp_code)
+    if ROWS > 1 and lean and V % (2 * BV) == 0:
         BV *= 2                                      # (the same warps: two rows a thread)
     kqs = gdn_verify_key_products(q, k, buf_k, cursor, slot_ids, scale, use_qk_l2norm,
                                   gluon_record_tile(window, buf_w.shape[1]), max(2, triton.next_power_of_2(T)),
@@ -140,5 +141,5 @@ def launch_gluon_verify(q, k, v, a, b, A_log, dt_bias, scale: float, ckpt, buf_l
         b.stride(0), b.stride(1), b.stride(2),
         **gluon_verify_constexprs(T, HV, Hk, V, K, window, buf_w.shape[1], BV, num_warps, use_qk_l2norm,
                                   num_drafts is not None, buf_w.element_size(), buf_k.element_size(), family, kq,
-                                  mma, xp, kp, lp_code, refold_rows, refold_mma, w_pieces=wp),
+                                  mma, xp, kp, lp_code, refold_rows, refold_mma, lean=lean, w_pieces=wp),
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
