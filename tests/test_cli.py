@@ -20,7 +20,9 @@ def test_demo_prints_each_family(capsys):
         row = next(line for line in out.splitlines() if line.startswith(fam))
         fields = row.split()
         worst, conv_b, rep_b, lstar = float(fields[3]), float(fields[6]), float(fields[7]), float(fields[9])
+        conv_err, rep_err = float(fields[4]), float(fields[5])
         assert worst < 1e-5                 # fp32 replay vs fp32 conventional
+        assert 0 < rep_err <= 1.5 * conv_err  # against float64: replay no less exact than conventional
         assert rep_b < conv_b               # replay moves fewer state bytes per token
         assert lstar > 1
 
