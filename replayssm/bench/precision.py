@@ -15,7 +15,9 @@ Per shape, batch and window `L`, two timings, each a CUDA graph replayed (median
    `lowp_decode`, `BV` and `num_warps`), every low-precision read format's non-flush timing is
    repeated under each config: rows with `config` (the override) and `launch` (the config it
    resolves to), timed against the default fp32 reads; a config that does not compile or
-   launch is a row with `error` and `us_per_step` None. The default rows stay as they are.
+   launch is a row with `error` and `us_per_step` None. The default rows stay as they are. A
+   config's `switches` (`{"switches": {"lp_read_mma": true}}`, `bench.switches`) are set
+   around its steps alone: an experimental switch timed beside the defaults in one process.
 2. `timing` "window": whole windows, the flush included, rows staggered (slot `s` at cursor
    `s mod L`, as `bench decode`): `replay` (fp32 single checkpoint, always the windowed path),
    `separate` (an LP read format, fp32 high-precision checkpoint, both written at the flush),
@@ -49,6 +51,7 @@ import torch
 
 from .. import formats, shapes, traffic
 from ..ops.utils.lowp import lowp_config
+from . import switches
 from .common import call_accepting, copy_bandwidth_tbs, graph_time_us, header, write_results
 from .decode import SHAPES, Case, _name
 
@@ -127,6 +130,11 @@ class PrecisionCase(Case):
 
     def step(self, i, read_format, config=None):
         """Step `i` of the window with checkpoint reads in `read_format` (fp32: `replay_decode`)."""
+        config, sw = switches.split(config)
+        with switches.applied(sw):
+            self._step(i, read_format, config)
+
+    def _step(self, i, read_format, config):
         kw = dict(self._common(i), ckpt=self.ckpt, buf_ld=self.buf_ld, buf_w=self.buf_w, buf_k=self.buf_k,
                   cursor=self.cursor, epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids,
                   window=self.window, out=self.out[i], config=config, validate=False)
@@ -207,7 +215,7 @@ def parse_configs(text: str, shape_list) -> list:
     for cfg in configs:
         for spec in shape_list:
             try:
-                lowp_config(shapes.parse(spec).V, cfg)
+                lowp_config(shapes.parse(spec).V, switches.split(cfg)[0])
             except ValueError as e:
                 raise ValueError(f"--configs: {json.dumps(cfg)}: {e}") from None
     return configs
@@ -244,7 +252,7 @@ def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat
         row = dict(base, timing="non_flush", scheme="separate", read_format=fmt, cursors="lockstep from 0",
                    config=dict(cfg))
         try:
-            row["launch"] = lowp_config(case.V, cfg)
+            row["launch"] = lowp_config(case.V, switches.split(cfg)[0])
             t = graph_time_us(lambda: case.non_flush_steps(fmt, cfg), reps=reps) / (L - 1)
         except Exception as e:  # a config that does not compile or launch is a row, not the end of the run
             rows.append(dict(row, us_per_step=None, error=repr(e)[:300]))
@@ -375,7 +383,9 @@ def main(argv=None):
     ap.add_argument("--configs", default=None,
                     help="JSON list of launch-config overrides of the precision kernels (keys BV, num_warps), "
                          'e.g. \'[{"BV": 64, "num_warps": 4}, {"BV": 32, "num_warps": 8}]\': every low-precision '
-                         "read format's non-flush timing is repeated for each, rows carrying `config`")
+                         "read format's non-flush timing is repeated for each, rows carrying `config`; a "
+                         'config\'s "switches" (e.g. {"switches": {"lp_read_mma": true}}) are experimental '
+                         "switches set around its steps (replayssm.bench.switches)")
     ap.add_argument("--out", default="precision.json", help="the JSON results file (a plot beside it)")
     args = ap.parse_args(argv)
     try:

@@ -29,6 +29,11 @@ A variant with `lp` (`--variants '[{"lp": "fp16"}]'`) times the replay scheme of
 low-precision copy beside the fp32 checkpoint: `ops.<family>.lowp_verify` + `commit`, non-flush
 rows' drafts reading the copy, flushing rows folding the fp32 checkpoint and rewriting both.
 
+A variant with `switches` (`--variants '[{"switches": {"mamba2_verify_keys_global": true}}]'`)
+runs its verify step with those experimental switches set (`bench.switches`: the environment
+variables' module attributes, set around the step alone), so a switch is timed interleaved with
+the default in one process; its other keys are its launch config, as any variant's.
+
 `us_per_accepted_token` is the step's time over `accepted`, the tokens each row keeps (mean
 acceptance length = `accepted`). Token inputs and outputs have `--input-dtype` (bf16 default);
 layer parameters and states fp32, records `--record-dtype`.
@@ -42,6 +47,7 @@ import torch
 
 from .. import shapes, traffic
 from ..testing import make_inputs, make_params
+from . import switches
 from .common import call_accepting, family_ops, graph_time_us, header, layer_kwargs, write_results
 
 SHAPES = ["nemotron3-super", "nemotron3-nano-4b", "qwen3.5-122b", "qwen3.5-4b", "kimi-linear-48b"]
@@ -91,6 +97,12 @@ class Case:
     def replay_step(self, config=None):
         from ..ops.utils.commit import commit
 
+        config, sw = switches.split(config)
+        with switches.applied(sw):
+            self._verify(config)
+        commit(self.cursor, self.pending, self.slot_ids, self.accepted)
+
+    def _verify(self, config):
         state = dict(buf_ld=self.buf_ld, buf_w=self.buf_w, buf_k=self.buf_k, cursor=self.cursor, pending=self.pending,
                      epoch=self.epoch, arrive=self.arrive, slot_ids=self.slot_ids, window=self.window, out=self.out,
                      validate=False)
@@ -108,7 +120,6 @@ class Case:
         else:
             call_accepting(self.ops.replay_verify, dict(self.drafts, **self._params(), **state, ckpt=self.ckpt,
                                                         config=config))
-        commit(self.cursor, self.pending, self.slot_ids, self.accepted)
 
     def _lp_copy(self, fmt: str) -> dict:
         # the copy of the checkpoint in `fmt`, round-to-nearest (a pool's after `load`), made once
@@ -281,7 +292,9 @@ def main(argv=None):
                     help="JSON list of verify launch configs to time beside the defaults at every point "
                          '(e.g. \'[{"BV": 64, "num_warps": 4}]\'); their rows carry `config`. A config with '
                          '`lp` (fp16, bf16, fp8_e4m3, nvfp4) times a pool with that low-precision copy beside '
-                         'the fp32 checkpoint (`lowp_verify`, its other keys its config)')
+                         'the fp32 checkpoint (`lowp_verify`, its other keys its config); one with `switches` '
+                         '(e.g. {"switches": {"gdn_verify_lean": true}}) runs its step with those experimental '
+                         'switches set (replayssm.bench.switches), timed beside the default in this process')
     ap.add_argument("--fork-src", default=None, metavar="DIR",
                     help="a checkout of the public ReplaySSM fork (github.com/Johnny-Liou/ReplaySSM; the "
                          "folder holding vllm/, with replayssm.bench.peers.fork.FORK_FILES): its verify "
@@ -297,6 +310,11 @@ def main(argv=None):
             assert isinstance(variants, list) and all(isinstance(v, dict) for v in variants)
         except (ValueError, AssertionError):
             ap.error(f"--variants must be a JSON list of objects, got {args.variants!r}")
+        for v in variants:
+            try:
+                switches.split(v)
+            except ValueError as e:
+                ap.error(f"--variants: {json.dumps(v)}: {e}")
     for w in args.windows.split(","):
         if w.strip() != "star" and not (w.strip().isdigit() and 1 <= int(w) <= 64):
             ap.error(f"--windows: {w!r} is neither a window length (1..64) nor 'star'")
