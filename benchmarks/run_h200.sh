@@ -17,7 +17,8 @@
 # unzipped `vllm/` sources, carried to the GPU machine) | fork (the public ReplaySSM fork's verify
 # kernels beside ours, batch 256, T = 2, 4, 8, every acceptance count, then their accuracy
 # against the float64 reference; FORK_SRC: a checkout of the fork holding the files of
-# replayssm.bench.peers.fork.FORK_FILES, carried to the GPU machine).
+# replayssm.bench.peers.fork.FORK_FILES, carried to the GPU machine) | switches (the experimental
+# switches' GPU tests, then each timed beside the default; TESTS_ONLY=1: the tests alone).
 # Results go to $OUT (default benchmarks/results/, under the names its README.md lists).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -73,6 +74,29 @@ if [[ "$STAGE" == fork ]]; then
     | tee "$OUT/verify_fork_h200.log" | tail -16
   python3 benchmarks/tools/fork_verify.py --fork-src "$FORK" --check-only --drafts 2,4,8 \
     --out "$OUT/fork_accuracy_h200.json" 2>&1 | tail -14
+fi
+if [[ "$STAGE" == switches ]]; then
+  # The experimental switches (docs/kernels.md's table): their GPU tests, then each timed as a
+  # variant beside the default, interleaved in one process (replayssm.bench.switches), with the
+  # fork's verify beside when FORK_SRC is set. About 8 minutes on an H100 with TESTS_ONLY unset.
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
+  python3 -m pytest -m gpu -n "${WORKERS:-12}" -q -p no:cacheprovider --timeout 400 \
+    tests/test_verify_gluon_gdn.py tests/test_verify_gluon_mamba2.py tests/test_gluon_lowp.py \
+    tests/test_gluon_lowp_gdn.py tests/test_verify_lp.py -k "gluon_lean or keys_global or read_mma or heads \
+    or split_gpu_rows or lp_gluon_gdn_real or lp_gluon_kda_real" 2>&1 | tee "$OUT/switch_tests_$card.log" | tail -8
+  [[ -n "${TESTS_ONLY:-}" ]] && exit 0
+  vs() { python3 -m replayssm.bench.verify --batches 256 --drafts 8 --accepted ends --no-snapshot --reps 6 \
+    ${FORK_SRC:+--fork-src "$FORK_SRC"} "$@" 2>&1 | tail -24; }
+  vs --shapes nemotron3-super,nemotron3-nano-4b --out "$OUT/verify_switches_mamba2_$card.json" \
+    --variants '[{"switches": {"mamba2_verify_keys_global": true}}]'
+  vs --shapes qwen3.5-4b,qwen3.5-122b --out "$OUT/verify_switches_gdn_$card.json" \
+    --variants '[{"switches": {"gdn_verify_lean": true}}, {"switches": {"gdn_verify_lean": true, "gdn_verify_rows": 2}}]'
+  vs --shapes qwen3.5-4b,qwen3.5-122b,kimi-linear-48b --out "$OUT/verify_switches_lp_$card.json" \
+    --variants '[{"lp": "fp16"}, {"lp": "fp16", "switches": {"lp_refold_mma": true}}, {"lp": "fp16", "switches": {"lp_kda": true}}]'
+  python3 -m replayssm.bench.precision --shapes nemotron3-super,nemotron3-nano-4b,qwen3.5-4b --batches 256 \
+    --no-window --formats fp16,fp8_e4m3,nvfp4 --reps 10 --out "$OUT/precision_switches_$card.json" \
+    --configs '[{"switches": {"lp_read_mma": true}}, {"switches": {"lp_rows": 2}}, {"switches": {"lp_heads": 2}}, {"switches": {"lp_heads": 2, "lp_read_mma": true}}]' \
+    2>&1 | tail -40
 fi
 if [[ "$STAGE" == model ]]; then
   python3 -m replayssm.bench.model --out "$OUT/model_h200.json" 2>&1 | tee "$OUT/model_h200.log" | tail -20
