@@ -66,7 +66,8 @@ def test_verify_benchmark_steps_run_every_scheme(monkeypatch, shape):
 def test_verify_benchmark_variants_get_their_own_rows(monkeypatch):
     from replayssm.bench import verify
 
-    monkeypatch.setattr(verify, "graph_time_us", lambda fn, reps=20, warmup=2: (fn(), 1.0)[1])
+    times = iter([3.0, 2.0, 5.0])                  # conventional, replay, the good variant
+    monkeypatch.setattr(verify, "graph_time_us", lambda fn, reps=20, warmup=2: (fn(), next(times))[1])
     rows = verify.measure("mamba2/4/2/16/32", 2, 4, 2, [2], rounds=1, reps=1, device="cpu", snapshot=False,
                           variants=[{"BV": 16, "num_warps": 1}, {"BV": 3}])
     plain = [r for r in rows if r["scheme"] == "replay" and "config" not in r]
@@ -74,6 +75,7 @@ def test_verify_benchmark_variants_get_their_own_rows(monkeypatch):
     bad = [r for r in rows if r.get("config") == {"BV": 3}]
     assert len(plain) == len(good) == len(bad) == 1
     assert "us_per_step" in good[0] and "BV" in bad[0]["error"]   # a refused config is a row, not a crash
+    assert good[0]["ratio_vs_default"] == 2.5 and "ratio_vs_default" not in plain[0]
 
 
 @pytest.mark.parametrize("shape", ["mamba2/4/2/16/32", "gdn/4/2/16/32", "kda/2/2/16/16"])

@@ -176,7 +176,8 @@ def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record
             input_dtype=torch.bfloat16, snapshot=True, device="cuda", variants=None, fork=None):
     """Rows of one (shape, batch, T) point: the conventional step, and replay (and snapshot) at
     each accepted count of `accepted_list`; with `variants` (a list of launch-config overrides
-    of the verify kernel) one replay row per variant and count as well, its `config` named;
+    of the verify kernel) one replay row per variant and count as well, its `config` named and
+    its `ratio_vs_default` its time over the default replay row's at that count;
     with `fork` (`peers.fork.load_fork`) the public fork's verify step as scheme `fork` (Mamba-2
     and GDN), and the replay rows' `ratio_vs_fork`."""
     case = Case(shape, batch, window, T, record_dtype=record_dtype, input_dtype=input_dtype,
@@ -214,6 +215,12 @@ def measure(shape, batch, window, T, accepted_list, *, rounds=8, reps=10, record
             if "lp" in cfg:
                 row["bytes_per_sequence"] = case.memory_per_sequence(cfg["lp"])["replay"]
         rows.append(row)
+    # a variant against the default replay step at its accepted count (a copy pool's against the
+    # fp32 pool's), the number that decides whether it should become the default
+    plain = {r["accepted"]: r["us_per_step"] for r in rows if r["scheme"] == "replay" and "config" not in r}
+    for r in rows:
+        if "config" in r and "us_per_step" in r:
+            r["ratio_vs_default"] = r["us_per_step"] / plain[r["accepted"]]
     if fk is not None:
         forks = {r["accepted"]: r["us_per_step"] for r in rows if r["scheme"] == "fork"}
         for r in rows:
@@ -369,7 +376,8 @@ def main(argv=None):
     for x in rows:
         if "config" in x and "error" not in x:
             print(f"variant {x['shape']:18} B={x['batch']:3d} T={x['T']} accepted={x['accepted']} "
-                  f"{x['ratio_vs_conventional_step']:.2f}x {x['config']}")
+                  f"{x['ratio_vs_conventional_step']:.2f}x ({x['ratio_vs_default']:.3f}x the default's time) "
+                  f"{x['config']}")
     rows_default = [x for x in rows if "config" not in x]
     print("\nverify step / conventional step, drafts all rejected .. all accepted")
     print("shape               batch  T   L  conv us   replay        snapshot     per token at A=3 (T=4): replay/snapshot")
