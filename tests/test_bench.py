@@ -387,6 +387,7 @@ def test_precision_benchmark_configs_repeat_the_non_flush_timings(monkeypatch):
         assert r["us_per_step"] == 5.0 + n_plain + 1 + i
         assert r["ratio_vs_fp32_read"] == pytest.approx(t_fp32 / r["us_per_step"])
         base = next(p for p in plain if p["read_format"] == r["read_format"])
+        assert r["ratio_vs_default"] == pytest.approx(r["us_per_step"] / base["us_per_step"])
         for key in ("bytes_per_step", "byte_bound", "byte_bound_traffic", "shape", "batch", "window", "hp_format"):
             assert r[key] == base[key], key
     assert all(r["config"] == {"BV": 16, "num_warps": 2} for r in good[:2])     # one program per head

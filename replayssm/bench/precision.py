@@ -14,7 +14,8 @@ Per shape, batch and window `L`, two timings, each a CUDA graph replayed (median
    With `--configs` (`measure(configs=...)`, a JSON list of launch-config overrides of
    `lowp_decode`, `BV` and `num_warps`), every low-precision read format's non-flush timing is
    repeated under each config: rows with `config` (the override) and `launch` (the config it
-   resolves to), timed against the default fp32 reads; a config that does not compile or
+   resolves to), timed against the default fp32 reads (`ratio_vs_fp32_read`) and the format's
+   default launch (`ratio_vs_default`, its time over the default's); a config that does not compile or
    launch is a row with `error` and `us_per_step` None. The default rows stay as they are. A
    config's `switches` (`{"switches": {"lp_read_mma": true}}`, `bench.switches`) are set
    around its steps alone: an experimental switch timed beside the defaults in one process.
@@ -257,7 +258,8 @@ def measure(shape, batch, window, lp_formats, reps, *, record_dtype=torch.bfloat
         except Exception as e:  # a config that does not compile or launch is a row, not the end of the run
             rows.append(dict(row, us_per_step=None, error=repr(e)[:300]))
             continue
-        rows.append(dict(row, us_per_step=t, ratio_vs_fp32_read=t_nf["fp32"] / t, bytes_per_step=b_nf[fmt],
+        rows.append(dict(row, us_per_step=t, ratio_vs_fp32_read=t_nf["fp32"] / t, ratio_vs_default=t / t_nf[fmt],
+                         bytes_per_step=b_nf[fmt],
                          tb_per_s=b_nf[fmt] / t / 1e6, byte_bound=4.0 / formats.bytes_per_element(fmt, case.K),
                          byte_bound_traffic=b_nf["fp32"] / b_nf[fmt]))
     case.cursor.copy_(case.start)                 # the whole windows start staggered
@@ -350,12 +352,15 @@ def table(rows) -> str:
                      f"{r['ratio_vs_fp32_read']:7.2f}x {r['byte_bound']:9.2f}x  {win}")
     tried = [r for r in rows if "config" in r]
     if tried:
-        lines.append("shape              batch  L read      non-flush us  vs fp32  config")
+        lines.append("shape              batch  L read      non-flush us  vs fp32  time/default  config")
     for r in tried:
-        got = (f"{r['us_per_step']:12.1f} {r['ratio_vs_fp32_read']:7.2f}x" if r["us_per_step"] is not None
-               else f"{'failed':>12} {'':8}")
+        vs_default = f"{r['ratio_vs_default']:12.3f}x" if "ratio_vs_default" in r else f"{'-':>13}"  # (older files)
+        got = (f"{r['us_per_step']:12.1f} {r['ratio_vs_fp32_read']:7.2f}x {vs_default}"
+               if r["us_per_step"] is not None else f"{'failed':>12} {'':8} {'':13}")
+        sw = r["config"].get("switches")
         lines.append(f"{r['shape']:18} {r['batch']:5d} {r['window']:2d} {r['read_format']:9} {got}  "
-                     f"{r.get('launch') or r['config']}" + (f"  {r['error'][:80]}" if "error" in r else ""))
+                     f"{r.get('launch') or r['config']}" + (f" switches {sw}" if sw else "")
+                     + (f"  {r['error'][:80]}" if "error" in r else ""))
     return "\n".join(lines)
 
 
