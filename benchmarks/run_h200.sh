@@ -19,12 +19,23 @@
 # against the float64 reference; FORK_SRC: a checkout of the fork holding the files of
 # replayssm.bench.peers.fork.FORK_FILES, carried to the GPU machine) | switches (the experimental
 # switches' GPU tests, then each timed beside the default; TESTS_ONLY=1: the tests alone).
-# Results go to $OUT (default benchmarks/results/, under the names its README.md lists).
+# Results go to $OUT (default ./gpu-check/, under the names benchmarks/results/README.md lists;
+# copy the ones to keep into benchmarks/results/). PYTHON: the interpreter (default: ./.venv's
+# where run.sh made one, else python3). The exit status is 1 when any step failed.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT="${OUT:-benchmarks/results}"
+OUT="${OUT:-gpu-check}"
 STAGE="${STAGE:-all}"
 mkdir -p "$OUT"
+# every `python3` below is this interpreter
+PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || command -v python3)}"
+python3() { "$PYTHON" "$@"; }
+# a failing step is reported and the run goes on to the next; the exit status says it failed
+FAILED=0
+trap 'rc=$?; FAILED=1; echo "run_h200.sh: line $LINENO failed (status $rc): ${BASH_COMMAND:0:160}" >&2' ERR
+trap 'exit $FAILED' EXIT
+# pytest-timeout is not in the test extra: its limit only where it is installed
+TIMEOUT=(); python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT=(--timeout 400)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 decode() {  # decode <name> <args...>: the decode benchmark, JSON, plot and log under $OUT/<name>
@@ -35,7 +46,7 @@ decode() {  # decode <name> <args...>: the decode benchmark, JSON, plot and log 
 if [[ "$STAGE" == all || "$STAGE" == test ]]; then
   # TESTS: a subset, e.g. TESTS="tests/test_conventional_lp.py tests/test_precision_kernels.py";
   # the whole set took 8 min 15 s with 12 pytest-xdist workers (the compiles are the CPU's)
-  python3 -m pytest -m gpu ${TESTS:-tests} -n "${WORKERS:-12}" -v -p no:cacheprovider --timeout 400 2>&1 \
+  python3 -m pytest -m gpu ${TESTS:-tests} -n "${WORKERS:-12}" -v -p no:cacheprovider ${TIMEOUT[@]+"${TIMEOUT[@]}"} 2>&1 \
     | tee "$OUT/gpu_tests_h200.log" | tail -5
 fi
 if [[ "$STAGE" == all || "$STAGE" == records ]]; then
@@ -80,11 +91,11 @@ if [[ "$STAGE" == switches ]]; then
   # variant beside the default, interleaved in one process (replayssm.bench.switches), with the
   # fork's verify beside when FORK_SRC is set. About 8 minutes on an H100 with TESTS_ONLY unset.
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
-  python3 -m pytest -m gpu -n "${WORKERS:-12}" -q -p no:cacheprovider --timeout 400 \
+  python3 -m pytest -m gpu -n "${WORKERS:-12}" -q -p no:cacheprovider ${TIMEOUT[@]+"${TIMEOUT[@]}"} \
     tests/test_verify_gluon_gdn.py tests/test_verify_gluon_mamba2.py tests/test_gluon_lowp.py \
     tests/test_gluon_lowp_gdn.py tests/test_verify_lp.py -k "gluon_lean or keys_global or read_mma or heads \
     or split_gpu_rows or lp_gluon_gdn_real or lp_gluon_kda_real" 2>&1 | tee "$OUT/switch_tests_$card.log" | tail -8
-  [[ -n "${TESTS_ONLY:-}" ]] && exit 0
+  if [[ -n "${TESTS_ONLY:-}" ]]; then exit; fi
   vs() { python3 -m replayssm.bench.verify --batches 256 --drafts 8 --accepted ends --no-snapshot --reps 6 \
     ${FORK_SRC:+--fork-src "$FORK_SRC"} "$@" 2>&1 | tail -24; }
   vs --shapes nemotron3-super,nemotron3-nano-4b --out "$OUT/verify_switches_mamba2_$card.json" \

@@ -93,6 +93,27 @@ def test_bad_group_count():
         SlotPool(make_params("mamba2", HV, K), N, V, K, 3)
 
 
+@pytest.mark.parametrize("family, params, needle", [
+    ("kda", lambda: make_params("kda", HV, 2 * K), f"[{HV}, {K}] for {HV} heads (head_k_dim {K}), got [{HV}, {2 * K}]"),
+    ("mamba2", lambda: type(make_params("mamba2", HV, K))(A=-torch.ones(HV), dt_bias=torch.zeros(HV + 1)),
+     f"params.dt_bias must have shape [{HV}] for {HV} heads, got [{HV + 1}]"),
+    ("mamba2", lambda: type(make_params("mamba2", HV, K))(A=-torch.ones(HV), dt_bias=torch.zeros(HV),
+                                                           D=torch.ones(HV, 2)), "params.D must have shape"),
+])
+def test_params_that_do_not_fit_the_shape_are_refused_at_construction(family, params, needle):
+    # (before: accepted, then a shape error inside the first step's arithmetic)
+    with pytest.raises(ValueError) as err:
+        SlotPool(params(), N, V, K, HK)
+    assert needle in str(err.value)
+
+
+def test_a_cuda_device_without_cuda_is_a_value_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="device 'cuda' is not usable here"):
+        SlotPool(make_params("gdn", HV, K), N, V, K, HK, device="cuda")
+
+
 def test_nvfp4_needs_k_multiple_of_16():
     with pytest.raises(ValueError, match="24"):
         SlotPool(make_params("gdn", HV, 24), N, V, 24, HK, lp_format="nvfp4")

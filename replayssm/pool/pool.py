@@ -105,6 +105,7 @@ class SlotPool:
         check.record_dtype(record_dtype)
         check.count("seed", seed)
         check.count("layer", layer, optional=True)
+        check.params_shapes(params, head_k_dim)
         HV = params.num_heads
         if HV % num_k_heads:
             raise ValueError(f"num_k_heads {num_k_heads} must divide the {HV} value heads")

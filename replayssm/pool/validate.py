@@ -40,6 +40,19 @@ def params(p) -> None:
                          f"(e.g. replayssm.testing.make_params), got {type(p).__name__}")
 
 
+def params_shapes(p, head_k_dim: int) -> None:
+    """Each parameter tensor's shape against the head count and `head_k_dim` (KDA's `dt_bias` is
+    per key channel): a mismatch would otherwise surface inside the first step's arithmetic."""
+    HV = p.num_heads
+    want = {"dt_bias": (HV, head_k_dim) if p.family == "kda" else (HV,), "D": (HV,)}
+    for name, shape in want.items():
+        t = getattr(p, name, None)
+        if isinstance(t, torch.Tensor) and tuple(t.shape) != shape:
+            what = f" (head_k_dim {head_k_dim})" if p.family == "kda" and name == "dt_bias" else ""
+            raise ValueError(f"params.{name} must have shape {list(shape)} for {HV} heads{what}, "
+                             f"got {list(t.shape)}")
+
+
 def record_dtype(dtype) -> None:
     if dtype is not None and dtype not in RECORD_DTYPES:
         raise ValueError(f"record_dtype must be one of {RECORD_DTYPES}, got {dtype!r}")
@@ -49,7 +62,8 @@ def device(dev) -> torch.device:
     """The canonical device (`"cuda"` -> `cuda:0`, so comparisons with tensors' devices hold)."""
     try:
         dev = torch.empty(0, device=dev if dev is not None else "cpu").device
-    except (RuntimeError, TypeError) as err:
+    except (RuntimeError, TypeError, AssertionError) as err:
+        # (a CPU-only torch asserts "Torch not compiled with CUDA enabled" for any cuda device)
         raise ValueError(f"device {dev!r} is not usable here: {err}") from None
     if dev.type == "meta":
         raise ValueError("device 'meta' holds no data; a pool needs real storage")
