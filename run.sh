@@ -8,7 +8,7 @@
 # pytest/hypothesis of pyproject.toml's `test` extra and no plugins the system happens to have.
 # REPLAYSSM_SYSTEM_TORCH=1 (read only when .venv is created) makes it see the system
 # site-packages instead, so a machine that already has a CUDA build of torch reuses it rather
-# than installing the CPU build; system pytest plugins are then visible too.
+# than installing torch into the venv; system pytest plugins are then visible too.
 # To switch an existing .venv between the two, remove .venv and run again.
 set -euo pipefail
 cd "$(dirname "$0")"

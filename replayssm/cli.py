@@ -197,7 +197,8 @@ def main(argv=None) -> int:
                    help="ReplaySSM window L: steps buffered between flushes (default %(default)s)")
     d.add_argument("--heads", type=_positive_int, default=4,
                    help="value heads per layer (real head dims; default %(default)s)")
-    d.add_argument("--family", default="all", choices=["all", "mamba2", "gdn", "kda"])
+    d.add_argument("--family", default="all", choices=["all", "mamba2", "gdn", "kda"],
+                   help="the family to decode (and whose tiny model generates; default %(default)s)")
     d.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda where available, else cpu)")
     d.add_argument("--new-tokens", type=_positive_int, default=64,
@@ -214,8 +215,10 @@ def main(argv=None) -> int:
                        description="GPU benchmarks. Arguments after the benchmark's name go to it: "
                                    "`replayssm bench decode --help`.")
     b.add_argument("which", nargs="?", choices=sorted(BENCHES), metavar="{" + ",".join(sorted(BENCHES)) + "}",
-                   help="decode: the kernel sweep; records: the record precision study; "
-                        "precision: separate state precisions, non-flush reads per format")
+                   help="decode: the kernel sweep; verify: speculative verification against the snapshot "
+                        "scheme; model: whole transformers models; records: the record precision study; "
+                        "precision: separate state precisions, non-flush reads per format; vllm: serving "
+                        "throughput with the vLLM plugin against stock vLLM")
     b.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
                    help="the benchmark's own arguments")
     b.set_defaults(func=_bench, parser=b)

@@ -510,7 +510,8 @@ def test_precision_options_refused_before_anything_changes():
            (dict(scheme="conventional", eager_max_batch=0), "eager_max_batch"),
            (dict(lp_format="nvfp4"), "nvfp4 needs a head_k_dim divisible by 16"),
            (dict(seed=-1), "seed"), (dict(eager_max_batch=-2), "eager_max_batch"),
-           (dict(lp_format="fp16", record_dtype=torch.int8), "record_dtype")]       # the pools' own check
+           (dict(lp_format="fp16", record_dtype=torch.int8), "record_dtype"),      # the pools' own check
+           (dict(window=0), "window must be an integer >= 1, got 0"), (dict(max_draft=True), "max_draft")]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             hf.enable(model, **kw)
@@ -521,6 +522,16 @@ def test_precision_options_refused_before_anything_changes():
     after = _greedy(model, ids, 12)
     assert all(torch.equal(a, b) for a, b in zip(after.logits, before.logits))
     assert not hf.is_enabled(fresh) and not any("forward" in vars(m) for m in fresh.modules())
+
+
+def test_a_name_where_a_model_goes_is_refused_in_one_line():
+    with pytest.raises(TypeError, match="model must be a loaded transformers model .* got str 'nemotron'"):
+        hf.enable("nemotron")
+    with pytest.raises(TypeError, match="a model name is a string, one of .*tiny_qwen3_5.* got NoneType"):
+        hf.build(None)
+    model = hf.enable(_model("tiny_qwen3_5"), window=8, max_draft=4)
+    with pytest.raises(TypeError, match=r"draft must be a loaded causal LM .*draft=hf.build\('tiny_qwen3_5'\)"):
+        hf.speculative_generate(model, _prompt(8), draft="tiny_qwen3_5", num_draft=2, max_new_tokens=2)
 
 
 @pytest.mark.gpu

@@ -428,6 +428,14 @@ def stale_pages(pages: dict, docs: pathlib.Path = DOC.parent) -> list:
 
 
 def main(argv: list) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    unknown = [a for a in argv if a != "--check"]
+    if unknown:
+        print(f"results_doc.py: unknown arguments {unknown}; usage: python benchmarks/tools/results_doc.py [--check]",
+              file=sys.stderr)
+        return 2
     pages = render()
     docs = DOC.parent
     if "--check" in argv:

@@ -81,6 +81,13 @@ def test_results_doc_matches_the_result_files():
         "docs/results.md or docs/results/ is stale: run python benchmarks/tools/results_doc.py"
 
 
+def test_results_doc_help_and_unknown_arguments_write_nothing(capsys, monkeypatch):
+    tool = runpy.run_path(str(HERE / "results_doc.py"))
+    monkeypatch.setitem(tool["main"].__globals__, "render", lambda *a: pytest.fail("rendered"))
+    assert tool["main"](["--help"]) == 0 and "--check" in capsys.readouterr().out
+    assert tool["main"](["--chek"]) == 2 and "unknown arguments ['--chek']" in capsys.readouterr().err
+
+
 def test_compile_check_compiles_what_a_test_launches():
     # the commit kernel's test: one launch, recorded under the interpreter and compiled for sm_90a
     env = dict(os.environ)

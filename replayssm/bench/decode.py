@@ -184,15 +184,16 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help="model names or family/HV/Hk/V/K specs, comma-separated (default: %(default)s)")
-    ap.add_argument("--batches", default="1,8,64,256,512")
-    ap.add_argument("--windows", default="8,16,32")
-    ap.add_argument("--cursors", default="staggered,lockstep")
+    ap.add_argument("--batches", default="1,8,64,256,512", help="batch sizes, comma-separated (default: %(default)s)")
+    ap.add_argument("--windows", default="8,16,32", help="window lengths L, comma-separated (default: %(default)s)")
+    ap.add_argument("--cursors", default="staggered,lockstep",
+                    help="row cursor patterns, comma-separated: staggered, lockstep (default: %(default)s)")
     ap.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="dtype of the buffered records (values and keys)")
+                    help="dtype of the buffered records (values and keys; default: %(default)s)")
     ap.add_argument("--input-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="dtype of the token inputs and outputs of both kernels (layer parameters "
-                         "and state stay fp32)")
-    ap.add_argument("--reps", type=int, default=15)
+                         "and state stay fp32; default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=15, help="graph replays timed per point, the median kept (default: %(default)s)")
     ap.add_argument("--sweep", action="store_true", help="first pick launch configs per shape at batch 256")
     ap.add_argument("--sweep-replay-only", action="store_true", help="with --sweep: keep the conventional tables")
     ap.add_argument("--variants", default=None,

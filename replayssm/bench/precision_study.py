@@ -360,7 +360,7 @@ def main(argv=None) -> dict:
                          "(default 0: the shape's own)")
     ap.add_argument("--layers", type=_positive, default=2, help="layers per stack (default %(default)s)")
     ap.add_argument("--tokens", type=_positive, default=64,
-                    help="tokens per sequence (default %(default)s: about 10 minutes on a 2-core CPU "
+                    help="tokens per sequence (default %(default)s: about 2 minutes on a 2-core CPU "
                          "at the default shapes; the GPU study: 131072)")
     ap.add_argument("--batch", type=_positive, default=2, help="sequences per pool (default %(default)s)")
     ap.add_argument("--window", type=_positive, default=16, help="replay window L (default %(default)s)")

@@ -171,6 +171,10 @@ def speculative_generate(model, input_ids: Tensor, *, attention_mask: Optional[T
 
     Returns `[B, L + n]` token ids (`n <= max_new_tokens`, the longest row), like `generate`.
     """
+    if draft is not None and not isinstance(draft, torch.nn.Module):
+        hint = f" (a loaded model: draft=hf.build({draft!r}))" if isinstance(draft, str) else ""
+        raise TypeError(f"draft must be a loaded causal LM or None (prompt lookup), got {type(draft).__name__} "
+                        f"{draft!r:.60}{hint}")
     state = replay_state(model)
     if state.scheme == "conventional" or (draft is not None and is_enabled(draft)
                                           and replay_state(draft).scheme == "conventional"):

@@ -37,9 +37,16 @@ def trained_path(name: str) -> Path:
     return path
 
 
+def _check_name(name) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"a model name is a string, one of {config_names() + trained_names()}; got "
+                        f"{type(name).__name__} {name!r:.60}")
+
+
 def config(name: str, **overrides):
     """The transformers config of `name` (one of `config_names()` or `trained_names()`), with
     `overrides`; keys starting with `_` (notes, sources) are dropped."""
+    _check_name(name)
     if name.startswith("trained-"):
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(str(trained_path(name)), **overrides)
@@ -55,6 +62,7 @@ def config(name: str, **overrides):
 def build(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, device=None, **overrides):
     """A causal LM of config `name` with random weights (seeded), in eval mode; for a name of
     `trained_names()`, the trained weights (`overrides` apply to its config)."""
+    _check_name(name)
     from transformers import AutoModelForCausalLM
     if name.startswith("trained-"):
         path = trained_path(name)
