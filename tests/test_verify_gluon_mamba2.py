@@ -448,3 +448,62 @@ def test_gluon_keys_global(shape, T, monkeypatch):
     # carry it into the fold), then one launch of every kind of row against the Triton kernel
     test_gluon_rounds(shape, T, config)
     test_gluon_matches_triton_one_launch(shape, T, config, torch.bfloat16, 16)
+
+
+@gpu
+@needs_gluon
+@pytest.mark.parametrize("shape, T, L", [pytest.param(SUPER, 8, 16, id="super-T8"),
+                                         pytest.param(NANO, 8, 16, id="nano4b-T8"),
+                                         pytest.param(SUPER, 8, 32, id="super-T8-L32"),   # two key tiles
+                                         pytest.param(NANO, 4, 32, id="nano4b-T4-L32")])
+def test_gluon_keys_global_equals_staged_bit_for_bit(shape, T, L, monkeypatch):
+    # The fold's MMA takes the same keys whether staged or loaded: rounds of verify + commit on
+    # two copies of a pool (committed records below each cursor, NaN past it), KEYS_GLOBAL off
+    # on one and on on the other, outputs and every pool tensor equal bit for bit after each
+    # round, rows flushing; and the switch asserted to have reached the kernel (KG) each time
+    from replayssm.ops.mamba2 import gluon_verify
+
+    kernel, seen = gluon_verify._gluon_verify_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["KG"])
+                return kernel[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(gluon_verify, "_gluon_verify_kernel", Spy())
+    config = dict(gluon=True, mma=True, kq=True)
+    Bt = 12
+    g = torch.Generator().manual_seed(33)
+    p, (A, dt_bias, D), _ = _layer(shape, 33)
+    pools = [_pool(shape, Bt, L + T, torch.bfloat16) for _ in range(2)]
+    init = (0.1 * torch.randn(Bt, shape["HV"], shape["V"], shape["K"], generator=g)).to(DEV)
+    cur = torch.randint(0, L, (Bt,), generator=g, dtype=torch.int32)
+    ld, w, k = (-0.1 * torch.rand(Bt, L, shape["HV"], generator=g),
+                torch.randn(Bt, L, shape["HV"], shape["V"], generator=g),
+                torch.randn(Bt, L, shape["Hk"], shape["K"], generator=g))
+    for pool in pools:
+        pool["ckpt"].copy_(init)
+        pool["cursor"].copy_(cur.to(DEV))
+        for s_, h in enumerate(cur.tolist()):
+            pool["buf_ld"][s_, :h] = ld[s_, :h].to(DEV)
+            pool["buf_w"][s_, :h] = w[s_, :h].to(DEV, torch.bfloat16)
+            pool["buf_k"][s_, :h] = k[s_, :h].to(DEV, torch.bfloat16)
+    sid = torch.randperm(Bt, generator=g).to(torch.int32).to(DEV)
+    e0 = pools[0]["epoch"].clone()
+    for r in range(L + 2):
+        inp = {k_: v.to(torch.bfloat16) for k_, v in _inputs(p, shape, Bt, T, g, True).items()}
+        acc = torch.randint(1, T + 1, (Bt,), generator=g, dtype=torch.int32).to(DEV)
+        outs = []
+        for pool, on in zip(pools, (False, True)):
+            monkeypatch.setattr(gluon_verify, "KEYS_GLOBAL", on)
+            outs.append(replay_verify(inp["x"], inp["dt"], inp["B"], inp["C"], A, dt_bias, D, inp["z"], pool["ckpt"],
+                                      pool["buf_ld"], pool["buf_w"], pool["buf_k"], pool["cursor"], pool["pending"],
+                                      pool["epoch"], sid, L, config=config, arrive=pool["arrive"]))
+            commit(pool["cursor"], pool["pending"], sid, acc)
+        assert seen[-2:] == [False, True], seen[-2:]
+        assert torch.isfinite(outs[0].float()).all()
+        assert torch.equal(_bits(outs[0]), _bits(outs[1])), f"round {r}"
+        for k_ in pools[0]:
+            assert torch.equal(_bits(pools[0][k_]), _bits(pools[1][k_])), (r, k_)
+    assert int((pools[0]["epoch"] - e0).min()) > 0, "some row never flushed"

@@ -53,7 +53,7 @@ MAX_DRAFT = 8
 # `kq` the committed keys are read only by a flush's fold, so they need not be staged in shared
 # memory by every program; the fold loads them from global memory (L2: a group's heads share
 # them) into the MMA's operand registers. Less shared memory a program (Triton 3.6, T = 8:
-# Nano-4B's 16-row programs 16.7 -> 13.1 KB, 12 -> 16 programs per SM; Super's 64-row 43.6 ->
+# Nano-4B's 16-row programs 16.7 -> 13.1 KB, 13 -> 16 programs per SM; Super's 64-row 43.6 ->
 # 41.5 KB, 5 either way), so more tile bytes in flight per SM. Read at each launch (its GPU
 # tests set it)
 KEYS_GLOBAL = os.environ.get("REPLAYSSM_GLUON_VERIFY_KEYS_GLOBAL") == "1"
@@ -158,6 +158,7 @@ if HAVE_GLUON:
         #      every thread (in-thread picks)
         # LKC, LWC, LIN, LXI  the copies and loads of keys, values and the drafts' inputs, in
         #      16-byte pieces where the dtype allows
+        gl.static_assert(not KG or (MMA and KQ), "KG (keys from global memory) needs MMA and KQ")
         LT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [LRW, TP, LKW], [NW, 1, 1], [2, 1, 0])
         LC3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8 // TP, TP, 4], [1, 1, NW], [2, 1, 0])
@@ -352,7 +353,7 @@ if HAVE_GLUON:
                 # X formed in the A operand's layout from the records' shared copy: in registers,
                 # not staged (4 KB more shared memory would leave 4 programs per SM, not 5)
                 _fold_mma_records(s_S, s_W, s_K, gl.where(o_l < h, gl.exp(b_sfx) * b_dtj, 0.0), h, p_S, gl.exp(b_L),
-                                  BV, K, BL, KP, NW, p_K=p_Kg, stride_k=Hk * K, KG=KG)
+                                  BV, K, BL, KP, NW, p_K=p_Kg, stride_k=Hk * K, KG=KG, KN=NPOS)
                 _barrier()
         else:
             if flush:

@@ -56,15 +56,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _fold_mma(s_S, b_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
                   KP: gl.constexpr, NW: gl.constexpr, p_L=None, LPT: gl.constexpr = 0, p_K=None, stride_k=0,
-                  h=0, KG: gl.constexpr = False):
+                  h=0, KG: gl.constexpr = False, KN: gl.constexpr = 0):
         """The flush's fold on the tensor cores, exact as `utils.gluon_mma._tile_vectors_mma`: per
         chunk of 32 of the tile's columns `C_c <- g C_c + X @ K_c` (`X` `[BV, BL]` fp32 in the
         A operand's layout, the keys `[BL, K]` as stored, KP pieces), the products a fresh value
         added to `g C_c` in fp32 (never accumulated inside the MMA, whose truncation would bias
         the checkpoint), stored to shared memory and to the checkpoint `p_S` (LPT 1 / 2: and
         its round-to-nearest fp16 / bf16 copy to `p_L`). KG: the keys read from global memory
-        (`p_K` the first record's, rows `stride_k` apart, zero at and past h) straight into the B
-        operand's registers, chunk by chunk, instead of from `s_K`."""
+        (`p_K` the first record's, rows `stride_k` apart, zero at and past h and, with KN, past
+        the KN positions a record can occupy) straight into the B operand's registers instead of
+        from `s_K`, each chunk's load issued before the chunk ahead of it is folded: the shared
+        tile's store and load between chunks are a barrier, which a load behind it would wait
+        for, one L2 round trip a chunk."""
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
         NC: gl.constexpr = 32
@@ -74,10 +77,25 @@ if HAVE_GLUON:
         if KG:
             o_jB = gl.arange(0, BL, layout=gl.SliceLayout(1, BO))
             o_kB = gl.arange(0, NC, layout=gl.SliceLayout(0, BO))
+            # (KN: a cursor past the window is no valid state, but the shared path's copy of NPOS
+            # positions never reads past them either)
+            m_B = ((o_jB < h) & (o_jB < KN)) if KN else (o_jB < h)
+            # one-warp programs of a window of 16 load a chunk ahead; others chunk by chunk (Triton
+            # 3.6 with the chunk ahead: Super's 4 warps 80 -> 118 registers, 5 -> 4 programs per SM;
+            # Nano-4B at window 32 107 -> 156; Nano-4B at window 16 90 -> 94)
+            PRE: gl.constexpr = NW == 1 and BL <= 16
+            if PRE:
+                b_next = gl.load(p_K + (o_jB[:, None] * stride_k + o_kB[None, :]), mask=m_B[:, None], other=0.0)
         for c0 in gl.static_range(0, K, NC):
             if KG:
-                b = gl.load(p_K + (o_jB[:, None] * stride_k + (c0 + o_kB)[None, :]), mask=(o_jB < h)[:, None],
-                            other=0.0).to(gl.float32)
+                if PRE:
+                    b = b_next.to(gl.float32)
+                    if c0 + NC < K:
+                        b_next = gl.load(p_K + (o_jB[:, None] * stride_k + (c0 + NC + o_kB)[None, :]),
+                                         mask=m_B[:, None], other=0.0)
+                else:
+                    b = gl.load(p_K + (o_jB[:, None] * stride_k + (c0 + o_kB)[None, :]), mask=m_B[:, None],
+                                other=0.0).to(gl.float32)
             else:
                 b = s_K.slice(c0, NC, dim=1).load(BO).to(gl.float32)
             dS = _mma_exact(a0, a1, a2, b, gl.zeros([BV, NC], gl.float32, MM), KP)
@@ -101,13 +119,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _fold_mma_records(s_S, s_W, s_K, b_coef, h, p_S, b_g, BV: gl.constexpr, K: gl.constexpr,
                           BL: gl.constexpr, KP: gl.constexpr, NW: gl.constexpr, p_K=None, stride_k=0,
-                          KG: gl.constexpr = False):
+                          KG: gl.constexpr = False, KN: gl.constexpr = 0):
         """An early flush's fold on the tensor cores, `C <- g C + sum_{j<h} coef_j w_j k_j^T`, from
         the records' shared copies (`s_W` `[BL, BV]` values, `s_K` `[BL, K]` keys as stored) and
         `b_coef` `[BL]` (any layout, zero at and past h): `X[v, j] = coef_j w_j[v]` formed in the
         A operand's registers (records there may hold NaN, and 0 * NaN is NaN in a product, so
         X and the keys are zeroed there; the keys in place: no key is read after a flush's fold),
-        then `_fold_mma`. KG: the keys from global memory (`p_K`, `stride_k`; `_fold_mma`'s KG),
+        then `_fold_mma`. KG: the keys from global memory (`p_K`, `stride_k`, `KN`; `_fold_mma`'s KG),
         `s_K` unused. The caller passes a barrier before reading `s_S` again."""
         MMX: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AX: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMX, k_width=2)
@@ -116,7 +134,7 @@ if HAVE_GLUON:
         b_WX = s_W.permute([1, 0]).load(AX).to(gl.float32)                          # [BV, BL]
         b_X = gl.where((o_jX < h)[None, :], b_WX * b_coefX[None, :], 0.0)
         if KG:
-            _fold_mma(s_S, b_X, s_K, p_S, b_g, BV, K, BL, KP, NW, p_K=p_K, stride_k=stride_k, h=h, KG=True)
+            _fold_mma(s_S, b_X, s_K, p_S, b_g, BV, K, BL, KP, NW, p_K=p_K, stride_k=stride_k, h=h, KG=True, KN=KN)
         else:
             _zero_keys_past(s_K, h, BL, NW)
             _fold_mma(s_S, b_X, s_K, p_S, b_g, BV, K, BL, KP, NW)
