@@ -108,6 +108,8 @@ if [[ "$STAGE" == switches ]]; then
     --no-window --formats fp16,fp8_e4m3,nvfp4 --reps 10 --out "$OUT/precision_switches_$card.json" \
     --configs '[{"switches": {"lp_read_mma": true}}, {"switches": {"lp_rows": 2}}, {"switches": {"lp_heads": 2}}, {"switches": {"lp_heads": 2, "lp_read_mma": true}}]' \
     2>&1 | tail -40
+  # each variant's time over the default's, per shape (below 1: faster)
+  python3 -m replayssm.bench.switches "$OUT"/verify_switches_*_"$card".json "$OUT/precision_switches_$card.json"
 fi
 if [[ "$STAGE" == model ]]; then
   python3 -m replayssm.bench.model --out "$OUT/model_h200.json" 2>&1 | tee "$OUT/model_h200.log" | tail -20

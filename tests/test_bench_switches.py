@@ -116,3 +116,29 @@ def test_benchmarks_refuse_bad_switches_by_name(argv, message, capsys):
         cli.main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_summary_gives_each_variants_span_against_the_default(tmp_path, capsys):
+    import json
+
+    doc = {"device": "NVIDIA H100 80GB HBM3", "rows": [
+        {"shape": "qwen3.5-4b", "scheme": "replay", "accepted": 1, "us_per_step": 10.0},
+        {"shape": "qwen3.5-4b", "scheme": "replay", "accepted": 1, "config": {"switches": {"gdn_verify_lean": True}},
+         "us_per_step": 9.0, "ratio_vs_default": 0.9},
+        {"shape": "qwen3.5-4b", "scheme": "replay", "accepted": 8, "config": {"switches": {"gdn_verify_lean": True}},
+         "us_per_step": 11.0, "ratio_vs_default": 1.1},
+        {"shape": "qwen3.5-4b", "scheme": "replay", "accepted": 8, "config": {"BV": 3}, "error": "BV"},
+        {"shape": "nemotron3-super", "read_format": "fp8_e4m3", "config": {"switches": {"lp_rows": 2}},
+         "us_per_step": None}]}
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(doc))
+    assert switches.main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4                                  # a header and three variants
+    lean = next(x for x in lines if "gdn_verify_lean" in x)
+    assert "0.900-1.100x" in lean and "H100" in lean
+    assert "(1 of 1 rows failed)" in next(x for x in lines if "'BV': 3" in x)
+    rows2 = next(x for x in lines if "lp_rows" in x)
+    assert "fp8_e4m3" in rows2 and "(1 of 1 rows failed)" in rows2
+    with pytest.raises(SystemExit):
+        switches.main([str(tmp_path / "missing.json")])

@@ -85,3 +85,50 @@ def applied(switches: dict) -> Iterator[None]:
     finally:
         for mod, attr, old in reversed(saved):
             setattr(mod, attr, old)
+
+
+def summary(docs) -> str:
+    """Per result file (`bench verify` / `bench precision` JSON documents) and variant, the
+    range of its `ratio_vs_default` over its rows (shape, read format and accepted count; below
+    1: faster than the default), the rows that failed, and the card: the table that decides
+    whether a switch becomes the default."""
+    lines = [f"{'shape':18} {'read':9} {'variant':58} {'time / default':>15}  card"]
+    for doc in docs:
+        card = doc.get("device", "?")
+        groups = {}
+        for r in doc.get("rows", []):
+            if "config" not in r:
+                continue
+            key = (r["shape"], r.get("read_format", ""), str(r["config"]))
+            groups.setdefault(key, []).append(r)
+        for (shape, fmt, cfg), rows in groups.items():
+            ok = [r["ratio_vs_default"] for r in rows if r.get("ratio_vs_default") is not None]
+            failed = len(rows) - len(ok)
+            span = f"{min(ok):.3f}-{max(ok):.3f}x" if ok else "-"
+            lines.append(f"{shape:18} {fmt:9} {cfg[:58]:58} {span:>15}  {card}"
+                         + (f"  ({failed} of {len(rows)} rows failed)" if failed else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m replayssm.bench.switches",
+                                 description="Summarise the variant rows of bench verify / bench precision result "
+                                             "files: each variant's time over the default's, per shape.")
+    ap.add_argument("files", nargs="+", help="JSON result files")
+    args = ap.parse_args(argv)
+    docs = []
+    for path in args.files:
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            ap.error(f"{path}: {e}")
+    print(summary(docs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
