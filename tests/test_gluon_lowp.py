@@ -284,6 +284,26 @@ def test_split_matches_single_launch_gpu(shape, design):
     assert gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
 
 
+def _lp_launches(monkeypatch) -> list:
+    """`(NH, RMMA, BV, num_warps)` of every Mamba-2 Gluon read launch, appended as they run (NH 1:
+    the one-head kernel): what a switch's test asserts reached the kernel."""
+    from replayssm.ops.mamba2 import gluon_lowp, gluon_lowp_heads
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(**kw):
+                seen.append((kw.get("NH", 1), kw["RMMA"], kw["BV"], kw["num_warps"]))
+                return self.kernel[grid](**kw)
+            return launch
+    monkeypatch.setattr(gluon_lowp, "_gluon_lp_kernel", Spy(gluon_lowp._gluon_lp_kernel))
+    monkeypatch.setattr(gluon_lowp_heads, "_gluon_lp_heads_kernel", Spy(gluon_lowp_heads._gluon_lp_heads_kernel))
+    return seen
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("design", [DESIGNS[i] for i in (0, 1, 2, 7)], ids=[DESIGN_IDS[i] for i in (0, 1, 2, 7)])
@@ -292,8 +312,10 @@ def test_split_gpu_read_mma(design, monkeypatch):
     and fp8 rows summed on the tensor cores, as `test_split_matches_single_launch_gpu`."""
     from replayssm.ops.utils import gluon_lowp
     monkeypatch.setattr(gluon_lowp, "READ_MMA", True)
+    seen = _lp_launches(monkeypatch)
     gaps = _run_split(design, GPU_SHAPES["super"], 8, 16, 40, {"gluon": True}, False, ref_every=3)
     assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+    assert seen and {x[1] for x in seen} == {True}, seen
 
 
 @pytest.mark.gpu
@@ -306,8 +328,10 @@ def test_split_gpu_heads(shape, design, heads, monkeypatch):
     a group per program (gluon_lowp_heads.py), as `test_split_matches_single_launch_gpu`."""
     from replayssm.ops.mamba2 import gluon_lowp
     monkeypatch.setattr(gluon_lowp, "HEADS", heads)
+    seen = _lp_launches(monkeypatch)
     gaps = _run_split(design, GPU_SHAPES[shape], 8, 16, 40, {"gluon": True}, False, ref_every=3)
     assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+    assert seen and {x[0] for x in seen} == {heads}, seen
 
 
 @pytest.mark.gpu
@@ -320,8 +344,10 @@ def test_split_gpu_heads_read_mma(shape, design, monkeypatch):
     from replayssm.ops.utils import gluon_lowp as utils_lowp
     monkeypatch.setattr(gluon_lowp, "HEADS", 2)
     monkeypatch.setattr(utils_lowp, "READ_MMA", True)
+    seen = _lp_launches(monkeypatch)
     gaps = _run_split(design, GPU_SHAPES[shape], 8, 16, 40, {"gluon": True}, False, ref_every=3)
     assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+    assert seen and set(x[:2] for x in seen) == {(2, True)}, seen
 
 
 @pytest.mark.gpu
@@ -333,8 +359,11 @@ def test_split_gpu_rows(design, rows, monkeypatch):
     warps (`lp_launch_rows`), as `test_split_matches_single_launch_gpu`."""
     from replayssm.ops.utils import gluon_lowp
     monkeypatch.setattr(gluon_lowp, "ROWS", rows)
+    seen = _lp_launches(monkeypatch)
     gaps = _run_split(design, GPU_SHAPES["super"], 8, 16, 40, {"gluon": True}, False, ref_every=3)
     assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
+    # Super's 64 rows a head: the block stays whole and its warps shrink (4 -> 4 / rows)
+    assert seen and {x[2:] for x in seen} == {(64, 4 // rows)}, seen
 
 
 @pytest.mark.gpu
@@ -429,7 +458,7 @@ if GPU:
         LY: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         o_k = gl.arange(0, K, layout=LY)
         b_e = gl.load(eye + i_k * K + o_k)
-        b_v = lp_vector(b_e, eye + i_k * K, K, LP, NW)
+        b_v = lp_vector(b_e, eye + i_k * K, K, LP, NW, True)
         if LP == 4:
             sc_a = lp_block_scales(lp_scale, i_m, v0, V, K, 8 * NW, NW)
             sc_b = lp_block_scales(lp_scale, i_m, v0 + 8 * NW, V, K, 8 * NW, NW)
@@ -532,6 +561,9 @@ def test_heads_unsupported_reasons():
     assert "power of two" in heads_unsupported(3, 1, 128, 8)
     assert "nvfp4" in heads_unsupported(2, 5, 128, 8)
     assert "divide" in heads_unsupported(8, 1, 96, 8)          # Nano-4B: 12 heads a group
+    # Super's 64-row fp16 tiles: 4 heads are 64 KB a program, 16 would not fit an SM
+    assert heads_unsupported(4, 1, 128, 8, 64, 128) == "" and heads_unsupported(8, 3, 128, 8, 64, 128) == ""
+    assert "256 KB of tiles" in heads_unsupported(16, 1, 128, 8, 64, 128)
 
 
 def test_lp_launch_rows():

@@ -327,8 +327,9 @@ def test_split_gpu_read_mma(shape, name, gluon_launches, monkeypatch):
 @pytest.mark.parametrize("name, shape", [("gdn-fp32-fp16", "qwen3.5-4b"), ("gdn-fp32-fp8", "qwen3.5-122b"),
                                          ("gdn-fp32-nvfp4", "qwen3.5-4b"), ("kda-fp32-bf16", "kimi-linear-48b")])
 def test_split_gpu_rows(shape, name, rows, gluon_launches, monkeypatch):
-    """REPLAYSSM_GLUON_LP_ROWS (`utils.gluon_lowp.ROWS`): blocks of 64 or 128 rows in 2 warps
-    (`lp_launch_rows`), as `test_split_matches_single_launch_gpu`."""
+    """REPLAYSSM_GLUON_LP_ROWS (`utils.gluon_lowp.ROWS`): the default 64-row block in 4 warps
+    grows to 128 rows in 4 warps (rows 2) or 2 warps (rows 4) at V = 128 (`lp_launch_rows`), as
+    `test_split_matches_single_launch_gpu`."""
     from replayssm.ops.utils import gluon_lowp
     monkeypatch.setattr(gluon_lowp, "ROWS", rows)
     _gpu_split(name, shape, 8, 16, 40, {}, gluon_launches)

@@ -515,7 +515,7 @@ def test_verify_lp_gluon_real_shapes_gpu(model, lp, T, window, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T,window,mma", [(4, 8, False), (8, 16, False), (8, 16, True)])
+@pytest.mark.parametrize("T,window,mma", [(4, 8, False), (8, 16, False), (8, 16, True), (8, 32, True)])
 @pytest.mark.parametrize("lp", ["fp16", "bf16"])
 @pytest.mark.parametrize("refold_mma", [False, True])
 def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, mma, refold_mma, monkeypatch):
@@ -524,18 +524,25 @@ def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, mma, refold_mma, mon
     for bit the round-to-nearest encoding of the fp32 checkpoint, the HP refold with u recomputed
     from the raw records, copy reads about a unit of the format from fp32 reads), every launch of
     the fast pool on that kernel; `mma`: with `LP_MMA`, its products on the tensor cores;
-    `refold_mma`: with `REFOLD_MMA`, an early flush's refold on them."""
-    from replayssm.ops.gdn import verify_lp as vlp
+    `refold_mma`: with `REFOLD_MMA`, an early flush's refold on them (asserted to reach the kernel)."""
+    from replayssm.ops.gdn import gluon_verify_host as gv, verify_lp as vlp
     from replayssm.ops.utils.lowp import LP_CODES
 
     monkeypatch.setattr(vlp, "LP_MMA", mma)      # both products whatever the default
     monkeypatch.setattr(vlp, "REFOLD_MMA", refold_mma)
-    mmas, refolds = [], []
+    mmas, refolds, rfm, constexprs = [], [], set(), gv.gluon_verify_constexprs
+
+    def spy(*a, **k):
+        d = constexprs(*a, **k)
+        rfm.add(d["RFM"])
+        return d
+    monkeypatch.setattr(gv, "gluon_verify_constexprs", spy)
     codes = _gluon_lp_codes(monkeypatch, vlp, mmas, refolds)
     monkeypatch.setitem(SHAPES, "gdn", GPU_SHAPES["gdn"])
-    _check_fp32_hp("gdn", lp, T=T, window=window, rounds=6)
-    assert len(codes) == 6 and set(codes) == {LP_CODES[lp]}, codes
-    assert set(mmas) == {mma} and set(refolds) == {refold_mma}, (mmas, refolds)
+    rounds = 6 if window <= 16 else 16           # (window 32: about 3 records a round, 2 flushes a row)
+    _check_fp32_hp("gdn", lp, T=T, window=window, rounds=rounds)
+    assert len(codes) == rounds and set(codes) == {LP_CODES[lp]}, codes
+    assert set(mmas) == {mma} and set(refolds) == {refold_mma} and rfm == {refold_mma}, (mmas, refolds, rfm)
 
 
 @pytest.mark.gpu

@@ -116,7 +116,13 @@ def _gluon_lp_config(family: str, q: Tensor, v: Tensor, ck: dict, buf_ld, buf_w,
     if any(slot_pads(ck["ckpt"], buf_ld, buf_w, buf_k, cursor, pending).values()):
         return None
     # (a program of fewer rows than REFOLD_ROWS refolds them all at once)
-    return dict(cfg, refold_rows=min(REFOLD_ROWS, cfg["BV"]) if REFOLD_ROWS else 0, refold_mma=REFOLD_MMA)
+    cfg = dict(cfg, refold_rows=min(REFOLD_ROWS, cfg["BV"]) if REFOLD_ROWS else 0, refold_mma=REFOLD_MMA)
+    if REFOLD_MMA and family == "gdn" and not cfg["maxnreg"]:
+        # the refold is inlined into every program: uncapped at T <= 4 it took 126 -> 137 registers
+        # with bf16 records (4 -> 3 programs per SM), 128 -> 176 with fp32 ones; at the cap, no
+        # stack with bf16 records (Triton 3.6)
+        cfg["maxnreg"] = 128
+    return cfg
 
 
 @triton.jit

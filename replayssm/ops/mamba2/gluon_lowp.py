@@ -224,7 +224,7 @@ def launch_gluon_lp(x, dt, B, C, A, dt_bias, D, z, lp_data, lp_scale, lp_tscale,
     Bt, HV, V = x.shape
     Hk, K = B.shape[1], B.shape[2]
     heads = HEADS if heads is None else int(heads)
-    if heads > 1 and not heads_unsupported(heads, int(LP), HV, Hk):
+    if heads > 1 and not heads_unsupported(heads, int(LP), HV, Hk, BV, K):
         launch_gluon_lp_heads(x, dt, B, C, A, dt_bias, D, z, lp_gluon_views(lp_data, LP), lp_scale, lp_tscale, LP,
                               buf_ld, buf_w, buf_k, cursor, epoch, arrive, slot_ids, out, window, BV, heads, kq,
                               _lowp.READ_MMA if read_mma is None else bool(read_mma))

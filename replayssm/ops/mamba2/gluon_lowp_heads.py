@@ -29,14 +29,23 @@ if HAVE_GLUON:
 __all__ = ["heads_unsupported", "launch_gluon_lp_heads"]
 
 
-def heads_unsupported(heads: int, lp_code: int, HV: int, Hk: int) -> str:
-    """'' when `heads` heads per program cover this read format and head layout, else why not."""
+# The heads' copy of the tile a program stages, at most: Super's fp16 tile is 16 KB a head, and
+# 16 heads (256 KB) are past an SM's 227 KB (Triton 3.6 compiles it, the launch would fail)
+MAX_TILE_BYTES = 64 * 1024
+
+
+def heads_unsupported(heads: int, lp_code: int, HV: int, Hk: int, BV: int = 0, K: int = 0) -> str:
+    """'' when `heads` heads per program cover this read format and head layout (and, given
+    `BV` and `K`, their tiles fit `MAX_TILE_BYTES`), else why not."""
     if heads < 2 or heads & (heads - 1):
         return f"heads={heads}: a power of two from 2"
     if lp_code not in (1, 2, 3, 4):
         return f"read format code {lp_code} (fp16, bf16, fp8_e4m3, nvfp4)"
     if HV % Hk or (HV // Hk) % heads:
         return f"heads={heads} must divide the group's {HV // max(Hk, 1)} heads"
+    tile = heads * BV * K * {1: 2, 2: 2, 3: 1, 4: 0.5}[lp_code]
+    if tile > MAX_TILE_BYTES:
+        return f"heads={heads}: {tile / 1024:.0f} KB of tiles a program (at most {MAX_TILE_BYTES // 1024} KB)"
     return ""
 
 
