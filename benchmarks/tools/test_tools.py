@@ -42,6 +42,35 @@ def test_gluon_kernels_compile_for_sm90(args):
     assert "registers" in r.stdout and "registers ?" not in r.stdout, r.stdout
 
 
+_PROBE = """
+import sys
+sys.path[:0] = [{tools!r}, {tests!r}]
+import regcount
+from triton.experimental.gluon._runtime import GluonASTSource
+import test_gluon_lowp as t
+for LP, (data, scale) in {{1: ("*i16", "*fp32"), 3: ("*u8", "*fp32"), 4: ("*i32", "*u8")}}.items():
+    ptr = dict(lp_data=data, lp_scale=scale, lp_tscale="*fp32", eye="*fp32", out="*fp32")
+    sig, const = regcount.signature(t._probe_kernel, ptr, dict(V=64, K=128, BV=64, LP=LP, NW=4))
+    regcount.compile_kernel(t._probe_kernel, sig, const, 4, GluonASTSource)
+    print("compiled", LP)
+"""
+
+
+@pytest.mark.skipif(not HAVE_GLUON, reason="this Triton has no Gluon")
+def test_gpu_tests_probe_kernel_compiles_for_sm90():
+    # A Gluon kernel defined in a GPU test runs nowhere but on a GPU: compiled here, a change of
+    # the helpers it calls shows on the CPU (a missing argument once went unseen until a GPU ran it)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    code = _PROBE.format(tools=str(HERE), tests=str(ROOT / "tests"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode and ("ptxas" in r.stderr or "cuobjdump" in r.stderr) and "No such file" in r.stderr:
+        pytest.skip("no CUDA toolchain bundled with this Triton")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("compiled")] == \
+        ["compiled 1", "compiled 3", "compiled 4"], r.stdout
+
+
 def test_sass_stalls_sums_a_source_level_profile(capsys, monkeypatch):
     """`sass_stalls.py` on a synthetic ncu source-level export (data/ncu_source_sass.csv: ncu's two header lines, ten SASS instructions, an empty
     sample cell, "Not Issued" stall columns that must not be counted) reproduces the totals
