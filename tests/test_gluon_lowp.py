@@ -307,13 +307,14 @@ def _lp_launches(monkeypatch) -> list:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("design", [DESIGNS[i] for i in (0, 1, 2, 7)], ids=[DESIGN_IDS[i] for i in (0, 1, 2, 7)])
-def test_split_gpu_read_mma(design, monkeypatch):
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_split_gpu_read_mma(shape, design, monkeypatch):
     """REPLAYSSM_GLUON_LP_READ_MMA (`utils.gluon_lowp.READ_MMA`, read at each launch): fp16, bf16
     and fp8 rows summed on the tensor cores, as `test_split_matches_single_launch_gpu`."""
     from replayssm.ops.utils import gluon_lowp
     monkeypatch.setattr(gluon_lowp, "READ_MMA", True)
     seen = _lp_launches(monkeypatch)
-    gaps = _run_split(design, GPU_SHAPES["super"], 8, 16, 40, {"gluon": True}, False, ref_every=3)
+    gaps = _run_split(design, GPU_SHAPES[shape], 8, 16, 40, {"gluon": True}, False, ref_every=3)
     assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
     assert seen and {x[1] for x in seen} == {True}, seen
 
@@ -354,16 +355,18 @@ def test_split_gpu_heads_read_mma(shape, design, monkeypatch):
 @gpu
 @pytest.mark.parametrize("rows", [2, 4])
 @pytest.mark.parametrize("design", [DESIGNS[i] for i in (0, 2, 3, 7)], ids=[DESIGN_IDS[i] for i in (0, 2, 3, 7)])
-def test_split_gpu_rows(design, rows, monkeypatch):
-    """REPLAYSSM_GLUON_LP_ROWS (`utils.gluon_lowp.ROWS`, read at each launch): Super's tile in 2 or 1
-    warps (`lp_launch_rows`), as `test_split_matches_single_launch_gpu`."""
+@pytest.mark.parametrize("bv", [64, 16])
+def test_split_gpu_rows(bv, design, rows, monkeypatch):
+    """REPLAYSSM_GLUON_LP_ROWS (`utils.gluon_lowp.ROWS`, read at each launch), as
+    `test_split_matches_single_launch_gpu`, at Super's shape (`lp_launch_rows`): 64-row blocks
+    keep their rows in 2 or 1 warps; 16-row blocks (one warp, 4 a head) grow to 32 or 64 rows."""
     from replayssm.ops.utils import gluon_lowp
     monkeypatch.setattr(gluon_lowp, "ROWS", rows)
     seen = _lp_launches(monkeypatch)
-    gaps = _run_split(design, GPU_SHAPES["super"], 8, 16, 40, {"gluon": True}, False, ref_every=3)
+    gaps = _run_split(design, GPU_SHAPES["super"], 8, 16, 40, {"gluon": True, "gluon_BV": bv}, False, ref_every=3)
     assert gaps["flushes"] >= 8 and gaps["steady"] >= 200 and gaps["single"] < 1e-5 and gaps["ref"] < 1e-4, gaps
-    # Super's 64 rows a head: the block stays whole and its warps shrink (4 -> 4 / rows)
-    assert seen and {x[2:] for x in seen} == {(64, 4 // rows)}, seen
+    want = (64, 4 // rows) if bv == 64 else (16 * rows, 1)
+    assert seen and {x[2:] for x in seen} == {want}, seen
 
 
 @pytest.mark.gpu
