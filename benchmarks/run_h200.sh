@@ -18,7 +18,7 @@
 # kernels beside ours, batch 256, T = 2, 4, 8, every acceptance count, then their accuracy
 # against the float64 reference; FORK_SRC: a checkout of the fork holding the files of
 # replayssm.bench.peers.fork.FORK_FILES, carried to the GPU machine) | switches (the experimental
-# switches' GPU tests, then each timed beside the default; TESTS_ONLY=1: the tests alone).
+# switches' GPU tests, then each timed beside the default; TESTS_ONLY=1 / BENCH_ONLY=1: one half).
 # Results go to $OUT (default ./gpu-check/, under the names benchmarks/results/README.md lists;
 # copy the ones to keep into benchmarks/results/). PYTHON: the interpreter (default: ./.venv's
 # where run.sh made one, else python3). The exit status is 1 when any step failed.
@@ -91,10 +91,12 @@ if [[ "$STAGE" == switches ]]; then
   # variant beside the default, interleaved in one process (replayssm.bench.switches), with the
   # fork's verify beside when FORK_SRC is set. About 8 minutes on an H100 with TESTS_ONLY unset.
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
-  python3 -m pytest -m gpu -n "${WORKERS:-12}" -q -p no:cacheprovider ${TIMEOUT[@]+"${TIMEOUT[@]}"} \
-    tests/test_verify_gluon_gdn.py tests/test_verify_gluon_mamba2.py tests/test_gluon_lowp.py \
-    tests/test_gluon_lowp_gdn.py tests/test_verify_lp.py -k "gluon_lean or keys_global or read_mma or heads \
-    or split_gpu_rows or lp_gluon_gdn_real or lp_gluon_kda_real" 2>&1 | tee "$OUT/switch_tests_$card.log" | tail -8
+  if [[ -z "${BENCH_ONLY:-}" ]]; then
+    python3 -m pytest -m gpu -n "${WORKERS:-12}" -q -p no:cacheprovider ${TIMEOUT[@]+"${TIMEOUT[@]}"} \
+      tests/test_verify_gluon_gdn.py tests/test_verify_gluon_mamba2.py tests/test_gluon_lowp.py \
+      tests/test_gluon_lowp_gdn.py tests/test_verify_lp.py -k "gluon_lean or keys_global or read_mma or heads \
+      or split_gpu_rows or lp_gluon_gdn_real or lp_gluon_kda_real" 2>&1 | tee "$OUT/switch_tests_$card.log" | tail -8
+  fi
   if [[ -n "${TESTS_ONLY:-}" ]]; then exit; fi
   vs() { python3 -m replayssm.bench.verify --batches 256 --drafts 8 --accepted ends --no-snapshot --reps 6 \
     ${FORK_SRC:+--fork-src "$FORK_SRC"} "$@" 2>&1 | tail -24; }
