@@ -191,6 +191,16 @@ def _same_state(a, b):
     assert not a["arrive"].any()
 
 
+def _poison_past_cursor(st):
+    """NaN in every record at and past each slot's cursor: what a step may find there (drafts
+    not committed, an earlier window's records), which no read may take into a sum."""
+    pos = torch.arange(next(iter(st["buf"].values())).shape[1], device=st["cursor"].device)
+    past = pos[None, :] >= st["cursor"][:, None].long()
+    for t in st["buf"].values():
+        if t.is_floating_point():
+            t[past] = float("nan")
+
+
 def _sync(ref, st):
     """The reference pool takes the split's state, so that a step compares from one state."""
     lay = ref.layout
@@ -206,7 +216,8 @@ def _sync(ref, st):
 
 def _run_split(design, shape, n, window, steps, split_config, exact, ref_every=1):
     """`steps` steps, rows joining one per step (staggered cursors) plus a padding row, on two
-    copies of one pool's state: the single launch and the split. Returns the largest output gaps
+    copies of one pool's state (NaN in the records past every cursor before each step): the
+    single launch and the split. Returns the largest output gaps
     (split against single on the steady rows, against the synced reference pool every
     `ref_every` steps: by reading the code, the reference pool's per-row float64 step is most
     of a GPU case's time) and counts."""
@@ -221,6 +232,8 @@ def _run_split(design, shape, n, window, steps, split_config, exact, ref_every=1
         ids = torch.tensor(rows, device=DEV)
         x = {k: v.to(DEV) for k, v in make_inputs(params, len(rows), V, K, Hk, dtype=torch.float32,
                                                     generator=g).items()}
+        for st in (single, split):
+            _poison_past_cursor(st)
         h0 = split["cursor"][ids.clamp(min=0).long()]
         live = ids >= 0
         flush = live & (h0 + 1 >= window)
