@@ -282,17 +282,21 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _vector_pieces(b_v, F16: gl.constexpr):
-        """fp32 `v` `[K]` as the B operand's pieces: fp16 (F16) two pieces of `v * 2^s`, `2^s`
+        """fp32 `v` `[K]` as the B operand's pieces: fp16 (F16) three pieces of `v * 2^s`, `2^s`
         putting max |v| in [2^14, 2^15) (so no piece overflows, and a bf16 or fp16 `v` is its
-        first piece exactly), else bf16 three pieces of `v` (`_split_bf16`, exact); and `2^-s`."""
+        first piece exactly; two pieces hold 22 of the largest element's 24 bits, the third the
+        rest, down to 2^-38 of the largest element), else bf16 three pieces of `v`
+        (`_split_bf16`, exact); and `2^-s`."""
         if F16:
             e = (gl.max(gl.abs(b_v), axis=0).to(gl.int32, bitcast=True) >> 23) & 255
             e = gl.minimum(gl.maximum(268 - e, 2), 252)              # 127 + s, kept normal
             b_s = b_v * (e << 23).to(gl.float32, bitcast=True)
             p0 = b_s.to(gl.float16)
-            p1 = (b_s - p0.to(gl.float32)).to(gl.float16)
+            r1 = b_s - p0.to(gl.float32)
+            p1 = r1.to(gl.float16)
+            p2 = (r1 - p1.to(gl.float32)).to(gl.float16)
             inv = ((254 - e) << 23).to(gl.float32, bitcast=True)                  # 2^-s
-            return p0.to(gl.float32), p1.to(gl.float32), gl.zeros_like(b_v), inv
+            return p0.to(gl.float32), p1.to(gl.float32), p2.to(gl.float32), inv
         else:
             p0, p1, p2 = _split_bf16(b_v)
             return p0.to(gl.float32), p1.to(gl.float32), p2.to(gl.float32), 1.0
@@ -312,7 +316,7 @@ if HAVE_GLUON:
         by a share of the MMA."""
         F16: gl.constexpr = LP != 2
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
-        NP: gl.constexpr = 2 if F16 else 3
+        NP: gl.constexpr = 3                 # the B columns each vector's pieces take (of 4)
         MM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MM, k_width=2)
         BO: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MM, k_width=2)
