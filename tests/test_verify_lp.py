@@ -534,7 +534,8 @@ def test_verify_lp_gluon_gdn_real_shapes_gpu(lp, T, window, mma, refold_mma, mon
 
     def spy(*a, **k):
         d = constexprs(*a, **k)
-        rfm.add(d["RFM"])
+        if d["LPT"]:                             # (the fp32 pool beside it launches the kernel too)
+            rfm.add(d["RFM"])
         return d
     monkeypatch.setattr(gv, "gluon_verify_constexprs", spy)
     codes = _gluon_lp_codes(monkeypatch, vlp, mmas, refolds)
