@@ -94,8 +94,9 @@ if [[ "$STAGE" == switches ]]; then
   if [[ -z "${BENCH_ONLY:-}" ]]; then
     python3 -m pytest -m gpu -n "${WORKERS:-12}" -q -p no:cacheprovider ${TIMEOUT[@]+"${TIMEOUT[@]}"} \
       tests/test_verify_gluon_gdn.py tests/test_verify_gluon_mamba2.py tests/test_gluon_lowp.py \
-      tests/test_gluon_lowp_gdn.py tests/test_verify_lp.py -k "gluon_lean or keys_global or read_mma or heads \
-      or split_gpu_rows or lp_gluon_gdn_real or lp_gluon_kda_real" 2>&1 | tee "$OUT/switch_tests_$card.log" | tail -8
+      tests/test_gluon_lowp_gdn.py tests/test_verify_lp.py tests/test_verify_lp_switches.py -k "gluon_lean \
+      or keys_global or read_mma or heads or split_gpu_rows or lp_gluon_gdn_real or lp_gluon_kda_real \
+      or bf16_records or decode_bit_exact" 2>&1 | tee "$OUT/switch_tests_$card.log" | tail -8
   fi
   if [[ -n "${TESTS_ONLY:-}" ]]; then exit; fi
   vs() { python3 -m replayssm.bench.verify --batches 256 --drafts 8 --accepted ends --no-snapshot --reps 6 \

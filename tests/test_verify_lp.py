@@ -61,14 +61,14 @@ def _inputs(params, B, shape, g, steps=None):
                                                  generator=g).items()}
 
 
-def _pools(family, lp, hp, T, window, std, init_grid=None, configs=None):
+def _pools(family, lp, hp, T, window, std, init_grid=None, configs=None, record_dtype=None):
     """Pools on the same state: the kernels', the reference's, and (std) the one-checkpoint fp32
     pool on the standard kernels; `configs` replace the first two's (lp, hp) pairs."""
     shape = SHAPES[family]
     HV, Hk, V, K = shape
     params = make_params(family, HV, K, seed=2)
     kw = dict(window=window, max_draft=T, dtype=torch.float32, device=DEV, eager_max_batch=0, seed=5,
-              layer=1)
+              layer=1, record_dtype=record_dtype)
     configs = configs or [("triton", lp, hp), ("reference", lp, hp)]
     pools = [SlotPool(params, N, V, K, Hk, backend=be, lp_format=l, hp_format=h, **kw) for be, l, h in configs]
     if std:
@@ -105,11 +105,11 @@ def _poison_past_cursor(pools, ids):
                     t[s, h:] = float("nan")
 
 
-def _scenario(family, lp, hp=None, T=3, window=4, rounds=3, std=True, decodes=2):
+def _scenario(family, lp, hp=None, T=3, window=4, rounds=3, std=True, decodes=2, record_dtype=None):
     """Rows join one decode step at a time (cursors 3, 2, 1, 0), then `rounds` verify + commit
     rounds with random per-row counts and acceptances, then `decodes` decode steps; every step
     run on every pool with the same inputs. Returns the pools and a log of each verify."""
-    params, pools, g, shape = _pools(family, lp, hp, T, window, std)
+    params, pools, g, shape = _pools(family, lp, hp, T, window, std, record_dtype=record_dtype)
     fast, ref = pools[:2]
     for step in range(N - 1):
         ids = torch.arange(step + 1, device=DEV)
