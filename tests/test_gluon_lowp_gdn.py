@@ -189,9 +189,19 @@ def _sync(dst, src):
         get(dst, k).copy_(src[k])
 
 
+def _poison_past_cursor(st):
+    """NaN in every record at and past each slot's cursor, which no read may take into a sum."""
+    pos = torch.arange(st["buf"]["w"].shape[1], device=st["cursor"].device)
+    past = pos[None, :] >= st["cursor"][:, None].long()
+    for t in st["buf"].values():
+        if t.is_floating_point():
+            t[past] = float("nan")
+
+
 def _run_split(design, shape, n, window, steps, split_config, exact):
     """`steps` steps, rows joining one per step (staggered cursors) plus a padding row, on two
-    copies of one pool's state: the single launch and the split, the single launch's copy taking
+    copies of one pool's state (NaN in the records past every cursor before each step): the
+    single launch and the split, the single launch's copy taking
     the split's state after each step (on the interpreter, where they are equal, a no-op).
     Returns the largest gaps (steady outputs against the single launch, live outputs against the
     synced reference pool, each record) and counts."""
@@ -207,6 +217,8 @@ def _run_split(design, shape, n, window, steps, split_config, exact):
         x = {k: v.to(DEV) for k, v in make_inputs(params, len(rows), V, K, Hk, dtype=torch.float32,
                                                     generator=g).items()}
         live = ids >= 0
+        for st in (single, split):
+            _poison_past_cursor(st)
         h0 = split["cursor"][ids.clamp(min=0).long()]
         flush = live & (h0 + 1 >= window)
         steady = live & ~flush
