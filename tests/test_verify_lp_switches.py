@@ -47,35 +47,22 @@ def _close(off, on):
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
 @pytest.mark.parametrize("lp", ["fp16", "bf16"])
-def test_refold_mma_matches_the_sequential_refold_bf16_records_gpu(lp, T, window, monkeypatch):
+@pytest.mark.parametrize("family, switch", [("gdn", "REFOLD_MMA"), ("kda", "GLUON_LP_KDA")],
+                         ids=["gdn-refold-mma", "kda-on-gluon"])
+def test_copy_pool_switch_matches_its_default_bf16_records_gpu(family, switch, lp, T, window, monkeypatch):
     from replayssm.ops.gdn import gluon_verify_host as gv
 
     seen, constexprs = [], gv.gluon_verify_constexprs
 
     def spy(*a, **k):
         d = constexprs(*a, **k)
-        if d["LPT"]:
-            seen.append(d["RFM"])
+        if d["LPT"]:                             # the copy pool's Gluon launches
+            seen.append((d["RFM"], d["IS_KDA"]))
         return d
     monkeypatch.setattr(gv, "gluon_verify_constexprs", spy)
-    off, on = _runs("gdn", lp, T, window, 8, "REFOLD_MMA", monkeypatch, seen)
-    assert off[3] and set(off[3]) == {False} and on[3] and set(on[3]) == {True}, (off[3], on[3])
-    _close(off, on)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("T,window", [(4, 8), (8, 16)])
-@pytest.mark.parametrize("lp", ["fp16", "bf16"])
-def test_kda_copy_pools_on_gluon_match_triton_bf16_records_gpu(lp, T, window, monkeypatch):
-    from replayssm.ops.gdn import verify_lp as vlp
-
-    seen, launch = [], vlp.launch_gluon_verify
-
-    def counted(*a, **k):
-        seen.append(k["lp_code"])
-        return launch(*a, **k)
-    monkeypatch.setattr(vlp, "launch_gluon_verify", counted)
-    off, on = _runs("kda", lp, T, window, 8, "GLUON_LP_KDA", monkeypatch, seen)
-    assert not off[3] and len(on[3]) == 8, (off[3], on[3])          # Triton, then Gluon every round
+    off, on = _runs(family, lp, T, window, 8, switch, monkeypatch, seen)
+    if family == "gdn":                          # the Gluon kernel both times, the refold's form switched
+        assert off[3] and {x[0] for x in off[3]} == {False} and on[3] and {x[0] for x in on[3]} == {True}
+    else:                                        # the Triton kernel, then the Gluon one every round
+        assert not off[3] and on[3] == [(False, True)] * 8, (off[3], on[3])
     _close(off, on)
