@@ -452,8 +452,8 @@ def test_split_cuda_graph_equals_eager(design, kq):
     assert int((eager["epoch"] - pool.layout.epoch).sum()) == n                 # every row flushed once
 
 
-# the decode itself, through the kernel's helpers (defined wherever Gluon is: benchmarks/tools
-# compiles it offline, so that the GPU-only probe keeps up with the helpers' signatures)
+# the decode itself, through the kernel's helpers (defined wherever Gluon is, so that an offline
+# compile for sm_90a can keep this GPU-only probe in step with the helpers' signatures)
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
