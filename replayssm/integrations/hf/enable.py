@@ -103,9 +103,7 @@ def enable(model, *, window: int = 16, record_dtype: Optional[torch.dtype] = Non
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a loaded transformers model (a torch.nn.Module, e.g. hf.build(name) or "
                         f"AutoModelForCausalLM.from_pretrained(...)), got {type(model).__name__} {model!r:.60}")
-    for name, val in (("window", window), ("max_draft", max_draft)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
+    check.positive_ints(window=window, max_draft=max_draft)
     mixers = _mixers(model)
     if not mixers:
         cls = type(model).__name__
