@@ -54,6 +54,12 @@ if HAVE_GLUON:
         return lead + small
 
     @gluon.jit
+    def _key_chunk(p_K, stride_k, o_jB, o_kB, m_B, c0: gl.constexpr):
+        """Records' keys `[BL, 32]` from global memory, columns c0.., rows `stride_k` apart, zero
+        where `m_B` is off, as stored (`_fold_mma`'s KG)."""
+        return gl.load(p_K + (o_jB[:, None] * stride_k + (c0 + o_kB)[None, :]), mask=m_B[:, None], other=0.0)
+
+    @gluon.jit
     def _fold_mma(s_S, b_X, s_K, p_S, b_g, BV: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
                   KP: gl.constexpr, NW: gl.constexpr, p_L=None, LPT: gl.constexpr = 0, p_K=None, stride_k=0,
                   h=0, KG: gl.constexpr = False, KN: gl.constexpr = 0):
@@ -85,17 +91,15 @@ if HAVE_GLUON:
             # Nano-4B at window 32 107 -> 156; Nano-4B at window 16 90 -> 94)
             PRE: gl.constexpr = NW == 1 and BL <= 16
             if PRE:
-                b_next = gl.load(p_K + (o_jB[:, None] * stride_k + o_kB[None, :]), mask=m_B[:, None], other=0.0)
+                b_next = _key_chunk(p_K, stride_k, o_jB, o_kB, m_B, 0)
         for c0 in gl.static_range(0, K, NC):
             if KG:
                 if PRE:
                     b = b_next.to(gl.float32)
                     if c0 + NC < K:
-                        b_next = gl.load(p_K + (o_jB[:, None] * stride_k + (c0 + NC + o_kB)[None, :]),
-                                         mask=m_B[:, None], other=0.0)
+                        b_next = _key_chunk(p_K, stride_k, o_jB, o_kB, m_B, c0 + NC)
                 else:
-                    b = gl.load(p_K + (o_jB[:, None] * stride_k + (c0 + o_kB)[None, :]), mask=m_B[:, None],
-                                other=0.0).to(gl.float32)
+                    b = _key_chunk(p_K, stride_k, o_jB, o_kB, m_B, c0).to(gl.float32)
             else:
                 b = s_K.slice(c0, NC, dim=1).load(BO).to(gl.float32)
             dS = _mma_exact(a0, a1, a2, b, gl.zeros([BV, NC], gl.float32, MM), KP)
