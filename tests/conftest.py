@@ -82,3 +82,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture
 def rel():
     return rel_err
+
+
+def spy_launches(monkeypatch, module, name: str, record) -> None:
+    """Wrap the kernel `module.<name>` (launched as `kernel[grid](...)`) so that each launch first
+    calls `record(kwargs)`: what a switch's GPU test asserts reached the kernel."""
+    kernel = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                record(kw)
+                return kernel[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(module, name, Spy())

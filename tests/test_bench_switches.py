@@ -142,3 +142,21 @@ def test_summary_gives_each_variants_span_against_the_default(tmp_path, capsys):
     assert "fp8_e4m3" in rows2 and "(1 of 1 rows failed)" in rows2
     with pytest.raises(SystemExit):
         switches.main([str(tmp_path / "missing.json")])
+
+
+def test_the_switch_tests_launch_spy_records_then_launches(monkeypatch):
+    # conftest.spy_launches, which the switches' GPU tests use to assert a switch reached its kernel
+    import types
+
+    from conftest import spy_launches
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw)) or "ran"
+    mod = types.SimpleNamespace(k=Kernel())
+    seen = []
+    spy_launches(monkeypatch, mod, "k", lambda kw: seen.append(kw["KG"]))
+    assert mod.k[(2, 3)](1, KG=True) == "ran"
+    assert seen == [True] and calls == [((2, 3), (1,), {"KG": True})]

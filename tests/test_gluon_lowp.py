@@ -27,7 +27,7 @@ from replayssm.ops.utils.gluon_lowp import E2M1_PAIRS, e2m1_pair_bits, lp_gluon_
 from replayssm.ops.utils.lowp import LP_CODES, default_gluon_bv, flush_programs, lowp_config, lp_views
 from replayssm.testing import make_inputs, make_params
 
-from conftest import rel_err
+from conftest import rel_err, spy_launches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEV == "cuda" and HAVE_GLUON
@@ -303,17 +303,10 @@ def _lp_launches(monkeypatch) -> list:
     from replayssm.ops.mamba2 import gluon_lowp, gluon_lowp_heads
     seen = []
 
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(**kw):
-                seen.append((kw.get("NH", 1), kw["RMMA"], kw["BV"], kw["num_warps"]))
-                return self.kernel[grid](**kw)
-            return launch
-    monkeypatch.setattr(gluon_lowp, "_gluon_lp_kernel", Spy(gluon_lowp._gluon_lp_kernel))
-    monkeypatch.setattr(gluon_lowp_heads, "_gluon_lp_heads_kernel", Spy(gluon_lowp_heads._gluon_lp_heads_kernel))
+    def record(kw):
+        seen.append((kw.get("NH", 1), kw["RMMA"], kw["BV"], kw["num_warps"]))
+    spy_launches(monkeypatch, gluon_lowp, "_gluon_lp_kernel", record)
+    spy_launches(monkeypatch, gluon_lowp_heads, "_gluon_lp_heads_kernel", record)
     return seen
 
 

@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 
 from test_verify_mamba2 import KEYS, NAN, _bits, _check, _inputs, _layer, _pool, _rounds  # noqa: E402
 
+from conftest import spy_launches  # noqa: E402
+
 from replayssm.ops.mamba2 import replay_verify  # noqa: E402
 from replayssm.ops.mamba2.gluon_verify import HAVE_GLUON, _tiles, gluon_verify_unsupported  # noqa: E402
 from replayssm.ops.mamba2 import verify as verify_mod  # noqa: E402
@@ -463,15 +465,8 @@ def test_gluon_keys_global_equals_staged_bit_for_bit(shape, T, L, monkeypatch):
     # round, rows flushing; and the switch asserted to have reached the kernel (KG) each time
     from replayssm.ops.mamba2 import gluon_verify
 
-    kernel, seen = gluon_verify._gluon_verify_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["KG"])
-                return kernel[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(gluon_verify, "_gluon_verify_kernel", Spy())
+    seen = []
+    spy_launches(monkeypatch, gluon_verify, "_gluon_verify_kernel", lambda kw: seen.append(kw["KG"]))
     config = dict(gluon=True, mma=True, kq=True)
     Bt = 12
     g = torch.Generator().manual_seed(33)
